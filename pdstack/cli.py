@@ -1,0 +1,57 @@
+"""The ``pdstack`` command line.
+
+Each subcommand lives in its own module, which exposes ``register(subparsers)``;
+modules are imported only when their subcommand runs, so ``pdstack render``
+never pays for the proxy's or the bench's imports.
+
+Exit codes: 0 ok, 1 a check failed, 2 misuse / invalid input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# subcommand -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "validate": ("pdstack.commands.topology", "check an inventory; one error per problem"),
+    "plan": ("pdstack.commands.topology", "print the planned services, pairings and edges"),
+    "render": ("pdstack.commands.topology", "render per-node compose stacks into build/"),
+    "proxy": ("pdstack.proxy.cli", "run the P/D-aware OpenAI proxy"),
+    "preflight": ("pdstack.preflight.cli", "probe every network path the topology needs"),
+    "bench": ("pdstack.bench.cli", "prefix-heavy chat benchmark: asked vs served, TTFT"),
+    "launch": ("pdstack.launch", "run a node's planned services as plain processes"),
+    "upgrade": ("pdstack.upgrade", "rolling upgrade of one node's engines"),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdstack", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=help_text)
+            continue
+        module = importlib.import_module(module_name)
+        module.register(sub, name, help_text)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in args_list if not a.startswith("-")), None)
+    only = command if command in SUBCOMMANDS else None
+    if only is None:
+        parser = build_parser(only="")  # help only: import nothing
+        parser.print_help() if not args_list or args_list[0] in ("-h", "--help") else parser.parse_args(args_list)
+        return 0 if not args_list or args_list[0] in ("-h", "--help") else 2
+    parser = build_parser(only=only)
+    args = parser.parse_args(args_list)
+    result = args.func(args)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
