@@ -1,0 +1,1 @@
+"""Test doubles for pdstack (never used in production paths)."""

@@ -1,0 +1,535 @@
+"""FakeEngine: a TEST DOUBLE of an OpenAI-compatible vLLM server (aiohttp).
+
+It is for unit tests, fault-injection tests and proxy overhead benchmarks only;
+it never runs a model. Real-engine tests use real vLLM.
+
+Endpoints
+---------
+- ``POST /v1/completions`` and ``POST /v1/chat/completions``, streaming (SSE,
+  ``stream: true``) and not. Output is ``n`` tokens, ``n = min(max_tokens,
+  output_tokens)``; token ``i`` is the text `` t<k>`` where ``k`` depends only on
+  the prompt and ``i`` (so every engine answers a prompt identically, like greedy
+  decoding of one model). Prompt tokens are counted as whitespace-separated words.
+  Headers are sent at once (like vLLM), the first token after ``ttft_ms``, then
+  one SSE event per token every ``itl_ms``. ``stream_options.include_usage``
+  adds a usage event; the stream ends with ``data: [DONE]``.
+- ``kv_transfer_params`` (the vLLM NIXL P/D protocol): a request with
+  ``{"do_remote_decode": true}`` is a prefill leg: the response carries
+  ``kv_transfer_params = {"do_remote_prefill": true, "remote_engine_id": <name>,
+  "remote_block_ids": [...], "remote_host": <host>, "remote_port": <port>,
+  "request_id": <X-Request-Id>}``. A request carrying ``do_remote_prefill`` is a
+  decode leg: its prompt tokens count as ``external_kv_transfer`` in /metrics.
+- ``GET /v1/models``: one model, ``model`` (default ``"fake"``).
+- ``GET /health``: 200, or ``faults.health_status``.
+- ``GET /metrics``: Prometheus text with vLLM's names:
+  ``vllm:num_requests_running``, ``vllm:prompt_tokens_total``,
+  ``vllm:generation_tokens_total``, ``vllm:request_success_total``,
+  ``vllm:prompt_tokens_by_source_total{source="local_compute"|"external_kv_transfer"}``,
+  and ``fake_engine_requests_total``.
+- ``GET /fake/requests`` (JSON list of what it saw; header names lower-cased),
+  ``DELETE /fake/requests``,
+  ``GET /fake/faults``, ``PUT /fake/faults`` (JSON body = ``Faults`` fields;
+  replaces the faults): control from another process, e.g. a benchmark.
+
+Faults (``FakeEngine.faults``, a :class:`Faults`; applies to generation requests)
+--------------------------------------------------------------------------------
+- ``status`` (e.g. 500): answer that HTTP status with an OpenAI error JSON
+  before any byte of the body (a retryable failure).
+- ``delay_ms``: extra delay before the response headers.
+- ``hang``: never answer (headers never sent) until the client goes away.
+- ``hang_after_chunks`` N: stream N token events, then stall forever.
+- ``close_after_chunks`` N: stream N token events (0 = right after the headers),
+  then abort the TCP connection (the engine "died" mid-stream). For a
+  non-streaming request: abort before answering.
+- ``times``: apply the fault to that many more requests, then clear it
+  (``None`` = every request).
+- ``health_status``: what ``/health`` answers (e.g. 503).
+
+In-process use (tests)
+----------------------
+::
+
+    engine = FakeEngine(name="d0", ttft_ms=5, itl_ms=1, output_tokens=8)
+    url = await engine.start()            # port 0 = pick a free port
+    engine.faults = Faults(status=500, times=1)
+    ...
+    engine.requests                        # list[SeenRequest]: path, headers, body
+    await engine.kill()                    # abort every open connection, stop listening
+    await engine.start()                   # same port again (a "restart")
+    await engine.stop()
+
+Or ``async with FakeEngine(...) as engine:``.
+
+Command line
+------------
+``python -m pdstack.testing.fake_engine --port 8100 --ttft-ms 20 --itl-ms 5``
+(also ``--host``, ``--output-tokens``, ``--model``, ``--name``, ``--no-record``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import json
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+__all__ = ["FakeEngine", "Faults", "SeenRequest", "main"]
+
+
+@dataclass
+class Faults:
+    """Fault injection for generation requests (see module docstring)."""
+
+    status: int | None = None
+    delay_ms: float = 0.0
+    hang: bool = False
+    hang_after_chunks: int | None = None
+    close_after_chunks: int | None = None
+    times: int | None = None
+    health_status: int = 200
+
+    def active(self) -> bool:
+        return (
+            self.status is not None
+            or self.delay_ms > 0
+            or self.hang
+            or self.hang_after_chunks is not None
+            or self.close_after_chunks is not None
+        )
+
+
+@dataclass
+class SeenRequest:
+    """One request the engine received."""
+
+    path: str
+    headers: dict[str, str]  # names lower-cased
+    body: dict[str, Any] | None
+    received_at: float = field(default_factory=time.time)
+
+    @property
+    def request_id(self) -> str | None:
+        return self.headers.get("x-request-id")
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _prompt_text(body: dict[str, Any]) -> str:
+    if "messages" in body:
+        parts: list[str] = []
+        for message in body.get("messages") or []:
+            content = message.get("content", "")
+            if isinstance(content, list):
+                content = " ".join(str(c.get("text", "")) for c in content if isinstance(c, dict))
+            parts.append(f"{message.get('role', '')}: {content}")
+        return "\n".join(parts)
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list):
+        return " ".join(str(p) for p in prompt)
+    return str(prompt)
+
+
+def _error_json(status: int, message: str, err_type: str = "server_error") -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": None, "code": status}}
+
+
+class FakeEngine:
+    """A fake vLLM OpenAI server. TEST DOUBLE: see the module docstring."""
+
+    def __init__(
+        self,
+        name: str = "fake",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        ttft_ms: float = 0.0,
+        itl_ms: float = 0.0,
+        output_tokens: int = 16,
+        model: str = "fake",
+        record: bool = True,
+        max_records: int = 100_000,
+    ) -> None:
+        self.name = name
+        self.host = host
+        self.port = port
+        self.ttft_ms = ttft_ms
+        self.itl_ms = itl_ms
+        self.output_tokens = output_tokens
+        self.model = model
+        self.record = record
+        self.faults = Faults()
+        self.requests: deque[SeenRequest] = deque(maxlen=max_records)
+        self.running = 0
+        self.counters: dict[str, int] = {
+            "requests": 0,
+            "success": 0,
+            "prompt_tokens": 0,
+            "generation_tokens": 0,
+            "local_compute": 0,
+            "external_kv_transfer": 0,
+            "aborted": 0,
+        }
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._transports: set[asyncio.BaseTransport] = set()
+        self._block_seq = 0
+
+    # ----------------------------------------------------------------- lifecycle
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self._handle_generate)
+        app.router.add_post("/v1/chat/completions", self._handle_generate)
+        app.router.add_get("/v1/models", self._handle_models)
+        app.router.add_get("/health", self._handle_health)
+        app.router.add_get("/metrics", self._handle_metrics)
+        app.router.add_get("/fake/requests", self._handle_get_requests)
+        app.router.add_delete("/fake/requests", self._handle_clear_requests)
+        app.router.add_get("/fake/faults", self._handle_get_faults)
+        app.router.add_put("/fake/faults", self._handle_put_faults)
+        return app
+
+    async def start(self) -> str:
+        """Start listening (again, on the same port after a kill/stop); returns the URL."""
+        if self._runner is None:
+            self._runner = web.AppRunner(self.make_app(), access_log=None, shutdown_timeout=0.5)
+            await self._runner.setup()
+        self._site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
+        await self._site.start()
+        server = self._site._server  # need the bound port
+        if self.port == 0 and server is not None:
+            sockets = getattr(server, "sockets", None) or []
+            self.port = sockets[0].getsockname()[1]
+        return self.url
+
+    async def kill(self) -> None:
+        """Simulate a crash: stop listening and abort every open connection."""
+        if self._site is not None:
+            await self._site.stop()
+            self._site = None
+        for transport in list(self._transports):
+            with contextlib.suppress(Exception):
+                transport.abort()  # type: ignore[attr-defined]
+        self._transports.clear()
+
+    async def stop(self) -> None:
+        await self.kill()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> FakeEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ----------------------------------------------------------------- helpers
+    def seen(self, path: str | None = None) -> list[SeenRequest]:
+        return [r for r in self.requests if path is None or r.path == path]
+
+    def _take_fault(self) -> Faults | None:
+        faults = self.faults
+        if not faults.active():
+            return None
+        if faults.times is not None:
+            if faults.times <= 0:
+                return None
+            faults.times -= 1
+            taken = dataclasses.replace(faults)
+            if faults.times == 0:
+                self.faults = Faults(health_status=faults.health_status)
+            return taken
+        return faults
+
+    def _tokens(self, prompt: str, count: int) -> list[str]:
+        seed = int.from_bytes(hashlib.blake2b(prompt.encode(), digest_size=8).digest(), "big")
+        return [f" t{(seed + 7919 * i) % 1000}" for i in range(count)]
+
+    # ----------------------------------------------------------------- handlers
+    async def _handle_models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "fake"}],
+            }
+        )
+
+    async def _handle_health(self, request: web.Request) -> web.Response:
+        return web.Response(status=self.faults.health_status)
+
+    async def _handle_metrics(self, request: web.Request) -> web.Response:
+        c = self.counters
+        lbl = f'model_name="{self.model}"'
+        lines = [
+            f"vllm:num_requests_running{{{lbl}}} {self.running}",
+            f"vllm:prompt_tokens_total{{{lbl}}} {c['prompt_tokens']}",
+            f"vllm:generation_tokens_total{{{lbl}}} {c['generation_tokens']}",
+            f"vllm:request_success_total{{{lbl}}} {c['success']}",
+            f'vllm:prompt_tokens_by_source_total{{{lbl},source="local_compute"}} '
+            f"{c['local_compute']}",
+            f'vllm:prompt_tokens_by_source_total{{{lbl},source="external_kv_transfer"}} '
+            f"{c['external_kv_transfer']}",
+            f'fake_engine_requests_total{{engine="{self.name}"}} {c["requests"]}',
+            f'fake_engine_aborted_total{{engine="{self.name}"}} {c["aborted"]}',
+        ]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+    async def _handle_get_requests(self, request: web.Request) -> web.Response:
+        return web.json_response([r.to_json() for r in self.requests])
+
+    async def _handle_clear_requests(self, request: web.Request) -> web.Response:
+        self.requests.clear()
+        return web.Response(status=204)
+
+    async def _handle_get_faults(self, request: web.Request) -> web.Response:
+        return web.json_response(dataclasses.asdict(self.faults))
+
+    async def _handle_put_faults(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        names = {f.name for f in dataclasses.fields(Faults)}
+        unknown = set(body) - names
+        if unknown:
+            return web.json_response(
+                _error_json(
+                    400, f"unknown fault fields {sorted(unknown)}", "invalid_request_error"
+                ),
+                status=400,
+            )
+        self.faults = Faults(**body)
+        return web.json_response(dataclasses.asdict(self.faults))
+
+    async def _handle_generate(self, request: web.Request) -> web.StreamResponse:
+        transport = request.transport
+        if transport is not None:
+            self._transports.add(transport)
+        try:
+            return await self._generate(request, transport)
+        finally:
+            if transport is not None:
+                self._transports.discard(transport)
+
+    async def _generate(
+        self, request: web.Request, transport: asyncio.BaseTransport | None
+    ) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return web.json_response(
+                _error_json(400, "body is not JSON", "invalid_request_error"), status=400
+            )
+        self.counters["requests"] += 1
+        if self.record:
+            self.requests.append(
+                SeenRequest(request.path, {k.lower(): v for k, v in request.headers.items()}, body)
+            )
+        fault = self._take_fault()
+        if fault is not None:
+            if fault.delay_ms > 0:
+                await asyncio.sleep(fault.delay_ms / 1000)
+            if fault.hang:
+                await asyncio.Event().wait()
+            if fault.status is not None:
+                return web.json_response(
+                    _error_json(fault.status, f"injected failure from {self.name}"),
+                    status=fault.status,
+                )
+
+        chat = request.path.endswith("/chat/completions")
+        prompt = _prompt_text(body)
+        prompt_tokens = len(prompt.split())
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
+        count = (
+            self.output_tokens if max_tokens is None else min(int(max_tokens), self.output_tokens)
+        )
+        count = max(count, 1)
+        tokens = self._tokens(prompt, count)
+        request_id = request.headers.get("X-Request-Id") or f"fake-{uuid.uuid4().hex}"
+        kv_in = body.get("kv_transfer_params") or {}
+        kv_out: dict[str, Any] | None = None
+        if kv_in.get("do_remote_decode"):
+            self._block_seq += 1
+            kv_out = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": self.name,
+                "remote_block_ids": [self._block_seq],
+                "remote_host": self.host,
+                "remote_port": self.port,
+                "request_id": request_id,
+                "tp_size": 1,
+            }
+        if kv_in.get("do_remote_prefill"):
+            self.counters["external_kv_transfer"] += prompt_tokens
+        else:
+            self.counters["local_compute"] += prompt_tokens
+        self.counters["prompt_tokens"] += prompt_tokens
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": count,
+            "total_tokens": prompt_tokens + count,
+        }
+        model = body.get("model") or self.model
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
+        created = int(time.time())
+
+        self.running += 1
+        try:
+            if not body.get("stream"):
+                if fault is not None and fault.close_after_chunks is not None:
+                    self._abort(transport)
+                    raise asyncio.CancelledError
+                if fault is not None and fault.hang_after_chunks is not None:
+                    await asyncio.Event().wait()
+                await asyncio.sleep((self.ttft_ms + self.itl_ms * (count - 1)) / 1000)
+                text = "".join(tokens)
+                if chat:
+                    choice: dict[str, Any] = {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "finish_reason": "length",
+                    }
+                else:
+                    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
+                payload: dict[str, Any] = {
+                    "id": response_id,
+                    "object": "chat.completion" if chat else "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [choice],
+                    "usage": usage,
+                }
+                if kv_out is not None:
+                    payload["kv_transfer_params"] = kv_out
+                self.counters["generation_tokens"] += count
+                self.counters["success"] += 1
+                return web.json_response(payload, headers={"X-Request-Id": request_id})
+
+            response = web.StreamResponse(
+                headers={
+                    "Content-Type": "text/event-stream",
+                    "Cache-Control": "no-cache",
+                    "X-Request-Id": request_id,
+                }
+            )
+            await response.prepare(request)
+            close_after = fault.close_after_chunks if fault is not None else None
+            hang_after = fault.hang_after_chunks if fault is not None else None
+            obj = "chat.completion.chunk" if chat else "text_completion"
+            head = f'{{"id":"{response_id}","object":"{obj}","created":{created},"model":'
+            head += json.dumps(model) + ',"choices":[{"index":0,'
+            if self.ttft_ms > 0:
+                await asyncio.sleep(self.ttft_ms / 1000)
+            if chat:
+                await response.write(
+                    (
+                        "data: " + head + '"delta":{"role":"assistant","content":""},'
+                        '"logprobs":null,"finish_reason":null}]}\n\n'
+                    ).encode()
+                )
+            for i, token in enumerate(tokens):
+                if close_after is not None and i >= close_after:
+                    self._abort(transport)
+                    raise asyncio.CancelledError
+                if hang_after is not None and i >= hang_after:
+                    await asyncio.Event().wait()
+                if i > 0 and self.itl_ms > 0:
+                    await asyncio.sleep(self.itl_ms / 1000)
+                last = i == count - 1
+                finish = '"length"' if last else "null"
+                if chat:
+                    event = head + '"delta":{"content":' + json.dumps(token) + "},"
+                else:
+                    event = head + '"text":' + json.dumps(token) + ","
+                event += '"logprobs":null,"finish_reason":' + finish + "}]"
+                if last and kv_out is not None:
+                    event += ',"kv_transfer_params":' + json.dumps(kv_out)
+                event += "}"
+                await response.write(b"data: " + event.encode() + b"\n\n")
+                self.counters["generation_tokens"] += 1
+            opts = body.get("stream_options") or {}
+            if opts.get("include_usage"):
+                usage_event = {
+                    "id": response_id,
+                    "object": obj,
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": usage,
+                }
+                await response.write(b"data: " + json.dumps(usage_event).encode() + b"\n\n")
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            self.counters["success"] += 1
+            return response
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.counters["aborted"] += 1
+            raise
+        finally:
+            self.running -= 1
+
+    @staticmethod
+    def _abort(transport: asyncio.BaseTransport | None) -> None:
+        if transport is not None:
+            transport.abort()  # type: ignore[attr-defined]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pdstack.testing.fake_engine",
+        description="Fake OpenAI-compatible engine (TEST DOUBLE; no model).",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--ttft-ms", type=float, default=0.0)
+    parser.add_argument("--itl-ms", type=float, default=0.0)
+    parser.add_argument("--output-tokens", type=int, default=16)
+    parser.add_argument("--model", default="fake")
+    parser.add_argument("--name", default=None, help="engine name (default fake-<port>)")
+    parser.add_argument("--no-record", action="store_true", help="do not keep seen requests")
+    args = parser.parse_args(argv)
+    engine = FakeEngine(
+        name=args.name or f"fake-{args.port}",
+        host=args.host,
+        port=args.port,
+        ttft_ms=args.ttft_ms,
+        itl_ms=args.itl_ms,
+        output_tokens=args.output_tokens,
+        model=args.model,
+        record=not args.no_record,
+    )
+    try:
+        import uvloop  # type: ignore[import-not-found]
+
+        uvloop.install()
+    except ImportError:
+        pass
+
+    async def run() -> None:
+        await engine.start()
+        print(f"fake engine {engine.name} listening on {engine.url}", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await engine.stop()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
