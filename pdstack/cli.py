@@ -45,8 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     only = command if command in SUBCOMMANDS else None
     if only is None:
         parser = build_parser(only="")  # help only: import nothing
-        parser.print_help() if not args_list or args_list[0] in ("-h", "--help") else parser.parse_args(args_list)
-        return 0 if not args_list or args_list[0] in ("-h", "--help") else 2
+        if args_list and args_list[0] not in ("-h", "--help"):
+            parser.parse_args(args_list)  # exits 2 naming the bad command
+        parser.print_help()
+        return 0
     parser = build_parser(only=only)
     args = parser.parse_args(args_list)
     result = args.func(args)

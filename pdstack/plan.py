@@ -1,0 +1,495 @@
+"""The planner: topology -> per-node services, the proxy's backend table, network edges.
+
+Pure functions, no I/O.  Everything downstream (renderer, proxy, preflight, Ansible,
+launch, upgrade) reads the :class:`Plan`, never the raw inventory.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pdstack.topology import DeploymentSpec, NodeSpec, Topology
+
+KvPath = Literal["shared-l1", "nixl", "lmcache-pd"]
+ServiceKind = Literal["engine", "lmcache", "proxy"]
+ROLE_SHORT = {"prefill": "prefill", "decode": "decode", "colocated": "engine"}
+SECRETS_ENV_FILE = "/etc/pdstack/secrets.env"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class SshTarget(_Model):
+    host: str
+    user: str
+    port: int
+    key_file: str | None = None
+    common_args: str | None = None
+
+
+class Service(_Model):
+    name: str
+    kind: ServiceKind
+    role: str | None = None
+    node: str
+    image: str
+    command: list[str]
+    env: dict[str, str] = Field(default_factory=dict)
+    ports: dict[str, int] = Field(default_factory=dict)
+    gpu_ids: list[int] = Field(default_factory=list)
+    bind_address: str
+    generation: str | None = None
+    kv_transfer_config: dict | None = None
+    healthcheck_url: str | None = None
+    depends_on: list[str] = Field(default_factory=list)
+
+
+class NodePlan(_Model):
+    name: str
+    private_address: str
+    ssh: SshTarget
+    mtu: int
+    rdma: bool
+    gpu_count: int
+    services: list[Service]
+
+    def service(self, name: str) -> Service:
+        return next(s for s in self.services if s.name == name)
+
+
+class Backend(_Model):
+    name: str
+    role: str
+    node: str
+    url: str
+    generation: str = ""
+
+
+class Pairing(_Model):
+    prefill: str
+    decode: str
+    kv_path: KvPath
+
+
+class BackendTable(_Model):
+    kv_mode: str
+    served_model_name: str
+    backends: list[Backend]
+    pairings: list[Pairing] = Field(default_factory=list)
+    skip_prefill_threshold_tokens: int = 0
+
+    @classmethod
+    def adhoc(
+        cls,
+        prefill_urls: list[str],
+        decode_urls: list[str],
+        kv_mode: str,
+        served_model_name: str = "",
+    ) -> BackendTable:
+        """Every prefiller pairs with every decoder, all on node ``local`` (for flags)."""
+        if kv_mode == "colocated":
+            backends = [
+                Backend(name=f"local/engine-{i}", role="colocated", node="local", url=u)
+                for i, u in enumerate([*prefill_urls, *decode_urls])
+            ]
+            return cls(kv_mode=kv_mode, served_model_name=served_model_name, backends=backends)
+        pre = [
+            Backend(name=f"local/prefill-{i}", role="prefill", node="local", url=u)
+            for i, u in enumerate(prefill_urls)
+        ]
+        dec = [
+            Backend(name=f"local/decode-{i}", role="decode", node="local", url=u)
+            for i, u in enumerate(decode_urls)
+        ]
+        path: KvPath = "nixl" if kv_mode in ("nixl", "shared-l1+nixl") else "shared-l1"
+        if kv_mode == "lmcache-pd":
+            path = "lmcache-pd"
+        pairs = [Pairing(prefill=p.name, decode=d.name, kv_path=path) for p in pre for d in dec]
+        return cls(
+            kv_mode=kv_mode,
+            served_model_name=served_model_name,
+            backends=[*pre, *dec],
+            pairings=pairs,
+        )
+
+
+class Edge(_Model):
+    src_node: str
+    dst_node: str
+    dst_address: str
+    port: int
+    purpose: str
+    protocol: Literal["tcp"] = "tcp"
+
+
+class Plan(_Model):
+    deployment: str
+    kv_mode: str
+    profile: str
+    nodes: dict[str, NodePlan]
+    backend_table: BackendTable
+    edges: list[Edge]
+
+
+# --------------------------------------------------------------------------- numbering
+
+
+def make_node_ports(topo: Topology, node: NodeSpec) -> dict[str, int]:
+    """The one place ports are numbered: engine i gets base + i on its node."""
+    d = topo.deployment
+    ports: dict[str, int] = {}
+    counters: dict[str, int] = {}
+    for i, eng in enumerate(node.engines):
+        name = f"{ROLE_SHORT[eng.role]}-{counters.setdefault(eng.role, 0)}"
+        counters[eng.role] += 1
+        ports[f"{name} http"] = d.ports.engine_http_base + i
+        if _uses_nixl(topo, node, eng.role):
+            ports[f"{name} nixl side channel"] = d.ports.nixl_side_channel_base + i
+        if d.kv_mode == "lmcache-pd" and eng.role == "decode":
+            ports[f"{name} lmcache-pd init"] = d.ports.lmcache_pd_base + 2 * i
+            ports[f"{name} lmcache-pd alloc"] = d.ports.lmcache_pd_base + 2 * i + 1
+    if _has_lmcache_server(d, node):
+        ports["lmcache zmq"] = d.ports.lmcache_zmq
+        ports["lmcache http"] = d.ports.lmcache_http
+    if node.proxy:
+        ports["proxy http"] = d.ports.proxy
+    return ports
+
+
+def _engine_names(node: NodeSpec) -> list[str]:
+    counters: dict[str, int] = {}
+    names = []
+    for eng in node.engines:
+        names.append(f"{ROLE_SHORT[eng.role]}-{counters.setdefault(eng.role, 0)}")
+        counters[eng.role] += 1
+    return names
+
+
+def _has_lmcache_server(d: DeploymentSpec, node: NodeSpec) -> bool:
+    return d.kv_mode in ("shared-l1", "shared-l1+nixl") and bool(node.engines)
+
+
+def _cross_node_roles(topo_nodes: list[NodeSpec], node: NodeSpec) -> set[str]:
+    """Roles on ``node`` that have a P/D partner on another node."""
+    others = {e.role for n in topo_nodes if n.name != node.name for e in n.engines}
+    mine = {e.role for e in node.engines}
+    out = set()
+    if "prefill" in mine and "decode" in others:
+        out.add("prefill")
+    if "decode" in mine and "prefill" in others:
+        out.add("decode")
+    return out
+
+
+def _uses_nixl(topo: Topology, node: NodeSpec, role: str) -> bool:
+    """NIXL only where needed: always in ``nixl``; in ``shared-l1+nixl`` only for an engine
+    whose role has a partner on another node (same-node pairs use the LMCache store)."""
+    mode = topo.deployment.kv_mode
+    if mode == "nixl":
+        return role in ("prefill", "decode")
+    if mode == "shared-l1+nixl":
+        return role in _cross_node_roles(topo.nodes, node)
+    return False
+
+
+def generation_of(d: DeploymentSpec) -> str:
+    return f"{d.model.revision}@{d.engine_image}"
+
+
+def model_path(d: DeploymentSpec) -> str:
+    """The model argument of ``vllm serve``: ``{revision}`` in the name is filled in, so a
+    local model tree can hold one folder per revision (``/models/tiny/{revision}``)."""
+    return d.model.name.replace("{revision}", d.model.revision)
+
+
+# --------------------------------------------------------------------------- connectors
+
+
+def kv_transfer_config(
+    topo: Topology, node: NodeSpec, role: str, lmcache_address: str
+) -> dict | None:
+    """The exact ``--kv-transfer-config`` of one engine."""
+    d = topo.deployment
+    if d.kv_mode == "colocated":
+        return None
+    cpu = d.profile == "cpu"
+    nixl_role = "kv_producer" if role == "prefill" else "kv_consumer"
+    nixl: dict = {"kv_connector": "NixlConnector", "kv_role": nixl_role}
+    if cpu:
+        nixl["kv_buffer_device"] = "cpu"
+    lmc_mp = {
+        "kv_connector": "LMCacheMPConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "lmcache.mp.host": f"tcp://{lmcache_address}",
+            "lmcache.mp.port": d.ports.lmcache_zmq,
+        },
+    }
+    if d.kv_mode == "nixl":
+        return nixl
+    if d.kv_mode == "shared-l1":
+        return lmc_mp
+    if d.kv_mode == "shared-l1+nixl":
+        if _uses_nixl(topo, node, role):
+            return {
+                "kv_connector": "MultiConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"connectors": [nixl, lmc_mp]},
+            }
+        return lmc_mp
+    # lmcache-pd: LMCache's legacy push; its settings travel as LMCACHE_* env
+    return {
+        "kv_connector": "LMCacheConnectorV1",
+        "kv_role": nixl_role,
+        "kv_connector_extra_config": {"discard_partial_chunks": False},
+    }
+
+
+def _lmcache_pd_env(
+    d: DeploymentSpec, role: str, index: int, proxy_addr: str, peer_addr: str
+) -> dict[str, str]:
+    buf = int(d.lmcache.pd_buffer_size_gb * 2**30)
+    env = {
+        "LMCACHE_ENABLE_PD": "True",
+        "LMCACHE_TRANSFER_CHANNEL": "nixl",
+        "LMCACHE_LOCAL_CPU": "False",
+        "LMCACHE_CHUNK_SIZE": str(d.lmcache.chunk_size),
+        "LMCACHE_PD_BUFFER_SIZE": str(buf),
+        "LMCACHE_PD_BUFFER_DEVICE": "cpu" if d.profile == "cpu" else "cuda",
+    }
+    if role == "prefill":
+        env |= {"LMCACHE_PD_ROLE": "sender", "LMCACHE_PD_PROXY_HOST": proxy_addr,
+                "LMCACHE_PD_PROXY_PORT": str(d.ports.lmcache_pd_base - 1)}
+    else:
+        env |= {
+            "LMCACHE_PD_ROLE": "receiver",
+            "LMCACHE_PD_PEER_HOST": peer_addr,
+            "LMCACHE_PD_PEER_INIT_PORT": str(d.ports.lmcache_pd_base + 2 * index),
+            "LMCACHE_PD_PEER_ALLOC_PORT": str(d.ports.lmcache_pd_base + 2 * index + 1),
+        }
+    return env
+
+
+# --------------------------------------------------------------------------- services
+
+
+def _engine_service(
+    topo: Topology, node: NodeSpec, index: int, name: str, proxy_addr: str
+) -> Service:
+    d = topo.deployment
+    eng = node.engines[index]
+    ports = make_node_ports(topo, node)
+    http = ports[f"{name} http"]
+    m = d.model
+    cmd = [
+        "vllm", "serve", model_path(d),
+        "--served-model-name", m.served_name,
+        "--host", node.private_address,
+        "--port", str(http),
+        "--max-model-len", str(m.max_model_len),
+        "--dtype", m.dtype,
+        "--load-format", m.load_format,
+    ]
+    if "{revision}" not in m.name and not m.name.startswith("/"):
+        cmd += ["--revision", m.revision]
+    if d.profile == "gpu":
+        cmd += ["--tensor-parallel-size", str(len(eng.gpus) or 1)]
+    if m.quantization:
+        cmd += ["--quantization", m.quantization]
+    if m.skip_tokenizer_init:
+        cmd += ["--skip-tokenizer-init"]
+    if m.trust_remote_code:
+        cmd += ["--trust-remote-code"]
+    if eng.kv_cache_bytes:
+        cmd += ["--kv-cache-memory-bytes", str(eng.kv_cache_bytes)]
+    ktc = kv_transfer_config(topo, node, eng.role, node.private_address)
+    if ktc is not None:
+        cmd += ["--kv-transfer-config", json.dumps(ktc, separators=(",", ":"))]
+    cmd += [*m.extra_args, *eng.extra_args]
+
+    env = {"VLLM_NO_USAGE_STATS": "1", "LMCACHE_TRACK_USAGE": "false"}
+    if f"{name} nixl side channel" in ports:
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = node.private_address
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ports[f"{name} nixl side channel"])
+    if d.profile == "cpu":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = eng.cpu_threads_bind
+        env["NIXL_PTHR_DELAY_US"] = "1000"
+    if d.kv_mode == "lmcache-pd":
+        env |= _lmcache_pd_env(d, eng.role, index, proxy_addr, node.private_address)
+    if d.kv_mode in ("nixl", "shared-l1+nixl") and not node.rdma:
+        env["UCX_TLS"] = "tcp,self,sm"
+    service_ports = {"http": http}
+    if "VLLM_NIXL_SIDE_CHANNEL_PORT" in env:
+        service_ports["nixl_side_channel"] = int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+    return Service(
+        name=name,
+        kind="engine",
+        role=eng.role,
+        node=node.name,
+        image=d.engine_image,
+        command=cmd,
+        env=env,
+        ports=service_ports,
+        gpu_ids=list(eng.gpus),
+        bind_address=node.private_address,
+        generation=generation_of(d),
+        kv_transfer_config=ktc,
+        healthcheck_url=f"http://{node.private_address}:{http}/health",
+        depends_on=["lmcache"] if _has_lmcache_server(d, node) else [],
+    )
+
+
+def _lmcache_service(d: DeploymentSpec, node: NodeSpec) -> Service:
+    lm = d.lmcache
+    cmd = [
+        "lmcache", "server",
+        "--host", node.private_address,
+        "--port", str(d.ports.lmcache_zmq),
+        "--http-port", str(d.ports.lmcache_http),
+        "--l1-size-gb", str(lm.l1_size_gb),
+        "--eviction-policy", lm.eviction_policy,
+        "--chunk-size", str(lm.chunk_size),
+        "--supported-transfer-mode", "engine_driven" if d.profile == "cpu" else "auto",
+    ]
+    return Service(
+        name="lmcache",
+        kind="lmcache",
+        node=node.name,
+        image=lm.image or d.engine_image,
+        command=cmd,
+        env={"LMCACHE_TRACK_USAGE": "false"},
+        ports={"zmq": d.ports.lmcache_zmq, "metrics": d.ports.lmcache_http},
+        bind_address=node.private_address,
+        healthcheck_url=f"tcp://{node.private_address}:{d.ports.lmcache_zmq}",
+    )
+
+
+def _proxy_service(topo: Topology, node: NodeSpec) -> Service:
+    d = topo.deployment
+    bind = d.proxy_bind_address or node.private_address
+    cmd = [
+        "pdstack", "proxy",
+        "--backends", "/etc/pdstack/backends.json",
+        "--host", bind,
+        "--port", str(d.ports.proxy),
+    ]
+    return Service(
+        name="proxy",
+        kind="proxy",
+        node=node.name,
+        image=d.proxy_image,
+        command=cmd,
+        env={},
+        ports={"http": d.ports.proxy},
+        bind_address=bind,
+        healthcheck_url=f"http://{bind}:{d.ports.proxy}/health",
+        depends_on=_engine_names(node),
+    )
+
+
+def make_plan(topo: Topology) -> Plan:
+    d = topo.deployment
+    proxy_node = next(n for n in topo.nodes if n.proxy)
+    nodes: dict[str, NodePlan] = {}
+    backends: list[Backend] = []
+    for node in topo.nodes:
+        services: list[Service] = []
+        if _has_lmcache_server(d, node):
+            services.append(_lmcache_service(d, node))
+        for i, name in enumerate(_engine_names(node)):
+            svc = _engine_service(topo, node, i, name, proxy_node.private_address)
+            services.append(svc)
+            backends.append(
+                Backend(
+                    name=f"{node.name}/{name}",
+                    role=svc.role or "colocated",
+                    node=node.name,
+                    url=f"http://{node.private_address}:{svc.ports['http']}",
+                    generation=svc.generation or "",
+                )
+            )
+        if node.proxy:
+            services.append(_proxy_service(topo, node))
+        nodes[node.name] = NodePlan(
+            name=node.name,
+            private_address=node.private_address,
+            ssh=SshTarget(**topo.node(node.name).ssh.model_dump()),
+            mtu=node.mtu,
+            rdma=node.rdma,
+            gpu_count=node.gpu_count,
+            services=services,
+        )
+
+    pairings: list[Pairing] = []
+    if d.kv_mode != "colocated":
+        for p in (b for b in backends if b.role == "prefill"):
+            for dec in (b for b in backends if b.role == "decode"):
+                same = p.node == dec.node
+                if d.kv_mode == "shared-l1" and not same:
+                    continue  # validation guarantees a same-node decoder exists
+                path: KvPath
+                if d.kv_mode == "nixl":
+                    path = "nixl"
+                elif d.kv_mode == "lmcache-pd":
+                    path = "lmcache-pd"
+                else:
+                    path = "shared-l1" if same else "nixl"
+                pairings.append(Pairing(prefill=p.name, decode=dec.name, kv_path=path))
+
+    table = BackendTable(
+        kv_mode=d.kv_mode,
+        served_model_name=d.model.served_name,
+        backends=backends,
+        pairings=pairings,
+        skip_prefill_threshold_tokens=d.skip_prefill_threshold_tokens,
+    )
+    return Plan(
+        deployment=d.name,
+        kv_mode=d.kv_mode,
+        profile=d.profile,
+        nodes=nodes,
+        backend_table=table,
+        edges=_edges(topo, nodes, pairings, proxy_node.name),
+    )
+
+
+def _edges(
+    topo: Topology, nodes: dict[str, NodePlan], pairings: list[Pairing], proxy_node: str
+) -> list[Edge]:
+    """Every src->dst:port the stack uses (deduplicated, stable order)."""
+    out: dict[tuple, Edge] = {}
+
+    def add(src: str, dst: str, port: int, purpose: str) -> None:
+        e = Edge(src_node=src, dst_node=dst, dst_address=nodes[dst].private_address,
+                 port=port, purpose=purpose)
+        out.setdefault((src, dst, port), e)
+
+    for node in nodes.values():
+        for svc in node.services:
+            if svc.kind == "engine":
+                add(proxy_node, node.name, svc.ports["http"], f"proxy->{svc.name} http")
+                if svc.depends_on:
+                    add(node.name, node.name, topo.deployment.ports.lmcache_zmq,
+                        f"{svc.name}->lmcache zmq")
+            if svc.kind == "lmcache":
+                add(proxy_node, node.name, svc.ports["metrics"], "proxy->lmcache metrics")
+    by_name = {f"{n.name}/{s.name}": s for n in nodes.values() for s in n.services}
+    for pair in pairings:
+        p, dec = by_name[pair.prefill], by_name[pair.decode]
+        if pair.kv_path == "nixl":
+            add(dec.node, p.node, p.ports["nixl_side_channel"],
+                f"{dec.name}->{p.name} nixl side channel")
+        if pair.kv_path == "lmcache-pd":
+            port = topo.deployment.ports.lmcache_pd_base + 2 * _index_on_node(nodes, dec)
+            add(p.node, dec.node, port, f"{p.name}->{dec.name} lmcache-pd init")
+            add(p.node, dec.node, port + 1, f"{p.name}->{dec.name} lmcache-pd alloc")
+    return list(out.values())
+
+
+def _index_on_node(nodes: dict[str, NodePlan], svc: Service) -> int:
+    engines = [s for s in nodes[svc.node].services if s.kind == "engine"]
+    return engines.index(svc)

@@ -1,0 +1,117 @@
+"""Renderer: a Plan -> per-node ``compose.yaml`` + ``.env`` + ``backends.json``.
+
+Everything is rendered in memory first; files are written only when every node rendered,
+so a bad inventory never leaves a half-written ``build/``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import jinja2
+
+from pdstack.plan import SECRETS_ENV_FILE, Plan, Service, model_path
+from pdstack.topology import Topology
+
+TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "compose" / "templates"
+STACK_FILES = ("compose.yaml", ".env", "backends.json")
+
+
+def env_prefix(svc: Service) -> str:
+    """``decode-1`` -> ``DECODE_1``: the .env prefix of one engine's image/model/GPU ids."""
+    return svc.name.upper().replace("-", "_")
+
+
+def engine_command(svc: Service, model_arg: str) -> list[str]:
+    """The engine command with the model and revision taken from the node's .env, so a
+    rolling upgrade changes one engine's line in .env and recreates that service only."""
+    prefix = env_prefix(svc)
+    cmd = list(svc.command)
+    cmd[cmd.index(model_arg)] = f"${{{prefix}_MODEL}}"
+    if "--revision" in cmd:
+        cmd[cmd.index("--revision") + 1] = f"${{{prefix}_REVISION}}"
+    return cmd
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATE_DIR),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+    env.policies["json.dumps_kwargs"] = {"sort_keys": False}
+    return env
+
+
+def render_node(topo: Topology, plan: Plan, node_name: str) -> dict[str, str]:
+    """The files of one node's stack, by file name."""
+    d = topo.deployment
+    node = plan.nodes[node_name]
+    env = _environment()
+    model_arg = model_path(d)
+    ctx = {
+        "plan": plan,
+        "node": node,
+        "source": topo.source,
+        "secrets_env_file": SECRETS_ENV_FILE,
+        "engine_image": d.engine_image,
+        "proxy_image": d.proxy_image,
+        "model_name": model_arg,
+        "model_revision": d.model.revision,
+        "model_cache": "/var/lib/pdstack/hf-cache" if d.profile == "gpu" else "./.hf-cache",
+        "shm_size": d.shm_size,
+        "engine_start_period": "1800s" if d.profile == "gpu" else "600s",
+        "env_prefix": env_prefix,
+        "engine_command": lambda svc: engine_command(svc, model_arg),
+    }
+    files = {
+        "compose.yaml": env.get_template("node-compose.yaml.j2").render(ctx),
+        ".env": env.get_template("node.env.j2").render(ctx),
+    }
+    has_proxy = any(s.kind == "proxy" for s in node.services)
+    if has_proxy:
+        files["backends.json"] = plan.backend_table.model_dump_json(indent=2) + "\n"
+    return files
+
+
+def render_all(topo: Topology, plan: Plan) -> dict[str, dict[str, str]]:
+    return {name: render_node(topo, plan, name) for name in plan.nodes}
+
+
+def output_dirs(plan: Plan, out: Path | None) -> dict[str, Path]:
+    """``build/<node>/`` by default; with ``-o DIR`` a single-node stack goes straight into
+    DIR (``compose/cpu``), several nodes into ``DIR/<node>/``."""
+    if out is None:
+        return {n: Path("build") / n for n in plan.nodes}
+    if len(plan.nodes) == 1:
+        return {next(iter(plan.nodes)): out}
+    return {n: out / n for n in plan.nodes}
+
+
+def write_stacks(rendered: dict[str, dict[str, str]], dirs: dict[str, Path]) -> list[Path]:
+    """Write every node's files; each directory is replaced as a whole (rename into place)."""
+    written: list[Path] = []
+    staged: list[tuple[Path, Path]] = []
+    for node, files in rendered.items():
+        target = dirs[node]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        for fname, text in files.items():
+            (tmp / fname).write_text(text)
+            written.append(target / fname)
+        staged.append((tmp, target))
+    for tmp, target in staged:
+        if target.exists():
+            # keep files we do not own (e.g. a local .hf-cache or README) in place
+            for fname in STACK_FILES:
+                (target / fname).unlink(missing_ok=True)
+            for f in tmp.iterdir():
+                os.replace(f, target / f.name)
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, target)
+    return written

@@ -1,0 +1,447 @@
+"""The topology: an Ansible inventory read as pdstack's single model of a deployment.
+
+``inventory/<name>/hosts.yml`` lists the nodes (group ``pdstack_nodes``) with their
+private address, GPUs and engines; ``group_vars/all.yml`` (or ``group_vars/all/*.yml``)
+holds the deployment: model, engine image, KV mode, ports, LMCache size.  Ansible reads
+the very same files, so Ansible and the CLI never disagree.
+
+Validation collects every problem (file + field + message) before raising, so a user
+fixes a broken inventory in one pass.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+KvMode = Literal["colocated", "lmcache-pd", "nixl", "shared-l1", "shared-l1+nixl"]
+KV_MODES: tuple[str, ...] = ("colocated", "lmcache-pd", "nixl", "shared-l1", "shared-l1+nixl")
+Role = Literal["prefill", "decode", "colocated"]
+Profile = Literal["gpu", "cpu"]
+NODE_GROUP = "pdstack_nodes"
+
+
+@dataclass(frozen=True)
+class Problem:
+    file: str
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.field}: {self.message}"
+
+
+class TopologyError(Exception):
+    """One or more problems in an inventory; ``str()`` lists one per line."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("\n".join(str(p) for p in problems))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    """What every engine serves."""
+
+    name: str = Field(description="local path (in the engine container) or Hugging Face id")
+    revision: str = "main"
+    served_name: str
+    dtype: str = "auto"
+    quantization: str | None = None
+    max_model_len: int = Field(gt=0)
+    load_format: str = "auto"
+    skip_tokenizer_init: bool = False
+    trust_remote_code: bool = False
+    kv_bytes_per_token: int | None = Field(
+        default=None, gt=0, description="KV size of one token (all layers); sizes receive buffers"
+    )
+    extra_args: list[str] = Field(default_factory=list)
+
+
+class EngineSpec(_Strict):
+    role: Role
+    gpus: list[int] = Field(default_factory=list)
+    cpu_threads_bind: str = "nobind"
+    kv_cache_bytes: int | None = Field(default=None, gt=0)
+    extra_args: list[str] = Field(default_factory=list)
+
+
+class SshSpec(_Strict):
+    host: str
+    user: str = "root"
+    port: int = 22
+    key_file: str | None = None
+    common_args: str | None = None
+
+
+class NodeSpec(_Strict):
+    name: str
+    private_address: str
+    gpu_count: int = Field(ge=0)
+    gpu_model: str | None = None
+    mtu: int = Field(default=1500, ge=576, le=9216)
+    rdma: bool = False
+    proxy: bool = False
+    host_memory_gb: int | None = Field(default=None, gt=0)
+    engines: list[EngineSpec] = Field(default_factory=list)
+    ssh: SshSpec
+
+
+class PortSpec(_Strict):
+    proxy: int = Field(default=8000, ge=1, le=65535)
+    proxy_metrics_path: str = "/metrics"
+    engine_http_base: int = Field(default=8100, ge=1, le=65535)
+    nixl_side_channel_base: int = Field(default=5600, ge=1, le=65535)
+    lmcache_zmq: int = Field(default=6000, ge=1, le=65535)
+    lmcache_http: int = Field(default=6001, ge=1, le=65535)
+    lmcache_pd_base: int = Field(default=7300, ge=1, le=65535)
+
+
+class LmcacheSpec(_Strict):
+    image: str | None = None
+    l1_size_gb: int = Field(default=20, gt=0)
+    chunk_size: int = Field(default=256, gt=0)
+    eviction_policy: str = "LRU"
+    pd_buffer_size_gb: float = Field(default=4.0, gt=0, description="lmcache-pd receive buffer")
+
+
+class DeploymentSpec(_Strict):
+    name: str
+    profile: Profile = "gpu"
+    kv_mode: KvMode
+    model: ModelSpec
+    engine_image: str
+    proxy_image: str = "pdstack/proxy:dev"
+    tensor_parallel: dict[Role, int] = Field(default_factory=dict)
+    ports: PortSpec = PortSpec()
+    lmcache: LmcacheSpec = LmcacheSpec()
+    skip_prefill_threshold_tokens: int = Field(default=0, ge=0)
+    proxy_bind_address: str | None = None
+    shm_size: str = "16g"
+
+
+class Topology(_Strict):
+    source: str
+    deployment: DeploymentSpec
+    nodes: list[NodeSpec]
+
+    def node(self, name: str) -> NodeSpec:
+        return next(n for n in self.nodes if n.name == name)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _read_yaml(path: Path, problems: list[Problem]) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        problems.append(Problem(str(path), "(file)", f"not valid YAML: {exc}"))
+        return {}
+    if not isinstance(data, dict):
+        problems.append(Problem(str(path), "(file)", "must be a YAML mapping"))
+        return {}
+    return data
+
+
+def _group_vars(inv: Path, problems: list[Problem]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Merge group_vars/all.yml and group_vars/all/*.yml; remember which file set each key."""
+    merged: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    files = [inv / "group_vars" / "all.yml", inv / "group_vars" / "all.yaml"]
+    all_dir = inv / "group_vars" / "all"
+    if all_dir.is_dir():
+        files += sorted(all_dir.glob("*.yml")) + sorted(all_dir.glob("*.yaml"))
+    for f in files:
+        if f.is_file():
+            for key, value in _read_yaml(f, problems).items():
+                merged[key] = value
+                origin[key] = str(f)
+    return merged, origin
+
+
+def _loc(err: dict[str, Any]) -> str:
+    return ".".join(str(p) for p in err["loc"])
+
+
+def load_topology(inventory: str | Path) -> Topology:
+    """Read and validate an inventory directory (or its hosts.yml)."""
+    inv = Path(inventory)
+    if inv.is_file():
+        inv = inv.parent
+    hosts_file = inv / "hosts.yml"
+    if not hosts_file.is_file():
+        raise TopologyError([Problem(str(hosts_file), "(file)", "inventory has no hosts.yml")])
+    problems: list[Problem] = []
+    hosts_doc = _read_yaml(hosts_file, problems)
+    gvars, gorigin = _group_vars(inv, problems)
+    if problems:
+        raise TopologyError(problems)
+
+    hosts = (
+        hosts_doc.get("all", {}).get("children", {}).get(NODE_GROUP, {}).get("hosts")
+        if isinstance(hosts_doc.get("all"), dict)
+        else None
+    )
+    if not isinstance(hosts, dict) or not hosts:
+        raise TopologyError(
+            [Problem(str(hosts_file), f"all.children.{NODE_GROUP}.hosts", "no nodes listed")]
+        )
+    group_level = hosts_doc["all"]["children"][NODE_GROUP].get("vars") or {}
+    allvars = {**gvars, **(hosts_doc["all"].get("vars") or {}), **group_level}
+
+    gv_file = gorigin.get("pdstack_kv_mode", str(inv / "group_vars" / "all.yml"))
+    deployment_raw = {
+        "name": allvars.get("pdstack_deployment_name", inv.name),
+        "profile": allvars.get("pdstack_profile", "gpu"),
+        "kv_mode": allvars.get("pdstack_kv_mode"),
+        "model": allvars.get("pdstack_model"),
+        "engine_image": allvars.get("pdstack_engine_image"),
+        "proxy_image": allvars.get("pdstack_proxy_image", "pdstack/proxy:dev"),
+        "tensor_parallel": allvars.get("pdstack_tensor_parallel", {}),
+        "ports": allvars.get("pdstack_ports", {}),
+        "lmcache": allvars.get("pdstack_lmcache", {}),
+        "skip_prefill_threshold_tokens": allvars.get("pdstack_skip_prefill_threshold_tokens", 0),
+        "proxy_bind_address": allvars.get("pdstack_proxy_bind_address"),
+        "shm_size": allvars.get("pdstack_shm_size", "16g"),
+    }
+    deployment_raw = {k: v for k, v in deployment_raw.items() if v is not None}
+    deployment: DeploymentSpec | None = None
+    try:
+        deployment = DeploymentSpec.model_validate(deployment_raw)
+    except ValidationError as exc:
+        for err in exc.errors():
+            field = "pdstack_" + _loc(err) if err["loc"] else "(deployment)"
+            if err["loc"] and err["loc"][0] == "kv_mode" and err["type"] == "literal_error":
+                msg = f"unknown KV mode {err.get('input')!r}; use one of {', '.join(KV_MODES)}"
+            else:
+                msg = err["msg"]
+            problems.append(Problem(gorigin.get(f"pdstack_{err['loc'][0]}", gv_file), field, msg))
+
+    nodes: list[NodeSpec] = []
+    for name, hv in hosts.items():
+        hv = hv or {}
+        raw = {
+            "name": name,
+            "private_address": hv.get("pdstack_private_address"),
+            "gpu_count": hv.get("pdstack_gpu_count", 0),
+            "gpu_model": hv.get("pdstack_gpu_model"),
+            "mtu": hv.get("pdstack_mtu", 1500),
+            "rdma": hv.get("pdstack_rdma", False),
+            "proxy": hv.get("pdstack_proxy", False),
+            "host_memory_gb": hv.get("pdstack_host_memory_gb"),
+            "engines": hv.get("pdstack_engines", []),
+            "ssh": {
+                "host": hv.get("ansible_host", name),
+                "user": hv.get("ansible_user", allvars.get("ansible_user", "root")),
+                "port": hv.get("ansible_port", allvars.get("ansible_port", 22)),
+                "key_file": hv.get(
+                    "ansible_ssh_private_key_file", allvars.get("ansible_ssh_private_key_file")
+                ),
+                "common_args": hv.get(
+                    "ansible_ssh_common_args", allvars.get("ansible_ssh_common_args")
+                ),
+            },
+        }
+        if raw["private_address"] is None:
+            problems.append(
+                Problem(
+                    str(hosts_file), f"{name}.pdstack_private_address", "missing private address"
+                )
+            )
+            continue
+        raw = {k: v for k, v in raw.items() if v is not None}
+        try:
+            nodes.append(NodeSpec.model_validate(raw))
+        except ValidationError as exc:
+            for err in exc.errors():
+                field = f"{name}.pdstack_{_loc(err)}" if err["loc"] else name
+                problems.append(Problem(str(hosts_file), field, err["msg"]))
+
+    if problems or deployment is None:
+        raise TopologyError(problems)
+    topo = Topology(source=str(inv), deployment=deployment, nodes=nodes)
+    problems.extend(check_topology(topo, hosts_file=str(hosts_file), vars_file=gv_file))
+    if problems:
+        raise TopologyError(problems)
+    return topo
+
+
+# --------------------------------------------------------------------------- semantic checks
+
+
+def _is_private(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    cgnat = ipaddress.ip_network("100.64.0.0/10")
+    return ip.is_private or ip.is_loopback or (ip.version == 4 and ip in cgnat)
+
+
+def node_ports(topo: Topology, node: NodeSpec) -> dict[str, int]:
+    """Every port a node's stack binds, by owner label (used for collision checks)."""
+    from pdstack.plan import make_node_ports  # single source of port numbering
+
+    return make_node_ports(topo, node)
+
+
+def check_topology(topo: Topology, hosts_file: str, vars_file: str) -> list[Problem]:
+    """Rules that span fields: GPUs, TP, ports, pairing across nodes."""
+    d = topo.deployment
+    problems: list[Problem] = []
+    names_by_addr: dict[str, str] = {}
+    for node in topo.nodes:
+        where = node.name
+        try:
+            ipaddress.ip_address(node.private_address)
+        except ValueError:
+            problems.append(
+                Problem(
+                    hosts_file,
+                    f"{where}.pdstack_private_address",
+                    f"{node.private_address!r} is not an IP address",
+                )
+            )
+        else:
+            if not _is_private(node.private_address):
+                problems.append(
+                    Problem(
+                        hosts_file,
+                        f"{where}.pdstack_private_address",
+                        f"{node.private_address} is a public address; internal ports "
+                        "(ZMQ, NIXL, LMCache, engine HTTP) must bind a private interface",
+                    )
+                )
+            if node.private_address in names_by_addr and node.private_address not in (
+                "127.0.0.1",
+            ):
+                problems.append(
+                    Problem(
+                        hosts_file,
+                        f"{where}.pdstack_private_address",
+                        f"{node.private_address} is also {names_by_addr[node.private_address]}'s",
+                    )
+                )
+            names_by_addr.setdefault(node.private_address, node.name)
+
+        used: dict[int, int] = {}
+        for i, eng in enumerate(node.engines):
+            field = f"{where}.pdstack_engines[{i}]"
+            if d.kv_mode == "colocated" and eng.role != "colocated":
+                problems.append(
+                    Problem(hosts_file, f"{field}.role",
+                            f"role {eng.role!r} in kv_mode colocated; use role colocated")
+                )
+            if d.kv_mode != "colocated" and eng.role == "colocated":
+                problems.append(
+                    Problem(hosts_file, f"{field}.role",
+                            f"role colocated needs kv_mode colocated (kv_mode is {d.kv_mode})")
+                )
+            if d.profile == "gpu":
+                if not eng.gpus:
+                    problems.append(Problem(hosts_file, f"{field}.gpus", "no GPUs given"))
+                for g in eng.gpus:
+                    if g < 0 or g >= node.gpu_count:
+                        problems.append(
+                            Problem(hosts_file, f"{field}.gpus",
+                                    f"GPU index {g} out of range (node has {node.gpu_count} GPUs)")
+                        )
+                    elif g in used:
+                        problems.append(
+                            Problem(hosts_file, f"{field}.gpus",
+                                    f"GPU {g} already used by pdstack_engines[{used[g]}]")
+                        )
+                    else:
+                        used[g] = i
+                want_tp = d.tensor_parallel.get(eng.role)
+                if want_tp is not None and eng.gpus and len(eng.gpus) != want_tp:
+                    problems.append(
+                        Problem(hosts_file, f"{field}.gpus",
+                                f"{len(eng.gpus)} GPUs but pdstack_tensor_parallel.{eng.role} "
+                                f"is {want_tp}")
+                    )
+                tp = len(eng.gpus) or 1
+                if eng.gpus and tp & (tp - 1):
+                    problems.append(
+                        Problem(hosts_file, f"{field}.gpus",
+                                f"tensor parallel size {tp} is not a power of two")
+                    )
+            elif eng.gpus:
+                problems.append(
+                    Problem(hosts_file, f"{field}.gpus", "profile cpu takes no GPU ids")
+                )
+        for role, tp in d.tensor_parallel.items():
+            if tp < 1 or (node.gpu_count and node.gpu_count % tp):
+                problems.append(
+                    Problem(vars_file, f"pdstack_tensor_parallel.{role}",
+                            f"TP {tp} does not divide {node.name}'s {node.gpu_count} GPUs")
+                )
+
+        ports = node_ports(topo, node)
+        seen: dict[int, str] = {}
+        for owner, port in ports.items():
+            if not 1 <= port <= 65535:
+                problems.append(Problem(vars_file, "pdstack_ports", f"{owner} port {port} invalid"))
+            if port in seen:
+                problems.append(
+                    Problem(vars_file, "pdstack_ports",
+                            f"port {port} on {node.name} used by both {seen[port]} and {owner}")
+                )
+            seen.setdefault(port, owner)
+
+    roles = [e.role for n in topo.nodes for e in n.engines]
+    if not roles:
+        problems.append(Problem(hosts_file, "pdstack_engines", "no engines on any node"))
+    elif d.kv_mode != "colocated":
+        for need in ("prefill", "decode"):
+            if need not in roles:
+                problems.append(
+                    Problem(hosts_file, "pdstack_engines",
+                            f"kv_mode {d.kv_mode} needs at least one {need} engine")
+                )
+    if d.kv_mode == "shared-l1":
+        for node in topo.nodes:
+            node_roles = {e.role for e in node.engines}
+            if "prefill" in node_roles and "decode" not in node_roles:
+                problems.append(
+                    Problem(hosts_file, f"{node.name}.pdstack_engines",
+                            f"shared-l1 pairing across nodes: prefiller on {node.name} has no "
+                            f"decoder on {node.name} (the LMCache store is per node); "
+                            "use kv_mode shared-l1+nixl")
+                )
+            if "decode" in node_roles and "prefill" not in node_roles:
+                problems.append(
+                    Problem(hosts_file, f"{node.name}.pdstack_engines",
+                            f"shared-l1 pairing across nodes: decoder on {node.name} has no "
+                            f"prefiller on {node.name}; use kv_mode shared-l1+nixl")
+                )
+    if d.kv_mode == "lmcache-pd" and d.model.kv_bytes_per_token:
+        need_gb = d.model.kv_bytes_per_token * d.model.max_model_len / 2**30
+        if d.lmcache.pd_buffer_size_gb < need_gb:
+            problems.append(
+                Problem(vars_file, "pdstack_lmcache.pd_buffer_size_gb",
+                        f"{d.lmcache.pd_buffer_size_gb} GiB receive buffer cannot hold one "
+                        f"{d.model.max_model_len}-token request ({need_gb:.2f} GiB); the "
+                        "decoder would run out of memory")
+            )
+    proxies = [n.name for n in topo.nodes if n.proxy]
+    if len(proxies) != 1:
+        problems.append(
+            Problem(hosts_file, "pdstack_proxy",
+                    f"exactly one node must set pdstack_proxy: true (found {proxies or 'none'})")
+        )
+    for node in topo.nodes:
+        shared = d.kv_mode in ("shared-l1", "shared-l1+nixl")
+        if shared and node.host_memory_gb and d.lmcache.l1_size_gb >= node.host_memory_gb:
+            problems.append(
+                Problem(vars_file, "pdstack_lmcache.l1_size_gb",
+                        f"{d.lmcache.l1_size_gb} GiB L1 does not fit {node.name}'s "
+                        f"{node.host_memory_gb} GiB host memory")
+            )
+    return problems
