@@ -1,0 +1,749 @@
+#!/usr/bin/env python3
+"""pdstack_probe: node-side network and host probe for pdstack preflight.
+
+Standard library only, Python >= 3.9: this file is copied as-is to freshly
+rented hosts (by ``pdstack preflight`` and by Ansible's ``private_network``
+role) and run there with the system ``python3``.  Every subcommand prints one
+JSON document on stdout (``listen`` prints one JSON object per line: a
+``ready`` event once its sockets are bound and a ``done`` event at exit).
+
+Subcommands::
+
+  listen      --bind ADDR:PORT ... --seconds N [--exit-on-stdin-eof]
+  connect     HOST:PORT ... [--timeout S]            parallel, with RTT
+  ping        HOST --size BYTES [--timeout S]          don't-fragment ICMP echo
+  throughput  HOST:PORT [--seconds N]                  against a ``listen`` probe
+  info        everything below in one document
+  interfaces  interfaces, MTU, addresses (``ip -j addr`` or /sys/class/net)
+  gpu         ``nvidia-smi`` GPUs and driver, when present
+  rdma        /dev/infiniband and ``ibv_devinfo``, when present
+  free-ports  [--address A] [--start P --end P --count N]
+  resources   memory (/proc/meminfo), disk (--path ...), CPUs
+  batch       reads {"timeout": s, "connect": [...], "ping": [...]} on stdin,
+              runs every item in parallel, bounded by the timeout
+
+Connect results: ``ok`` | ``timeout`` (filtered / no route) | ``refused``
+(nothing listening, or REJECT) | ``host_unreachable`` | ``network_unreachable``
+| ``error``.  Ping results: ``ok`` | ``too_big`` (local or path MTU smaller than
+the packet; ``mtu`` names it when known) | ``timeout`` | ``error`` |
+``unavailable``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import re
+import selectors
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+PROBE_VERSION = 1
+BANNER = b"PDSTACK-PROBE 1\n"
+TPUT_MAGIC = b"PDSTACK-TPUT\n"
+IP_MTU_DISCOVER = getattr(socket, "IP_MTU_DISCOVER", 10)
+IP_PMTUDISC_DO = getattr(socket, "IP_PMTUDISC_DO", 2)
+
+Json = dict[str, Any]
+
+
+def emit(doc: Any, pretty: bool = False) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2 if pretty else None, sort_keys=False) + "\n")
+    sys.stdout.flush()
+
+
+def split_hostport(text: str) -> tuple[str, int]:
+    """``10.0.0.1:80`` / ``[fd00::1]:80`` / ``host:80`` -> (host, port)."""
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        if not rest.startswith(":"):
+            raise ValueError(f"expected [ADDR]:PORT, got {text!r}")
+        return host, int(rest[1:])
+    host, sep, port = text.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+def family_of(host: str) -> int:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def run_cmd(argv: list[str], timeout: float = 10.0) -> tuple[int, str, str]:
+    try:
+        proc = subprocess.run(
+            argv, capture_output=True, timeout=timeout,
+            text=True,
+        )
+    except FileNotFoundError:
+        return 127, "", f"{argv[0]}: not found"
+    except subprocess.TimeoutExpired:
+        return 124, "", f"{argv[0]}: timed out after {timeout:.1f}s"
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+# --------------------------------------------------------------------------- connect
+
+def classify_oserror(exc: BaseException) -> str:
+    if isinstance(exc, socket.timeout):
+        return "timeout"
+    if isinstance(exc, ConnectionRefusedError):
+        return "refused"
+    code = getattr(exc, "errno", None)
+    if code == errno.EHOSTUNREACH:
+        return "host_unreachable"
+    if code == errno.ENETUNREACH:
+        return "network_unreachable"
+    if code == errno.ETIMEDOUT:
+        return "timeout"
+    if code == errno.ECONNREFUSED:
+        return "refused"
+    return "error"
+
+
+def connect_one(host: str, port: int, timeout: float, banner_wait: float = 0.3) -> Json:
+    """One TCP connect; ``listener`` says whether a pdstack probe answered."""
+    result: Json = {"host": host, "port": port, "timeout_s": timeout}
+    start = time.monotonic()
+    sock = None
+    try:
+        sock = socket.socket(family_of(host), socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        sock.connect((host, port))
+        result["rtt_ms"] = round((time.monotonic() - start) * 1000.0, 3)
+        result["status"] = "ok"
+        sock.settimeout(max(0.05, min(banner_wait, timeout)))
+        try:
+            data = sock.recv(len(BANNER))
+            result["listener"] = "probe" if data == BANNER else "other"
+        except OSError:
+            result["listener"] = "other"
+    except OSError as exc:
+        result["status"] = classify_oserror(exc)
+        result["error"] = str(exc) or exc.__class__.__name__
+        result["elapsed_ms"] = round((time.monotonic() - start) * 1000.0, 3)
+    finally:
+        if sock is not None:
+            sock.close()
+    return result
+
+
+def parallel(funcs: list[Any]) -> list[Any]:
+    """Run zero-argument callables in threads; results in input order."""
+    results: list[Any] = [None] * len(funcs)
+
+    def work(i: int) -> None:
+        try:
+            results[i] = funcs[i]()
+        except Exception as exc:
+            results[i] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(funcs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+# --------------------------------------------------------------------------- ping
+
+PING_RTT = re.compile(r"time[=<]([0-9.]+) ?ms")
+PING_MTU = re.compile(r"mtu ?= ?(\d+)")
+
+
+def ping_df(host: str, size: int, timeout: float) -> Json:
+    """Don't-fragment ICMP echo with ``size`` payload bytes (``ping -M do -s SIZE``).
+
+    IP packet size = size + 28 (IPv4) or size + 48 (IPv6).
+    """
+    v6 = ":" in host
+    result: Json = {"host": host, "size": size, "packet_bytes": size + (48 if v6 else 28),
+                    "timeout_s": timeout}
+    ping = shutil.which("ping")
+    if ping is None and not v6:
+        result.update(ping_raw_v4(host, size, timeout))
+        return result
+    if ping is None:
+        result.update({"status": "unavailable", "error": "no ping binary for IPv6"})
+        return result
+    wait = max(1, int(timeout + 0.999))
+    argv = [ping, "-n", "-c", "1", "-W", str(wait), "-M", "do", "-s", str(size)]
+    if v6:
+        argv.insert(1, "-6")
+    rc, out, err = run_cmd([*argv, host], timeout=wait + 2.0)
+    text = out + err
+    result["method"] = "ping"
+    if rc == 0:
+        m = PING_RTT.search(text)
+        result["status"] = "ok"
+        if m:
+            result["rtt_ms"] = float(m.group(1))
+    elif ("invalid argument" in text.lower() and "-M" in text) or "unrecognized option" in text:
+        if not v6:
+            result.update(ping_raw_v4(host, size, timeout))
+        else:
+            result.update({"status": "unavailable", "error": text.strip()[:300]})
+    elif any(k in text.lower() for k in ("too long", "frag needed", "packet too big")):
+        result["status"] = "too_big"
+        m = PING_MTU.search(text)
+        if m:
+            result["mtu"] = int(m.group(1))
+        result["error"] = text.strip().splitlines()[-1][:300] if text.strip() else ""
+    elif rc == 1:
+        result["status"] = "timeout"
+        unreach = [line for line in text.splitlines() if "unreachable" in line.lower()]
+        if unreach:
+            result["status"] = "host_unreachable"
+            result["error"] = unreach[0].strip()[:300]
+    else:
+        result["status"] = "error"
+        result["error"] = text.strip()[:300]
+    return result
+
+
+def icmp_checksum(data: bytes) -> int:
+    if len(data) % 2:
+        data += b"\0"
+    total = sum(struct.unpack("!" + "H" * (len(data) // 2), data))
+    total = (total >> 16) + (total & 0xFFFF)
+    total += total >> 16
+    return ~total & 0xFFFF
+
+
+def ping_raw_v4(host: str, size: int, timeout: float) -> Json:
+    """Fallback without a ``ping`` that knows ``-M do``: raw ICMP with DF (needs root)."""
+    res: Json = {"method": "raw"}
+    try:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+    except OSError as exc:
+        res.update({"status": "unavailable", "error": f"raw ICMP socket: {exc}"})
+        return res
+    ident = os.getpid() & 0xFFFF
+    payload = (b"pdstack" * (size // 7 + 1))[:size]
+    header = struct.pack("!BBHHH", 8, 0, 0, ident, 1)
+    packet = struct.pack("!BBHHH", 8, 0, icmp_checksum(header + payload), ident, 1) + payload
+    try:
+        sock.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
+        start = time.monotonic()
+        try:
+            sock.sendto(packet, (host, 0))
+        except OSError as exc:
+            if exc.errno == errno.EMSGSIZE:
+                res.update({"status": "too_big", "error": str(exc)})
+                try:
+                    sock.connect((host, 0))
+                    res["mtu"] = sock.getsockopt(socket.IPPROTO_IP, getattr(socket, "IP_MTU", 14))
+                except OSError:
+                    pass
+                return res
+            res.update({"status": classify_oserror(exc), "error": str(exc)})
+            return res
+        deadline = start + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                res["status"] = "timeout"
+                return res
+            sock.settimeout(left)
+            try:
+                data, addr = sock.recvfrom(65535)
+            except socket.timeout:  # noqa: UP041 - not TimeoutError before Python 3.10
+                res["status"] = "timeout"
+                return res
+            ihl = (data[0] & 0x0F) * 4
+            if len(data) < ihl + 8 or addr[0] != host:
+                continue
+            itype, _code, _ck, rid, _seq = struct.unpack("!BBHHH", data[ihl:ihl + 8])
+            if itype == 0 and rid == ident:
+                res.update({"status": "ok", "rtt_ms": round((time.monotonic() - start) * 1000, 3)})
+                return res
+    finally:
+        sock.close()
+
+
+# --------------------------------------------------------------------------- listen
+
+def bind_listener(host: str, port: int) -> tuple[socket.socket | None, Json]:
+    info: Json = {"address": host, "port": port}
+    sock = socket.socket(family_of(host), socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            info["status"] = "in_use"
+        elif exc.errno == errno.EADDRNOTAVAIL:
+            info["status"] = "address_not_available"
+        else:
+            info["status"] = "error"
+        info["error"] = str(exc)
+        return None, info
+    info["status"] = "listening"
+    return sock, info
+
+
+def serve_conn(conn: socket.socket) -> None:
+    """Send the banner; if the peer asks for a throughput run, sink and report."""
+    try:
+        conn.setblocking(True)
+        conn.settimeout(5.0)
+        conn.sendall(BANNER)
+        head = b""
+        while len(head) < len(TPUT_MAGIC):
+            chunk = conn.recv(len(TPUT_MAGIC) - len(head))
+            if not chunk:
+                return
+            head += chunk
+        if head != TPUT_MAGIC:
+            return
+        conn.settimeout(30.0)
+        total = 0
+        start = time.monotonic()
+        while True:
+            chunk = conn.recv(1 << 20)
+            if not chunk:
+                break
+            total += len(chunk)
+        secs = time.monotonic() - start
+        conn.sendall((json.dumps({"bytes": total, "seconds": secs}) + "\n").encode())
+    except OSError:
+        pass
+    finally:
+        conn.close()
+
+
+def cmd_listen(args: argparse.Namespace) -> int:
+    binds = [split_hostport(b) for b in args.bind]
+    socks: list[socket.socket] = []
+    infos: list[Json] = []
+    for host, port in binds:
+        sock, info = bind_listener(host, port)
+        infos.append(info)
+        if sock is not None:
+            socks.append(sock)
+    emit({"event": "ready", "pid": os.getpid(), "seconds": args.seconds, "binds": infos})
+    stop = threading.Event()
+    if args.exit_on_stdin_eof:
+        def watch_stdin() -> None:
+            try:
+                while sys.stdin.buffer.read(4096):
+                    pass
+            except (OSError, ValueError):
+                pass
+            stop.set()
+        threading.Thread(target=watch_stdin, daemon=True).start()
+    sel = selectors.DefaultSelector()
+    for s in socks:
+        sel.register(s, selectors.EVENT_READ)
+    accepted: dict[str, int] = {}
+    peers: dict[str, list[str]] = {}
+    deadline = time.monotonic() + args.seconds
+    while socks and not stop.is_set():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        for key, _ in sel.select(timeout=min(left, 0.2)):
+            lsock = key.fileobj
+            assert isinstance(lsock, socket.socket)
+            try:
+                conn, peer = lsock.accept()
+            except OSError:
+                continue
+            name = "{}:{}".format(*lsock.getsockname()[:2])
+            accepted[name] = accepted.get(name, 0) + 1
+            peers.setdefault(name, [])
+            if peer[0] not in peers[name]:
+                peers[name].append(peer[0])
+            threading.Thread(target=serve_conn, args=(conn,), daemon=True).start()
+    for s in socks:
+        s.close()
+    reason = "stdin closed" if stop.is_set() else "deadline" if socks else "nothing bound"
+    emit({"event": "done", "reason": reason, "accepted": accepted, "peers": peers})
+    return 0
+
+
+# --------------------------------------------------------------------------- throughput
+
+def throughput(host: str, port: int, seconds: float, timeout: float) -> Json:
+    res: Json = {"host": host, "port": port}
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:
+        res.update({"status": classify_oserror(exc), "error": str(exc)})
+        return res
+    try:
+        sock.settimeout(timeout)
+        head = b""
+        while len(head) < len(BANNER):
+            chunk = sock.recv(len(BANNER) - len(head))
+            if not chunk:
+                break
+            head += chunk
+        if head != BANNER:
+            res.update({"status": "error", "error": "peer is not a pdstack probe listener"})
+            return res
+        sock.sendall(TPUT_MAGIC)
+        block = b"\0" * (1 << 16)
+        sent = 0
+        start = time.monotonic()
+        sock.settimeout(max(timeout, seconds + 5))
+        while time.monotonic() - start < seconds:
+            sock.sendall(block)
+            sent += len(block)
+        sock.shutdown(socket.SHUT_WR)
+        reply = b""
+        while not reply.endswith(b"\n"):
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+        elapsed = time.monotonic() - start
+        server = json.loads(reply.decode() or "{}")
+        received = int(server.get("bytes", 0))
+        res.update({
+            "status": "ok" if received == sent else "error",
+            "bytes_sent": sent, "bytes_received": received, "seconds": round(elapsed, 3),
+            "mbit_per_s": round(received * 8 / elapsed / 1e6, 1) if elapsed > 0 else None,
+        })
+        if received != sent:
+            res["error"] = f"server received {received} of {sent} bytes"
+    except (OSError, ValueError) as exc:
+        res.update({"status": classify_oserror(exc) if isinstance(exc, OSError) else "error",
+                    "error": str(exc)})
+    finally:
+        sock.close()
+    return res
+
+
+# --------------------------------------------------------------------------- host facts
+
+def interfaces() -> Json:
+    rc, out, _ = run_cmd(["ip", "-j", "addr", "show"], timeout=5.0)
+    result: list[Json] = []
+    if rc == 0 and out.strip():
+        for link in json.loads(out):
+            result.append({
+                "name": link.get("ifname"),
+                "mtu": link.get("mtu"),
+                "state": link.get("operstate"),
+                "up": "UP" in link.get("flags", []),
+                "lower_up": "LOWER_UP" in link.get("flags", []),
+                "mac": link.get("address"),
+                "addresses": [
+                    {"family": "inet6" if a.get("family") == "inet6" else "inet",
+                     "address": a.get("local"), "prefixlen": a.get("prefixlen")}
+                    for a in link.get("addr_info", []) if a.get("local")
+                ],
+            })
+        return {"source": "ip -j addr", "interfaces": result}
+    return {"source": "/sys/class/net", "interfaces": interfaces_sysfs()}
+
+
+def interfaces_sysfs() -> list[Json]:
+    v6: dict[str, list[Json]] = {}
+    try:
+        with open("/proc/net/if_inet6") as fh:
+            for line in fh:
+                parts = line.split()
+                if len(parts) >= 6:
+                    raw = parts[0]
+                    addr = ":".join(raw[i:i + 4] for i in range(0, 32, 4))
+                    packed = socket.inet_pton(socket.AF_INET6, addr)
+                    v6.setdefault(parts[5], []).append({
+                        "family": "inet6", "address": socket.inet_ntop(socket.AF_INET6, packed),
+                        "prefixlen": int(parts[2], 16)})
+    except OSError:
+        pass
+    result = []
+    base = "/sys/class/net"
+    for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        def read(attr: str, name: str = name) -> str:
+            try:
+                with open(os.path.join(base, name, attr)) as fh:
+                    return fh.read().strip()
+            except OSError:
+                return ""
+        flags = int(read("flags") or "0", 16)
+        addrs = list_v4_addresses(name) + v6.get(name, [])
+        result.append({
+            "name": name, "mtu": int(read("mtu") or 0), "state": read("operstate").upper(),
+            "up": bool(flags & 0x1), "lower_up": read("carrier") == "1", "mac": read("address"),
+            "addresses": addrs,
+        })
+    return result
+
+
+def list_v4_addresses(ifname: str) -> list[Json]:
+    """Primary IPv4 address of an interface via SIOCGIFADDR (no ``ip`` needed)."""
+    try:
+        import fcntl
+    except ImportError:
+        return []
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        req = struct.pack("256s", ifname.encode()[:15])
+        addr = socket.inet_ntoa(fcntl.ioctl(sock.fileno(), 0x8915, req)[20:24])
+        mask = socket.inet_ntoa(fcntl.ioctl(sock.fileno(), 0x891B, req)[20:24])
+        prefix = sum(bin(int(x)).count("1") for x in mask.split("."))
+        return [{"family": "inet", "address": addr, "prefixlen": prefix}]
+    except OSError:
+        return []
+    finally:
+        sock.close()
+
+
+def gpu() -> Json:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return {"present": False, "reason": "nvidia-smi not found"}
+    fields = "index,name,uuid,memory.total,driver_version,persistence_mode,mig.mode.current"
+    rc, out, err = run_cmd([smi, "--query-gpu=" + fields, "--format=csv,noheader,nounits"],
+                           timeout=20.0)
+    if rc != 0:
+        return {"present": False, "reason": f"nvidia-smi failed: {(err or out).strip()[:300]}"}
+    gpus = []
+    for line in out.strip().splitlines():
+        cols = [c.strip() for c in line.split(",")]
+        if len(cols) < 5:
+            continue
+        gpus.append({
+            "index": int(cols[0]), "name": cols[1], "uuid": cols[2],
+            "memory_mib": int(float(cols[3])) if cols[3].replace(".", "").isdigit() else None,
+            "driver_version": cols[4],
+            "persistence_mode": cols[5] if len(cols) > 5 else None,
+            "mig_mode": cols[6] if len(cols) > 6 else None,
+        })
+    return {"present": bool(gpus), "count": len(gpus),
+            "driver_version": gpus[0]["driver_version"] if gpus else None, "gpus": gpus}
+
+
+def rdma() -> Json:
+    devdir = "/dev/infiniband"
+    devices = sorted(os.listdir(devdir)) if os.path.isdir(devdir) else []
+    sysdir = "/sys/class/infiniband"
+    hcas = sorted(os.listdir(sysdir)) if os.path.isdir(sysdir) else []
+    res: Json = {
+        "dev_infiniband": devices, "present": any(d.startswith("uverbs") for d in devices),
+        "hcas": hcas, "ibv_devinfo": None, "ports": [],
+    }
+    if shutil.which("ibv_devinfo"):
+        rc, out, err = run_cmd(["ibv_devinfo"], timeout=10.0)
+        res["ibv_devinfo"] = {"rc": rc, "error": err.strip()[:300] if rc else None}
+        hca = None
+        port = None
+        for line in out.splitlines():
+            s = line.strip()
+            if s.startswith("hca_id:"):
+                hca = s.split(":", 1)[1].strip()
+            elif s.startswith("port:"):
+                port = s.split(":", 1)[1].strip()
+            elif s.startswith("state:") and hca is not None:
+                res["ports"].append({"hca": hca, "port": port,
+                                     "state": s.split(":", 1)[1].strip().split()[0]})
+            elif s.startswith("link_layer:") and res["ports"]:
+                res["ports"][-1]["link_layer"] = s.split(":", 1)[1].strip()
+    res["active_ports"] = sum(1 for p in res["ports"] if p.get("state") == "PORT_ACTIVE")
+    return res
+
+
+def listening_ports() -> list[Json]:
+    """TCP sockets in LISTEN state from /proc/net/tcp{,6}."""
+    found = []
+    for path, fam in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        try:
+            with open(path) as fh:
+                next(fh, None)
+                for line in fh:
+                    parts = line.split()
+                    if len(parts) < 4 or parts[3] != "0A":
+                        continue
+                    hexaddr, hexport = parts[1].split(":")
+                    raw = bytes.fromhex(hexaddr)
+                    # /proc stores each 32-bit word in host (little-endian) order
+                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                    found.append({"address": socket.inet_ntop(fam, raw),
+                                  "port": int(hexport, 16)})
+        except OSError:
+            continue
+    return found
+
+
+def free_ports(address: str, start: int, end: int, count: int) -> Json:
+    free: list[int] = []
+    for port in range(start, end + 1):
+        sock = socket.socket(family_of(address), socket.SOCK_STREAM)
+        try:
+            sock.bind((address, port))
+            free.append(port)
+        except OSError:
+            pass
+        finally:
+            sock.close()
+        if len(free) >= count:
+            break
+    return {"address": address, "range": [start, end], "free": free,
+            "listening": sorted({p["port"] for p in listening_ports()})}
+
+
+def resources(paths: list[str]) -> Json:
+    mem: Json = {}
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                if key in ("MemTotal", "MemAvailable", "MemFree", "HugePages_Total",
+                           "HugePages_Free", "Hugepagesize"):
+                    val = rest.strip().split()
+                    num = int(val[0])
+                    mem[key] = num * 1024 if len(val) > 1 and val[1] == "kB" else num
+    except OSError:
+        pass
+    disks = []
+    for p in paths:
+        try:
+            du = shutil.disk_usage(p)
+            disks.append({"path": p, "total_bytes": du.total, "free_bytes": du.free})
+        except OSError as exc:
+            disks.append({"path": p, "error": str(exc)})
+    return {
+        "memory": {"total_bytes": mem.get("MemTotal"), "available_bytes": mem.get("MemAvailable"),
+                   "hugepages_total": mem.get("HugePages_Total"),
+                   "hugepages_free": mem.get("HugePages_Free")},
+        "disk": disks, "cpus": os.cpu_count(),
+    }
+
+
+def host_info(paths: list[str]) -> Json:
+    return {
+        "probe_version": PROBE_VERSION,
+        "hostname": socket.gethostname(),
+        "python": sys.version.split()[0],
+        "interfaces": interfaces(),
+        "gpu": gpu(),
+        "rdma": rdma(),
+        "resources": resources(paths),
+        "listening": listening_ports(),
+        "tools": {t: shutil.which(t) is not None
+                  for t in ("ip", "ping", "nvidia-smi", "ibv_devinfo", "docker")},
+    }
+
+
+# --------------------------------------------------------------------------- batch
+
+def batch(spec: Json) -> Json:
+    """Run connects and DF pings of one source node in parallel, bounded by spec["timeout"]."""
+    timeout = float(spec.get("timeout", 3.0))
+    connects = spec.get("connect", [])
+    pings = spec.get("ping", [])
+    funcs: list[Any] = []
+    for c in connects:
+        funcs.append(lambda c=c: dict(connect_one(c["host"], int(c["port"]), timeout),
+                                      id=c.get("id")))
+    for p in pings:
+        funcs.append(lambda p=p: dict(ping_df(p["host"], int(p["size"]), timeout), id=p.get("id")))
+    start = time.monotonic()
+    results = parallel(funcs)
+    return {
+        "probe_version": PROBE_VERSION,
+        "hostname": socket.gethostname(),
+        "elapsed_s": round(time.monotonic() - start, 3),
+        "connect": results[:len(connects)],
+        "ping": results[len(connects):],
+    }
+
+
+# --------------------------------------------------------------------------- CLI
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdstack_probe", description=__doc__.splitlines()[0])
+    parser.add_argument("--pretty", action="store_true", help="indent the JSON output")
+    sub = parser.add_subparsers(dest="cmd")
+    sub.required = True
+
+    p = sub.add_parser("listen", help="listen on ADDR:PORT for N seconds")
+    p.add_argument("--bind", action="append", required=True, metavar="ADDR:PORT")
+    p.add_argument("--seconds", type=float, default=30.0)
+    p.add_argument("--exit-on-stdin-eof", action="store_true")
+
+    p = sub.add_parser("connect", help="TCP connect with timeout; RTT")
+    p.add_argument("targets", nargs="+", metavar="HOST:PORT")
+    p.add_argument("--timeout", type=float, default=3.0)
+
+    p = sub.add_parser("ping", help="don't-fragment ICMP echo at a payload size")
+    p.add_argument("host")
+    p.add_argument("--size", type=int, required=True, help="ICMP payload bytes (MTU - 28)")
+    p.add_argument("--timeout", type=float, default=2.0)
+
+    p = sub.add_parser("throughput", help="TCP throughput to a 'listen' probe")
+    p.add_argument("target", metavar="HOST:PORT")
+    p.add_argument("--seconds", type=float, default=2.0)
+    p.add_argument("--timeout", type=float, default=3.0)
+
+    p = sub.add_parser("info", help="interfaces, GPU, RDMA, resources in one document")
+    p.add_argument("--path", action="append", default=None, help="disk paths (default /)")
+    sub.add_parser("interfaces", help="interfaces, MTU, addresses")
+    sub.add_parser("gpu", help="nvidia-smi GPUs and driver")
+    sub.add_parser("rdma", help="/dev/infiniband and ibv_devinfo")
+    p = sub.add_parser("free-ports", help="free TCP ports")
+    p.add_argument("--address", default="0.0.0.0")
+    p.add_argument("--start", type=int, default=20000)
+    p.add_argument("--end", type=int, default=40000)
+    p.add_argument("--count", type=int, default=10)
+    p = sub.add_parser("resources", help="memory, disk, CPUs")
+    p.add_argument("--path", action="append", default=None)
+    sub.add_parser("batch", help="parallel connects and pings from a JSON spec on stdin")
+
+    args = parser.parse_args(argv)
+    pretty = args.pretty
+    try:
+        if args.cmd == "listen":
+            return cmd_listen(args)
+        if args.cmd == "connect":
+            targets = [split_hostport(t) for t in args.targets]
+            res = parallel([lambda h=h, pt=pt: connect_one(h, pt, args.timeout)
+                            for h, pt in targets])
+            emit({"connect": res}, pretty)
+            return 0 if all(r.get("status") == "ok" for r in res) else 1
+        if args.cmd == "ping":
+            res = ping_df(args.host, args.size, args.timeout)
+            emit(res, pretty)
+            return 0 if res["status"] == "ok" else 1
+        if args.cmd == "throughput":
+            host, port = split_hostport(args.target)
+            res = throughput(host, port, args.seconds, args.timeout)
+            emit(res, pretty)
+            return 0 if res["status"] == "ok" else 1
+        if args.cmd == "info":
+            emit(host_info(args.path or ["/"]), pretty)
+        elif args.cmd == "interfaces":
+            emit(interfaces(), pretty)
+        elif args.cmd == "gpu":
+            emit(gpu(), pretty)
+        elif args.cmd == "rdma":
+            emit(rdma(), pretty)
+        elif args.cmd == "free-ports":
+            emit(free_ports(args.address, args.start, args.end, args.count), pretty)
+        elif args.cmd == "resources":
+            emit(resources(args.path or ["/"]), pretty)
+        elif args.cmd == "batch":
+            emit(batch(json.loads(sys.stdin.read() or "{}")), pretty)
+    except ValueError as exc:
+        sys.stderr.write(f"pdstack_probe: {exc}\n")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
