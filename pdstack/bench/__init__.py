@@ -1,0 +1,1 @@
+"""``pdstack bench``: a prefix-heavy chat benchmark (asked vs served load, TTFT)."""

@@ -1,0 +1,327 @@
+"""Run the workload against a target: a Poisson sweep over asked rates (open loop),
+or a fixed number of concurrent streams (closed loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import os
+import platform
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from pdstack.bench import promscrape
+from pdstack.bench.client import BenchClient, RequestResult, first_model
+from pdstack.bench.stats import cost_per_million_output_tokens, summarize
+from pdstack.bench.workload import Workload, WorkloadConfig, poisson_arrivals
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class BenchConfig:
+    target: str
+    rates: list[float] = field(default_factory=lambda: [1.0, 2.0, 5.0])
+    duration: float = 60.0
+    warmup: float = 10.0
+    drain_timeout: float = 60.0
+    cooldown: float = 0.0
+    model: str | None = None
+    endpoint: str = "chat"
+    ignore_eos: bool = True
+    max_concurrency: int | None = None
+    request_timeout: float = 600.0
+    metrics_urls: list[str] = field(default_factory=list)
+    prefill_url: str | None = None
+    slo_ttft_p50_ms: float = 2000.0
+    slo_ttft_p99_ms: float = 3500.0
+    gpu_hour_price: float | None = None
+    gpus: int | None = None
+    label: str | None = None
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        wl = self.workload
+        out["workload"] = {
+            "num_system_prompts": wl.num_system_prompts,
+            "shared_share": wl.shared_share,
+            "system_len": str(wl.system_len),
+            "user_len": str(wl.user_len),
+            "output_len": str(wl.output_len),
+            "token_ids": wl.token_ids,
+            "token_id_range": [wl.token_id_min, wl.token_id_max],
+            "seed": wl.seed,
+        }
+        return out
+
+
+@dataclass
+class Phase:
+    """Live counters of one rate's run, for the progress bar."""
+
+    sent: int = 0
+    done: int = 0
+    errors: int = 0
+
+    @property
+    def in_flight(self) -> int:
+        return self.sent - self.done
+
+
+def machine_load() -> dict[str, Any]:
+    """Load conditions, recorded beside the numbers (the machine may be shared)."""
+    out: dict[str, Any] = {"cpu_count": os.cpu_count(), "platform": platform.platform()}
+    with contextlib.suppress(OSError):
+        out["loadavg_1_5_15"] = list(os.getloadavg())
+    return out
+
+
+async def _tick(
+    progress: Progress | None, task_id: Any, phase: Phase, t0: float, total: float
+) -> None:
+    if progress is None:
+        return
+    while True:
+        progress.update(
+            task_id,
+            completed=min(time.perf_counter() - t0, total),
+            stats=(
+                f"sent {phase.sent} done {phase.done} err {phase.errors} "
+                f"in-flight {phase.in_flight}"
+            ),
+        )
+        await asyncio.sleep(0.25)
+
+
+async def _drain(tasks: set[asyncio.Task[Any]], timeout: float) -> None:
+    if tasks:
+        _, pending = await asyncio.wait(tasks, timeout=timeout)
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=5)
+
+
+async def run_open_loop(
+    client: BenchClient,
+    workload: Workload,
+    rate: float,
+    *,
+    duration: float,
+    warmup: float,
+    drain_timeout: float,
+    max_concurrency: int | None = None,
+    seed: int = 0,
+    progress: Progress | None = None,
+    on_window_start: Callable[[], Awaitable[Any]] | None = None,
+) -> tuple[list[RequestResult], float, float]:
+    """Poisson arrivals at ``rate`` for ``warmup + duration`` s; returns the results
+    and the measurement window ``(start, end)`` in ``perf_counter`` seconds."""
+    arrivals = poisson_arrivals(rate, warmup + duration, random.Random(f"arrivals-{seed}-{rate}"))
+    results: list[RequestResult] = []
+    phase = Phase()
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    tasks: set[asyncio.Task[Any]] = set()
+    total = warmup + duration
+    task_id = (
+        progress.add_task(f"{rate:g} req/s", total=total, stats="") if progress else None
+    )
+
+    async def one() -> None:
+        req = workload.next_request()
+        phase.sent += 1
+        try:
+            if sem is None:
+                r = await client.send(req, results)
+            else:
+                async with sem:
+                    r = await client.send(req, results)
+            if r.error:
+                phase.errors += 1
+        finally:
+            phase.done += 1
+
+    t0 = time.perf_counter()
+    window = (t0 + warmup, t0 + total)
+    ticker = asyncio.create_task(_tick(progress, task_id, phase, t0, total))
+    window_hook: asyncio.Task[Any] | None = None
+    if on_window_start is not None:
+        window_hook = asyncio.create_task(_at(window[0], on_window_start))
+    try:
+        for offset in arrivals:
+            delay = t0 + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = asyncio.create_task(one())
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        rest = window[1] - time.perf_counter()
+        if rest > 0:
+            await asyncio.sleep(rest)
+        if window_hook is not None:
+            await window_hook
+        await _drain(tasks, drain_timeout)
+    finally:
+        ticker.cancel()
+        for t in tasks:
+            t.cancel()
+        if progress is not None and task_id is not None:
+            progress.update(task_id, completed=total)
+    return results, window[0], window[1]
+
+
+async def _at(when: float, hook: Callable[[], Awaitable[Any]]) -> Any:
+    delay = when - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    return await hook()
+
+
+async def run_closed_loop(
+    client: BenchClient,
+    workload: Workload,
+    concurrency: int,
+    *,
+    duration: float,
+    warmup: float,
+    drain_timeout: float = 30.0,
+    progress: Progress | None = None,
+    on_window_start: Callable[[], Awaitable[Any]] | None = None,
+) -> tuple[list[RequestResult], float, float]:
+    """``concurrency`` streams, each sending its next request as soon as the last ends,
+    for ``warmup + duration`` s (stream starts are spread over the first 0.5 s)."""
+    results: list[RequestResult] = []
+    phase = Phase()
+    total = warmup + duration
+    task_id = (
+        progress.add_task(f"{concurrency} streams", total=total, stats="") if progress else None
+    )
+    t0 = time.perf_counter()
+    window = (t0 + warmup, t0 + total)
+
+    async def stream(i: int) -> None:
+        await asyncio.sleep(0.5 * i / concurrency)
+        while time.perf_counter() < window[1]:
+            phase.sent += 1
+            r = await client.send(workload.next_request(), results)
+            phase.done += 1
+            if r.error:
+                phase.errors += 1
+                await asyncio.sleep(0.01)  # a failing target must not turn into a busy loop
+
+    ticker = asyncio.create_task(_tick(progress, task_id, phase, t0, total))
+    hook = asyncio.create_task(_at(window[0], on_window_start)) if on_window_start else None
+    tasks = {asyncio.create_task(stream(i)) for i in range(concurrency)}
+    try:
+        await asyncio.sleep(max(0.0, window[1] - time.perf_counter()))
+        if hook is not None:
+            await hook
+        await _drain(tasks, drain_timeout)
+    finally:
+        ticker.cancel()
+        for t in tasks:
+            t.cancel()
+        if progress is not None and task_id is not None:
+            progress.update(task_id, completed=total)
+    return results, window[0], window[1]
+
+
+def make_progress(console: Console | None = None, enabled: bool = True) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description:>12}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[stats]}"),
+        console=console,
+        disable=not enabled,
+        transient=False,
+    )
+
+
+async def run_sweep(
+    cfg: BenchConfig, console: Console | None = None, show_progress: bool = True
+) -> dict[str, Any]:
+    """The whole benchmark: one entry per asked rate, in the JSON document's shape."""
+    model = cfg.model or await first_model(cfg.target)
+    doc: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "tool": "pdstack bench",
+        "label": cfg.label,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "target": cfg.target,
+        "model_id": model,
+        "backend": "openai-chat" if cfg.endpoint == "chat" and not cfg.workload.token_ids
+        else "openai",
+        "config": cfg.to_json(),
+        "slo": {"ttft_p50_ms": cfg.slo_ttft_p50_ms, "ttft_p99_ms": cfg.slo_ttft_p99_ms},
+        "load_before": machine_load(),
+        "results": [],
+    }
+    workload = Workload(cfg.workload)
+    client = BenchClient(
+        cfg.target,
+        model,
+        endpoint=cfg.endpoint,
+        token_ids=cfg.workload.token_ids,
+        ignore_eos=cfg.ignore_eos,
+        timeout_s=cfg.request_timeout,
+        prefill_url=cfg.prefill_url,
+    )
+    progress = make_progress(console, enabled=show_progress)
+    async with client:
+        with progress:
+            for i, rate in enumerate(cfg.rates):
+                if i and cfg.cooldown > 0:
+                    await asyncio.sleep(cfg.cooldown)
+                scrapes: dict[str, Any] = {}
+
+                async def scrape_before(box: dict[str, Any] = scrapes) -> None:
+                    box["before"] = await promscrape.snapshot(cfg.metrics_urls)
+
+                results, start, end = await run_open_loop(
+                    client,
+                    workload,
+                    rate,
+                    duration=cfg.duration,
+                    warmup=cfg.warmup,
+                    drain_timeout=cfg.drain_timeout,
+                    max_concurrency=cfg.max_concurrency,
+                    seed=cfg.workload.seed,
+                    progress=progress,
+                    on_window_start=scrape_before if cfg.metrics_urls else None,
+                )
+                entry = summarize(
+                    results,
+                    window_start=start,
+                    window_end=end,
+                    asked_rate=rate,
+                    max_concurrency=cfg.max_concurrency,
+                    slo_ttft_p50_ms=cfg.slo_ttft_p50_ms,
+                    slo_ttft_p99_ms=cfg.slo_ttft_p99_ms,
+                )
+                if cfg.metrics_urls:
+                    after = await promscrape.snapshot(cfg.metrics_urls)
+                    entry["prometheus"] = promscrape.summarize_deltas(
+                        scrapes.get("before", {}), after
+                    )
+                    entry["prefix_cache_hit_ratio"] = entry["prometheus"]["total"][
+                        "prefix_cache_hit_ratio"
+                    ]
+                if cfg.gpu_hour_price is not None and cfg.gpus:
+                    entry["cost_per_1m_output_tokens"] = cost_per_million_output_tokens(
+                        entry["output_throughput"], cfg.gpu_hour_price, cfg.gpus
+                    )
+                entry["error_samples"] = sorted(
+                    {f"{r.error}: {r.error_detail}"[:200] for r in results if r.error}
+                )[:5]
+                doc["results"].append(entry)
+    doc["load_after"] = machine_load()
+    return doc

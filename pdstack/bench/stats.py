@@ -1,0 +1,142 @@
+"""Per-rate statistics from request results (field names follow ``vllm bench serve``).
+
+Definitions, for a measurement window ``[start, end)`` of ``duration`` seconds:
+
+- asked rate (``request_rate``): the Poisson rate the run asked for; the sent
+  rate is how many requests were actually sent in the window / duration.
+- served rate (``request_throughput``): successful requests that *finished*
+  inside the window / duration. Under a load the stack can carry, it equals the
+  sent rate; past saturation it is the stack's capacity.
+- ``output_throughput``: output tokens that *arrived* inside the window / duration.
+- latencies (TTFT, TPOT, ITL, E2E) are over the successful requests *sent* in
+  the window; percentiles are numpy's linear interpolation (as vllm bench).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from pdstack.bench.client import RequestResult
+
+PERCENTILES = (50, 90, 99)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0-100, linear interpolation); None for no values."""
+    if len(values) == 0:
+        return None
+    return float(np.percentile(np.asarray(values, dtype=float), q))
+
+
+def served_rate(results: Iterable[RequestResult], start: float, end: float) -> float:
+    """Successful completions inside ``[start, end)`` per second."""
+    if end <= start:
+        raise ValueError("empty window")
+    done = sum(
+        1 for r in results if r.ok and r.end_time is not None and start <= r.end_time < end
+    )
+    return done / (end - start)
+
+
+def tokens_in_window(results: Iterable[RequestResult], start: float, end: float) -> float:
+    """Output tokens whose chunk arrived inside ``[start, end)`` (multi-token chunks
+    split evenly by the request's output token count)."""
+    total = 0.0
+    for r in results:
+        if not r.chunk_times or r.output_tokens <= 0:
+            continue
+        per_chunk = r.output_tokens / len(r.chunk_times)
+        inside = sum(1 for t in r.chunk_times if start <= t < end)
+        total += inside * per_chunk
+    return total
+
+
+def _ms_stats(name: str, seconds: Sequence[float]) -> dict[str, float | None]:
+    vals = [s * 1000.0 for s in seconds]
+    out: dict[str, float | None] = {
+        f"mean_{name}_ms": float(np.mean(vals)) if vals else None,
+        f"median_{name}_ms": percentile(vals, 50),
+        f"std_{name}_ms": float(np.std(vals)) if vals else None,
+    }
+    for q in PERCENTILES:
+        out[f"p{q}_{name}_ms"] = percentile(vals, q)
+    out[f"max_{name}_ms"] = max(vals) if vals else None
+    return out
+
+
+def summarize(
+    results: Sequence[RequestResult],
+    *,
+    window_start: float,
+    window_end: float,
+    asked_rate: float | None,
+    max_concurrency: int | None = None,
+    slo_ttft_p50_ms: float | None = None,
+    slo_ttft_p99_ms: float | None = None,
+) -> dict[str, Any]:
+    """The per-rate metrics dict that goes into the JSON file."""
+    duration = window_end - window_start
+    if duration <= 0:
+        raise ValueError("empty window")
+    measured = [r for r in results if window_start <= r.send_time < window_end]
+    ok = [r for r in measured if r.ok]
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    e2es = [r.e2e for r in ok if r.e2e is not None]
+    itls = [gap for r in ok for gap in r.itls]
+    tpots = [
+        (r.e2e - r.ttft) / (r.output_tokens - 1)  # type: ignore[operator]
+        for r in ok
+        if r.output_tokens > 1 and r.ttft is not None and r.e2e is not None
+    ]
+    errors = Counter(r.error for r in measured if r.error is not None)
+    unfinished = sum(1 for r in measured if r.error is None and r.end_time is None)
+    if unfinished:
+        errors["unfinished"] += unfinished
+    out_tokens = tokens_in_window(results, window_start, window_end)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    served = served_rate(results, window_start, window_end)
+    metrics: dict[str, Any] = {
+        "request_rate": asked_rate,
+        "max_concurrency": max_concurrency,
+        "duration": duration,
+        "num_prompts": len(measured),
+        "completed": len(ok),
+        "failed": len(measured) - len(ok),
+        "sent_rate": len(measured) / duration,
+        "request_throughput": served,
+        "served_rate": served,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": (out_tokens + in_tokens) / duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": sum(r.output_tokens for r in ok),
+        "errors": dict(sorted(errors.items())),
+    }
+    metrics.update(_ms_stats("ttft", ttfts))
+    metrics.update(_ms_stats("tpot", tpots))
+    metrics.update(_ms_stats("itl", itls))
+    metrics.update(_ms_stats("e2el", e2es))
+    shared = [r.ttft for r in ok if r.shared and r.ttft is not None]
+    unique = [r.ttft for r in ok if not r.shared and r.ttft is not None]
+    metrics["median_ttft_shared_prefix_ms"] = percentile([t * 1000 for t in shared], 50)
+    metrics["median_ttft_unique_prefix_ms"] = percentile([t * 1000 for t in unique], 50)
+    if slo_ttft_p50_ms is not None and slo_ttft_p99_ms is not None:
+        p50, p99 = metrics["median_ttft_ms"], metrics["p99_ttft_ms"]
+        metrics["meets_ttft_slo"] = bool(
+            p50 is not None and p99 is not None and p50 <= slo_ttft_p50_ms
+            and p99 <= slo_ttft_p99_ms and not metrics["failed"]
+        )
+    return metrics
+
+
+def cost_per_million_output_tokens(
+    output_throughput: float, gpu_hour_price: float, gpus: int
+) -> float | None:
+    """Dollars (or whatever unit the price is in) per 1M output tokens at this throughput."""
+    if output_throughput <= 0 or not math.isfinite(output_throughput):
+        return None
+    return gpu_hour_price * gpus / (output_throughput * 3600.0) * 1e6
