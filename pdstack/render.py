@@ -56,7 +56,7 @@ def render_node(topo: Topology, plan: Plan, node_name: str) -> dict[str, str]:
     ctx = {
         "plan": plan,
         "node": node,
-        "source": topo.source,
+        "source": f"inventory/{Path(topo.source).name}",
         "secrets_env_file": SECRETS_ENV_FILE,
         "engine_image": d.engine_image,
         "proxy_image": d.proxy_image,

@@ -1,0 +1,181 @@
+"""Planner pairing rules and the renderer, over every committed inventory."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdstack.cli import main
+from pdstack.plan import BackendTable, make_plan
+from pdstack.render import render_all
+from pdstack.topology import load_topology
+
+REPO = Path(__file__).resolve().parents[2]
+INVENTORIES = sorted(p.name for p in (REPO / "inventory").iterdir() if (p / "hosts.yml").is_file())
+REQUIRED = {
+    "h200x8-tp8", "a100x2-lmcache-pd", "a100x2-nixl", "a100x4-nixl", "a100x2-shared-l1",
+    "a100x3", "b200x1", "b200x2", "local-cpu", "sample",
+}
+
+
+def plan_of(name: str):
+    return make_plan(load_topology(REPO / "inventory" / name))
+
+
+def services(plan, node):
+    return {s.name: s for s in plan.nodes[node].services}
+
+
+def test_every_required_inventory_exists():
+    assert set(INVENTORIES) >= REQUIRED
+
+
+def _compose_bin() -> list[str]:
+    probe = subprocess.run(["docker", "compose", "version"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.fail("docker compose v2 is missing: run .ci/install-docker.sh")
+    return ["docker", "compose"]
+
+
+@pytest.mark.parametrize("name", INVENTORIES)
+def test_render_every_inventory_and_compose_accepts_it(tmp_path, name):
+    out = tmp_path / "build"
+    assert main(["render", "-i", str(REPO / "inventory" / name), "-o", str(out)]) == 0
+    files = sorted(out.rglob("compose.yaml"))
+    assert files
+    for f in files:
+        r = subprocess.run([*_compose_bin(), "-f", str(f), "config", "-q"],
+                           capture_output=True, text=True, cwd=f.parent)
+        assert r.returncode == 0, f"{f}: {r.stderr}"
+        doc = yaml.safe_load(f.read_text())
+        for svc_name, svc in doc["services"].items():
+            assert svc.get("init") is True or "<<" in svc, svc_name
+        text = f.read_text()
+        assert "0.0.0.0" not in text, f"{f} binds a wildcard address"
+
+
+def test_committed_stacks_equal_a_fresh_render():
+    for inv, stack in (("local-cpu", "cpu"), ("a100x3", "gpu")):
+        assert main(["render", "-i", str(REPO / "inventory" / inv),
+                     "-o", str(REPO / "compose" / stack), "--check"]) == 0, (
+            f"compose/{stack} is stale: pdstack render -i inventory/{inv} -o compose/{stack}")
+
+
+def test_a100x3_is_one_lmcache_one_prefiller_two_decoders_one_proxy():
+    plan = plan_of("a100x3")
+    (node,) = plan.nodes
+    kinds = [(s.kind, s.role) for s in plan.nodes[node].services]
+    assert kinds.count(("lmcache", None)) == 1
+    assert kinds.count(("engine", "prefill")) == 1
+    assert kinds.count(("engine", "decode")) == 2
+    assert kinds.count(("proxy", None)) == 1
+    for s in plan.nodes[node].services:
+        if s.kind == "engine":
+            assert s.kv_transfer_config["kv_connector"] == "LMCacheMPConnector"
+            assert s.depends_on == ["lmcache"]
+    assert {p.kv_path for p in plan.backend_table.pairings} == {"shared-l1"}
+
+
+def test_b200x2_lmcache_per_node_and_nixl_only_on_cross_node_pairs():
+    plan = plan_of("b200x2")
+    n1, n2 = services(plan, "b200-node1"), services(plan, "b200-node2")
+    assert "lmcache" in n1 and "lmcache" in n2
+    # the prefiller has decoders on the other node -> MultiConnector[Nixl, LMCacheMP]
+    pre = n1["prefill-0"].kv_transfer_config
+    assert pre["kv_connector"] == "MultiConnector"
+    names = [c["kv_connector"] for c in pre["kv_connector_extra_config"]["connectors"]]
+    assert names == ["NixlConnector", "LMCacheMPConnector"]
+    # the decoder beside the prefiller only needs the node's store
+    assert n1["decode-0"].kv_transfer_config["kv_connector"] == "LMCacheMPConnector"
+    assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in n1["decode-0"].env
+    # remote decoders pull over NIXL and still share their own node's store
+    for d in ("decode-0", "decode-1"):
+        assert n2[d].kv_transfer_config["kv_connector"] == "MultiConnector"
+        lmc = n2[d].kv_transfer_config["kv_connector_extra_config"]["connectors"][1]
+        assert lmc["kv_connector_extra_config"]["lmcache.mp.host"] == "tcp://10.0.1.22"
+    paths = {(p.prefill, p.decode): p.kv_path for p in plan.backend_table.pairings}
+    assert paths == {
+        ("b200-node1/prefill-0", "b200-node1/decode-0"): "shared-l1",
+        ("b200-node1/prefill-0", "b200-node2/decode-0"): "nixl",
+        ("b200-node1/prefill-0", "b200-node2/decode-1"): "nixl",
+    }
+    # the side channel is bound to the prefiller node's private address, and the decoder
+    # node must reach it
+    assert n1["prefill-0"].env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.0.1.21"
+    side = [e for e in plan.edges if "nixl side channel" in e.purpose]
+    assert [(e.src_node, e.dst_node, e.port) for e in side] == [
+        ("b200-node2", "b200-node1", 5600)]
+    # RDMA nodes get /dev/infiniband in compose
+    rendered = render_all(load_topology(REPO / "inventory" / "b200x2"), plan)
+    assert "/dev/infiniband" in rendered["b200-node2"]["compose.yaml"]
+    assert "backends.json" in rendered["b200-node1"]
+    assert "backends.json" not in rendered["b200-node2"]
+
+
+def test_nixl_pairs_every_prefiller_with_every_decoder():
+    plan = plan_of("a100x4-nixl")
+    assert len(plan.backend_table.pairings) == 4
+    assert {p.kv_path for p in plan.backend_table.pairings} == {"nixl"}
+    svc = services(plan, "a100-node1")
+    ports = {s.ports["nixl_side_channel"] for s in svc.values() if s.kind == "engine"}
+    assert ports == {5600, 5601, 5602, 5603}
+    assert svc["prefill-0"].kv_transfer_config == {
+        "kv_connector": "NixlConnector", "kv_role": "kv_producer"}
+    assert svc["decode-1"].kv_transfer_config["kv_role"] == "kv_consumer"
+
+
+def test_colocated_has_no_pairings_and_no_connector():
+    plan = plan_of("h200x8-tp8")
+    assert plan.backend_table.pairings == []
+    engine = services(plan, "h200-node1")["engine-0"]
+    assert engine.kv_transfer_config is None
+    assert "--tensor-parallel-size" in engine.command
+    assert engine.command[engine.command.index("--tensor-parallel-size") + 1] == "8"
+
+
+def test_cpu_profile_uses_cpu_kv_buffer_and_thread_binding():
+    plan = plan_of("local-cpu")
+    svc = services(plan, "local")
+    assert svc["prefill-0"].env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert svc["lmcache"].command[-1] == "engine_driven"
+    assert svc["decode-0"].gpu_ids == []
+
+
+def test_kv_transfer_config_in_command_is_exact_json():
+    plan = plan_of("b200x2")
+    s = services(plan, "b200-node1")["prefill-0"]
+    arg = s.command[s.command.index("--kv-transfer-config") + 1]
+    assert json.loads(arg) == s.kv_transfer_config
+
+
+def test_model_revision_placeholder_and_generation():
+    plan = plan_of("local-cpu")
+    s = services(plan, "local")["decode-0"]
+    assert "/models/tiny-llama/rev1" in s.command
+    assert s.generation == "rev1@pdstack/engine-cpu:dev"
+    assert {b.generation for b in plan.backend_table.backends} == {s.generation}
+
+
+def test_adhoc_backend_table():
+    t = BackendTable.adhoc(["http://a:1"], ["http://b:2", "http://c:3"], "nixl")
+    assert [p.decode for p in t.pairings] == ["local/decode-0", "local/decode-1"]
+    assert BackendTable.adhoc(["http://a:1"], [], "colocated").pairings == []
+
+
+def test_render_replaces_only_stack_files(tmp_path):
+    inv = tmp_path / "inv"
+    shutil.copytree(REPO / "inventory" / "local-cpu", inv)
+    out = tmp_path / "stack"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert main(["render", "-i", str(inv), "-o", str(out)]) == 0
+    assert (out / "keep.txt").read_text() == "mine"
+    assert (out / "compose.yaml").is_file() and (out / ".env").is_file()
+    assert main(["render", "-i", str(inv), "-o", str(out), "--check"]) == 0
+    (out / ".env").write_text("tampered\n")
+    assert main(["render", "-i", str(inv), "-o", str(out), "--check"]) == 1
