@@ -1,0 +1,68 @@
+"""Fake engines in their own processes (the load generator must not share their loop)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+FakeFactory = Callable[..., str]
+
+
+@pytest.fixture
+def fake_engine() -> Iterator[FakeFactory]:
+    """``fake_engine(ttft_ms=.., itl_ms=.., output_tokens=..)`` -> base URL of a fake
+    engine (pdstack.testing.fake_engine) running as a separate process."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(ttft_ms: float = 0.0, itl_ms: float = 0.0, output_tokens: int = 16,
+              name: str | None = None) -> str:
+        port = free_port()
+        cmd = [sys.executable, "-m", "pdstack.testing.fake_engine", "--port", str(port),
+               "--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms),
+               "--output-tokens", str(output_tokens), "--no-record"]
+        if name:
+            cmd += ["--name", name]
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        procs.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/health")
+        return url
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
