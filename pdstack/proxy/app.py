@@ -1,0 +1,816 @@
+"""The proxy's aiohttp application: OpenAI front door, P/D two-leg flow, admin API.
+
+Request flow (``/v1/completions``, ``/v1/chat/completions``):
+1. API key (if configured), admission (over ``max_concurrency`` -> 429 + Retry-After).
+2. ``colocated``: one leg to an engine chosen by prefix affinity (bounded load).
+3. Skip-prefill (shared-l1 modes, threshold > 0): when the prefix index says the
+   uncached part of the prompt is below the threshold on some node, one leg straight to
+   a decoder on that node (p2c), which reads the prefix from the node's LMCache store.
+4. Otherwise two legs: prefill (prefix affinity, bounded load) with ``max_tokens=1``,
+   ``stream=false``, no ``stream_options`` / ``min_tokens``, and in NIXL pairings
+   ``kv_transfer_params={"do_remote_decode": true}``; then the original request to a
+   decoder paired with that prefiller (same generation; shared-l1 = same node; p2c),
+   carrying the prefill's ``kv_transfer_params`` in NIXL pairings. One ``X-Request-Id``
+   on both legs and on the response.
+Retries: a failed prefill leg, or a decode leg that has not produced its first byte,
+is retried on another backend; never after bytes reached the client (then the stream
+ends with an OpenAI error event and ``data: [DONE]``). Client disconnect cancels the
+handler, which closes the upstream connection(s), so the engines abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import random
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from pdstack.proxy.backends import SHARED_L1_MODES, BackendRegistry, BackendState
+from pdstack.proxy.config import ProxyConfig
+from pdstack.proxy.metrics import ProxyMetrics
+from pdstack.proxy.routing import (
+    HashRing,
+    PrefixIndex,
+    pick_bounded_load,
+    pick_p2c,
+    prompt_text,
+    stable_hash,
+)
+
+log = logging.getLogger("pdstack.proxy")
+
+PROXY_KEY: web.AppKey[Proxy] = web.AppKey("pdstack_proxy", object)  # type: ignore[arg-type]
+SSE_END = b"\n\n"
+
+
+def error_body(message: str, err_type: str, code: int | str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": None, "code": code}}
+
+
+def error_response(
+    status: int, message: str, err_type: str = "server_error", headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.json_response(error_body(message, err_type, status), status=status, headers=headers)
+
+
+def error_event(message: str, code: int = 502) -> bytes:
+    payload = json.dumps(error_body(message, "server_error", code))
+    return b"data: " + payload.encode() + b"\n\ndata: [DONE]\n\n"
+
+
+class _Retryable(Exception):
+    """A leg failed before any byte reached the client: another backend may try."""
+
+
+class _Passthrough(Exception):
+    """An upstream 4xx: the client's fault; answer it as is (no retry)."""
+
+    def __init__(self, status: int, body: bytes, content_type: str) -> None:
+        super().__init__(f"upstream answered {status}")
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+
+
+@dataclass
+class RequestContext:
+    request_id: str
+    path: str
+    body: dict[str, Any]
+    raw: bytes
+    stream: bool
+    started: float
+    route: str = "pd"
+    text: str | None = None
+    outcome: str = "ok"
+    upstream_headers: dict[str, str] = field(default_factory=dict)
+
+
+class _IdleWatchdog:
+    """Closes an upstream response that stays silent for ``idle_s`` (no per-chunk timers:
+    the hot path only stores a timestamp)."""
+
+    def __init__(self, upstream: aiohttp.ClientResponse, idle_s: float) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.upstream = upstream
+        self.idle_s = idle_s
+        self.last = self.loop.time()
+        self.fired = False
+        self._handle = self.loop.call_at(self.last + idle_s, self._check)
+
+    def _check(self) -> None:
+        now = self.loop.time()
+        if now - self.last >= self.idle_s:
+            self.fired = True
+            self.upstream.close()
+        else:
+            self._handle = self.loop.call_at(self.last + self.idle_s, self._check)
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
+class Proxy:
+    """One proxy instance: backends, routers, metrics, the aiohttp app."""
+
+    def __init__(
+        self,
+        registry: BackendRegistry,
+        config: ProxyConfig | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.registry = registry
+        self.config = config or ProxyConfig()
+        self.rng = rng or random.Random()
+        self.in_flight = 0
+        self.metrics = ProxyMetrics(lambda: self.registry, lambda: self.in_flight)
+        registry.on_eject = self._on_eject
+        self.index = PrefixIndex(self.config.index_block_chars, self.config.index_capacity)
+        self.session: aiohttp.ClientSession | None = None
+        self._ring: HashRing | None = None
+        self._ring_version = -1
+        self._health_task: asyncio.Task[None] | None = None
+        self._probing: set[str] = set()
+        threshold = self.config.skip_prefill_threshold_tokens
+        if threshold is None:
+            threshold = registry.skip_prefill_threshold_tokens
+        self.skip_threshold_tokens = threshold
+        self.app = self._make_app()
+
+    # ------------------------------------------------------------------ app wiring
+    def _make_app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app[PROXY_KEY] = self
+        app.router.add_post("/v1/completions", self.handle_generate)
+        app.router.add_post("/v1/chat/completions", self.handle_generate)
+        app.router.add_get("/v1/models", self.handle_models)
+        app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/metrics", self.handle_metrics)
+        app.router.add_get("/admin/backends", self.admin_list)
+        app.router.add_post("/admin/backends", self.admin_upsert)
+        app.router.add_post("/admin/backends/{name:.+}/drain", self.admin_drain)
+        app.router.add_post("/admin/backends/{name:.+}/undrain", self.admin_undrain)
+        app.router.add_delete("/admin/backends/{name:.+}", self.admin_remove)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def _on_startup(self, app: web.Application) -> None:
+        connector = aiohttp.TCPConnector(
+            limit=0, limit_per_host=0, keepalive_timeout=30, enable_cleanup_closed=False
+        )
+        self.session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
+        await self.probe_all()
+        self._health_task = asyncio.create_task(self._health_loop())
+
+    async def _on_cleanup(self, app: web.Application) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        if self.session is not None:
+            await self.session.close()
+
+    def runner(self) -> web.AppRunner:
+        # handler_cancellation: a client disconnect cancels the handler -> upstream abort
+        return web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+
+    # ------------------------------------------------------------------ health
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            try:
+                await self.probe_all()
+            except Exception:  # never let the loop die
+                log.exception("health round failed")
+
+    async def probe_all(self) -> None:
+        backends = [b for b in self.registry.backends.values() if b.name not in self._probing]
+        await asyncio.gather(*(self.probe(b) for b in backends))
+
+    async def probe(self, backend: BackendState) -> None:
+        assert self.session is not None
+        self._probing.add(backend.name)
+        ok, error = False, ""
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+            async with self.session.get(f"{backend.url}/health", timeout=timeout) as resp:
+                await resp.read()
+                ok = resp.status == 200
+                error = "" if ok else f"/health answered {resp.status}"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            error = f"/health failed: {exc.__class__.__name__} {exc}".strip()
+        finally:
+            self._probing.discard(backend.name)
+        self.registry.record_probe(backend, ok, error, self.config)
+
+    def _on_eject(self, backend: BackendState) -> None:
+        self.metrics.ejections.labels(backend.name).inc()
+
+    def _record_failure(self, backend: BackendState, error: str) -> None:
+        self.registry.record_failure(backend, error, self.config.eject_after)
+
+    # ------------------------------------------------------------------ auth helpers
+    def _client_authorized(self, request: web.Request) -> bool:
+        keys = self.config.api_keys
+        if not keys:
+            return True
+        auth = request.headers.get("Authorization", "")
+        token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        return any(hmac.compare_digest(token, k) for k in keys)
+
+    def _admin_error(self, request: web.Request) -> web.Response | None:
+        token = self.config.admin_token
+        if not token:
+            return error_response(
+                403, "admin API disabled: set PDSTACK_ADMIN_TOKEN", "permission_error"
+            )
+        auth = request.headers.get("Authorization", "")
+        given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        given = given or request.headers.get("X-Admin-Token", "")
+        if not hmac.compare_digest(given, token):
+            return error_response(401, "admin token missing or wrong", "authentication_error")
+        return None
+
+    # ------------------------------------------------------------------ simple endpoints
+    async def handle_health(self, request: web.Request) -> web.Response:
+        routable = self._routable()
+        body = {
+            "status": "ok" if routable else "unavailable",
+            "kv_mode": self.registry.kv_mode,
+            "backends": {b.name: b.state for b in self.registry.backends.values()},
+        }
+        if not routable:
+            body["reason"] = self.registry.describe_unroutable()
+        return web.json_response(body, status=200 if routable else 503)
+
+    def _routable(self) -> bool:
+        if self.registry.kv_mode == "colocated":
+            return any(b.usable for b in self.registry.by_role("colocated"))
+        return any(
+            p.usable and self.registry.decoders_for(p) for p in self.registry.by_role("prefill")
+        )
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"}
+        )
+
+    async def handle_models(self, request: web.Request) -> web.StreamResponse:
+        if not self._client_authorized(request):
+            return error_response(401, "invalid or missing API key", "authentication_error")
+        assert self.session is not None
+        role = "colocated" if self.registry.kv_mode == "colocated" else "decode"
+        for backend in self.registry.by_role(role):
+            if not backend.usable:
+                continue
+            try:
+                timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s + 3)
+                async with self.session.get(
+                    f"{backend.url}/v1/models", timeout=timeout, headers=self._auth_headers()
+                ) as resp:
+                    if resp.status == 200:
+                        return web.Response(body=await resp.read(), content_type="application/json")
+            except (aiohttp.ClientError, TimeoutError):
+                continue
+        name = self.registry.served_model_name
+        if not name:
+            return error_response(503, self.registry.describe_unroutable())
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": name, "object": "model", "created": 0, "owned_by": "pdstack"}],
+            }
+        )
+
+    def _auth_headers(self) -> dict[str, str]:
+        key = self.config.engine_api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    # ------------------------------------------------------------------ admin API
+    async def admin_list(self, request: web.Request) -> web.Response:
+        if (err := self._admin_error(request)) is not None:
+            return err
+        data = self.registry.to_json()
+        data["in_flight"] = self.in_flight
+        data["skip_prefill_threshold_tokens"] = self.skip_threshold_tokens
+        return web.json_response(data)
+
+    def _named(self, request: web.Request) -> BackendState | web.Response:
+        name = request.match_info["name"]
+        backend = self.registry.backends.get(name)
+        if backend is None:
+            return error_response(404, f"no backend named {name!r}", "not_found_error")
+        return backend
+
+    async def admin_drain(self, request: web.Request) -> web.Response:
+        return await self._set_drained(request, True)
+
+    async def admin_undrain(self, request: web.Request) -> web.Response:
+        return await self._set_drained(request, False)
+
+    async def _set_drained(self, request: web.Request, drained: bool) -> web.Response:
+        if (err := self._admin_error(request)) is not None:
+            return err
+        backend = self._named(request)
+        if isinstance(backend, web.Response):
+            return backend
+        backend.drained = drained
+        log.warning("%s backend %s", "drained" if drained else "undrained", backend.name)
+        return web.json_response(backend.to_json())
+
+    async def admin_upsert(self, request: web.Request) -> web.Response:
+        if (err := self._admin_error(request)) is not None:
+            return err
+        try:
+            spec = await request.json()
+            if not isinstance(spec, dict):
+                raise ValueError("body must be a JSON object")
+            for key in ("name", "role", "url"):
+                if not spec.get(key):
+                    raise ValueError(f"missing field {key!r}")
+            old = self.registry.backends.get(str(spec["name"]))
+            backend = self.registry.upsert(spec)
+        except (ValueError, KeyError, json.JSONDecodeError) as exc:
+            return error_response(400, f"bad backend: {exc}", "invalid_request_error")
+        await self.probe(backend)  # answer with its first health state
+        log.warning("%s backend %s (%s)", "replaced" if old else "added", backend.name, backend.url)
+        return web.json_response(backend.to_json(), status=200 if old else 201)
+
+    async def admin_remove(self, request: web.Request) -> web.Response:
+        if (err := self._admin_error(request)) is not None:
+            return err
+        backend = self._named(request)
+        if isinstance(backend, web.Response):
+            return backend
+        self.registry.remove(backend.name)
+        return web.json_response(backend.to_json())
+
+    # ------------------------------------------------------------------ generation
+    async def handle_generate(self, request: web.Request) -> web.StreamResponse:
+        metrics = self.metrics
+        if not self._client_authorized(request):
+            metrics.outcome["unauthorized"].inc()
+            return error_response(401, "invalid or missing API key", "authentication_error")
+        if self.in_flight >= self.config.max_concurrency:
+            metrics.outcome["rejected"].inc()
+            return error_response(
+                429,
+                f"proxy at its concurrency limit ({self.config.max_concurrency}); retry later",
+                "rate_limit_error",
+                headers={"Retry-After": str(self.config.retry_after_s)},
+            )
+        self.in_flight += 1
+        ctx: RequestContext | None = None
+        try:
+            raw = await request.read()
+            try:
+                body = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                metrics.outcome["bad_request"].inc()
+                return error_response(
+                    400, f"body is not valid JSON: {exc}", "invalid_request_error"
+                )
+            if not isinstance(body, dict):
+                metrics.outcome["bad_request"].inc()
+                return error_response(400, "body must be a JSON object", "invalid_request_error")
+            request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+            ctx = RequestContext(
+                request_id=request_id,
+                path=request.path,
+                body=body,
+                raw=raw,
+                stream=bool(body.get("stream")),
+                started=time.perf_counter(),
+            )
+            ctx.upstream_headers = {
+                "Content-Type": "application/json",
+                "X-Request-Id": request_id,
+                **self._auth_headers(),
+            }
+            response = await self._serve(request, ctx)
+            metrics.outcome[ctx.outcome].inc()
+            return response
+        except asyncio.CancelledError:
+            metrics.outcome["client_disconnect"].inc()
+            raise
+        finally:
+            self.in_flight -= 1
+
+    async def _serve(self, request: web.Request, ctx: RequestContext) -> web.StreamResponse:
+        registry = self.registry
+        if registry.kv_mode == "colocated":
+            ctx.route = "colocated"
+            key_hash = stable_hash(self._key_text(ctx))
+            return await self._final_leg(
+                request,
+                ctx,
+                lambda tried: self._pick_affinity("colocated", key_hash, tried),
+                lambda backend: ctx.raw,
+            )
+
+        if self.skip_threshold_tokens > 0 and registry.kv_mode in SHARED_L1_MODES:
+            skipped = await self._try_skip_prefill(request, ctx)
+            if skipped is not None:
+                return skipped
+
+        # ---- leg 1: prefill
+        key_hash = stable_hash(self._key_text(ctx))
+        tried: set[str] = set()
+        prefill: BackendState | None = None
+        kv_params: dict[str, Any] | None = None
+        kv_path = ""
+        last_error = ""
+        for attempt in range(self.config.max_retries + 1):
+            prefill = self._pick_affinity("prefill", key_hash, tried)
+            if prefill is None:
+                break
+            if attempt:
+                self.metrics.retries.labels("prefill").inc()
+            tried.add(prefill.name)
+            decoders = self._paired_decoders(prefill)
+            kv_path = decoders[0][1] if decoders else "nixl"
+            try:
+                kv_params = await self._prefill(prefill, ctx, nixl=kv_path == "nixl")
+                break
+            except _Retryable as exc:
+                last_error = str(exc)
+                prefill = None
+            except _Passthrough as exc:
+                ctx.outcome = "client_error"
+                return self._passthrough(exc, ctx)
+        if prefill is None:
+            if last_error:
+                ctx.outcome = "upstream_error"
+                return error_response(
+                    502,
+                    f"prefill failed on every try: {last_error}",
+                    headers={"X-Request-Id": ctx.request_id},
+                )
+            ctx.outcome = "no_backend"
+            return error_response(
+                503, registry.describe_unroutable(), headers={"X-Request-Id": ctx.request_id}
+            )
+        if self.skip_threshold_tokens > 0 and registry.kv_mode in SHARED_L1_MODES:
+            self.index.insert((prefill.node, prefill.generation), self._hashes(ctx))
+
+        # ---- leg 2: decode
+        chosen_prefill = prefill
+        decode_raw: dict[str, bytes] = {}
+
+        def decode_payload(backend: BackendState) -> bytes:
+            path = registry.pairings.get(chosen_prefill.name, {}).get(backend.name, "")
+            if path == "nixl" and kv_params is not None:
+                if "nixl" not in decode_raw:
+                    decode_raw["nixl"] = json.dumps(
+                        {**ctx.body, "kv_transfer_params": kv_params}
+                    ).encode()
+                return decode_raw["nixl"]
+            return ctx.raw
+
+        def pick_decoder(tried_decoders: set[str]) -> BackendState | None:
+            pairs = [
+                (d, p)
+                for d, p in self._paired_decoders(chosen_prefill)
+                if d.name not in tried_decoders
+            ]
+            if not pairs:
+                return None
+            same_path = [d for d, p in pairs if p == kv_path]
+            chosen = pick_p2c(same_path or [d for d, _ in pairs], self.rng)
+            if chosen is not None:
+                self.metrics.pairs.labels(
+                    chosen_prefill.name, chosen.name, chosen_prefill.generation, chosen.generation
+                ).inc()
+            return chosen
+
+        return await self._final_leg(
+            request, ctx, pick_decoder, decode_payload, no_backend_hint=chosen_prefill
+        )
+
+    def _key_text(self, ctx: RequestContext) -> str:
+        if ctx.text is None:
+            ctx.text = prompt_text(ctx.body)
+        return ctx.text[: self.config.prefix_chars]
+
+    def _hashes(self, ctx: RequestContext) -> list[int]:
+        if ctx.text is None:
+            ctx.text = prompt_text(ctx.body)
+        return self.index.block_hashes(ctx.text)
+
+    def _paired_decoders(self, prefill: BackendState) -> list[tuple[BackendState, str]]:
+        """Usable paired decoders, preferring shared-l1 (same-node) pairings first."""
+        pairs = self.registry.decoders_for(prefill)
+        pairs.sort(key=lambda pair: pair[1] != "shared-l1")
+        return pairs
+
+    def _pick_affinity(self, role: str, key_hash: int, tried: set[str]) -> BackendState | None:
+        registry = self.registry
+        if self._ring is None or self._ring_version != registry.version:
+            self._ring = HashRing(b.name for b in registry.backends.values() if b.role == role)
+            self._ring_version = registry.version
+        if role == "prefill":
+            candidates = {
+                b.name: b
+                for b in registry.by_role("prefill")
+                if b.usable and b.name not in tried and registry.decoders_for(b)
+            }
+        else:
+            candidates = {
+                b.name: b for b in registry.by_role(role) if b.usable and b.name not in tried
+            }
+        return pick_bounded_load(self._ring, key_hash, candidates, self.config.load_factor)
+
+    async def _try_skip_prefill(
+        self, request: web.Request, ctx: RequestContext
+    ) -> web.StreamResponse | None:
+        hashes = self._hashes(ctx)
+        assert ctx.text is not None
+        decoders = [d for d in self.registry.by_role("decode") if d.usable]
+        stores = {(d.node, d.generation) for d in decoders}
+        store, cached = self.index.best_store(stores, hashes)
+        self.metrics.index_lookup(cached > 0)
+        if store is None:
+            return None
+        uncached_tokens = (len(ctx.text) - cached) / self.config.chars_per_token
+        if uncached_tokens >= self.skip_threshold_tokens:
+            return None
+        local = [d for d in decoders if (d.node, d.generation) == store]
+        if not local:
+            return None
+        ctx.route = "skip_prefill"
+        self.metrics.skip_prefill.inc()
+
+        def pick(tried: set[str]) -> BackendState | None:
+            return pick_p2c([d for d in local if d.name not in tried and d.usable], self.rng)
+
+        return await self._final_leg(request, ctx, pick, lambda backend: ctx.raw)
+
+    # ------------------------------------------------------------------ legs
+    async def _prefill(
+        self, backend: BackendState, ctx: RequestContext, nixl: bool
+    ) -> dict[str, Any] | None:
+        """Run the prefill leg; returns the response's kv_transfer_params."""
+        assert self.session is not None
+        body = dict(ctx.body)
+        body["max_tokens"] = 1
+        if "max_completion_tokens" in body:
+            body["max_completion_tokens"] = 1
+        body["stream"] = False
+        body.pop("stream_options", None)
+        body.pop("min_tokens", None)
+        if nixl:
+            body["kv_transfer_params"] = {"do_remote_decode": True}
+        else:
+            body.pop("kv_transfer_params", None)
+        started = time.perf_counter()
+        backend.in_flight += 1
+        try:
+            timeout = aiohttp.ClientTimeout(
+                total=self.config.prefill_timeout_s, sock_connect=self.config.connect_timeout_s
+            )
+            async with self.session.post(
+                backend.url + ctx.path,
+                data=json.dumps(body).encode(),
+                headers=ctx.upstream_headers,
+                timeout=timeout,
+            ) as resp:
+                data = await resp.read()
+                status = resp.status
+                content_type = resp.headers.get("Content-Type", "application/json")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            error = f"prefiller {backend.name}: {_describe(exc)}"
+            self._record_failure(backend, error)
+            raise _Retryable(error) from exc
+        finally:
+            backend.in_flight -= 1
+        self.metrics.leg_prefill.observe(time.perf_counter() - started)
+        if status != 200:
+            if 400 <= status < 500 and status not in (408, 429):
+                raise _Passthrough(status, data, content_type)
+            error = (
+                f"prefiller {backend.name} answered {status}: {data[:200].decode(errors='replace')}"
+            )
+            if status >= 500:
+                self._record_failure(backend, error)
+            raise _Retryable(error)
+        backend.consecutive_failures = 0
+        try:
+            params = json.loads(data).get("kv_transfer_params")
+        except (json.JSONDecodeError, AttributeError):
+            params = None
+        if nixl and not params:
+            log.warning(
+                "prefiller %s returned no kv_transfer_params for %s", backend.name, ctx.request_id
+            )
+        return params
+
+    async def _final_leg(
+        self,
+        request: web.Request,
+        ctx: RequestContext,
+        pick: Callable[[set[str]], BackendState | None],
+        payload: Callable[[BackendState], bytes],
+        no_backend_hint: BackendState | None = None,
+    ) -> web.StreamResponse:
+        """The leg whose bytes go to the client; retried until its first byte."""
+        tried: set[str] = set()
+        last_error = ""
+        for attempt in range(self.config.max_retries + 1):
+            backend = pick(tried)
+            if backend is None:
+                break
+            if attempt:
+                self.metrics.retries.labels("decode").inc()
+            tried.add(backend.name)
+            try:
+                return await self._stream_leg(request, ctx, backend, payload(backend))
+            except _Retryable as exc:
+                last_error = str(exc)
+            except _Passthrough as exc:
+                ctx.outcome = "client_error"
+                return self._passthrough(exc, ctx)
+        headers = {"X-Request-Id": ctx.request_id}
+        if last_error:
+            ctx.outcome = "upstream_error"
+            return error_response(502, f"failed on every try: {last_error}", headers=headers)
+        ctx.outcome = "no_backend"
+        if no_backend_hint is not None:
+            p = no_backend_hint
+            message = f"no healthy decoder for prefiller {p.name} on node {p.node}"
+        else:
+            message = self.registry.describe_unroutable()
+        return error_response(503, message, headers=headers)
+
+    async def _stream_leg(
+        self, request: web.Request, ctx: RequestContext, backend: BackendState, payload: bytes
+    ) -> web.StreamResponse:
+        assert self.session is not None
+        config = self.config
+        metrics = self.metrics
+        started = time.perf_counter()
+        backend.in_flight += 1
+        upstream: aiohttp.ClientResponse | None = None
+        response: web.StreamResponse | None = None
+        try:
+            # ---------- before the first byte: everything here may be retried elsewhere
+            first = b""
+            pending = b""
+            try:
+                deadline = (
+                    config.decode_first_byte_timeout_s if ctx.stream else config.request_timeout_s
+                )
+                async with asyncio.timeout(deadline):
+                    upstream = await self.session.post(
+                        backend.url + ctx.path, data=payload, headers=ctx.upstream_headers
+                    )
+                    if upstream.status != 200:
+                        data = await upstream.read()
+                        status = upstream.status
+                        content_type = upstream.headers.get("Content-Type", "application/json")
+                        upstream.release()
+                        upstream = None
+                        if 400 <= status < 500 and status not in (408, 429):
+                            raise _Passthrough(status, data, content_type)
+                        error = (
+                            f"{backend.role} {backend.name} answered {status}: "
+                            f"{data[:200].decode(errors='replace')}"
+                        )
+                        if status >= 500:
+                            self._record_failure(backend, error)
+                        raise _Retryable(error)
+                    if not ctx.stream:
+                        data = await upstream.read()
+                        content_type = upstream.headers.get("Content-Type", "application/json")
+                        upstream.release()
+                        upstream = None
+                        backend.consecutive_failures = 0
+                        backend.served += 1
+                        now = time.perf_counter()
+                        metrics.ttft_route[ctx.route].observe(now - ctx.started)
+                        metrics.leg_decode.observe(now - started)
+                        return web.Response(
+                            body=data,
+                            status=200,
+                            headers={"Content-Type": content_type, "X-Request-Id": ctx.request_id},
+                        )
+                    content = upstream.content
+                    while True:  # until one complete SSE event (or EOF)
+                        chunk = await content.readany()
+                        if not chunk:
+                            break
+                        buf = pending + chunk if pending else chunk
+                        cut = buf.rfind(SSE_END)
+                        if cut < 0:
+                            pending = buf
+                            continue
+                        first, pending = buf[: cut + 2], buf[cut + 2 :]
+                        break
+                    if not first:
+                        raise _Retryable(
+                            f"{backend.role} {backend.name} closed before the first event"
+                        )
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                error = f"{backend.role} {backend.name}: {_describe(exc)}"
+                self._record_failure(backend, error)
+                raise _Retryable(error) from exc
+
+            # ---------- first byte: from here on, never retry
+            response = web.StreamResponse(
+                status=200,
+                headers={
+                    "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
+                    "Cache-Control": "no-cache",
+                    "X-Request-Id": ctx.request_id,
+                },
+            )
+            await response.prepare(request)
+            await response.write(first)
+            now = time.perf_counter()
+            metrics.ttft_route[ctx.route].observe(now - ctx.started)
+            metrics.leg_decode_first.observe(now - started)
+            watchdog = _IdleWatchdog(upstream, config.stream_idle_timeout_s)
+            loop = watchdog.loop
+            failure = ""
+            try:
+                content = upstream.content
+                while True:
+                    try:
+                        chunk = await content.readany()
+                    except (aiohttp.ClientError, TimeoutError) as exc:
+                        failure = _describe(exc)
+                        break
+                    if not chunk:
+                        break
+                    watchdog.last = loop.time()
+                    if pending:
+                        chunk = pending + chunk
+                        pending = b""
+                    if not chunk.endswith(SSE_END):
+                        cut = chunk.rfind(SSE_END)
+                        if cut < 0:
+                            pending = chunk
+                            continue
+                        pending = chunk[cut + 2 :]
+                        chunk = chunk[: cut + 2]
+                    await response.write(chunk)
+            finally:
+                watchdog.cancel()
+            if watchdog.fired:
+                failure = f"no data for {config.stream_idle_timeout_s:g}s"
+            elif not failure and not upstream.content.is_eof():
+                failure = "stream ended early"
+            if failure:
+                message = f"{backend.role} {backend.name} failed mid-stream: {failure}"
+                log.warning("%s (request %s)", message, ctx.request_id)
+                self._record_failure(backend, message)
+                ctx.outcome = "stream_error"
+                await response.write(error_event(message))
+            else:
+                if pending:
+                    await response.write(pending)
+                backend.consecutive_failures = 0
+                backend.served += 1
+                upstream.release()
+                upstream = None
+            metrics.leg_decode.observe(time.perf_counter() - started)
+            with contextlib.suppress(ConnectionError):
+                await response.write_eof()
+            return response
+        except ConnectionError:
+            # the client went away while we wrote: abort upstream (finally) and stop
+            ctx.outcome = "client_disconnect"
+            return response if response is not None else web.Response(status=499)
+        finally:
+            backend.in_flight -= 1
+            if upstream is not None:
+                upstream.close()  # aborts the upstream request (engine sees a disconnect)
+
+    def _passthrough(self, exc: _Passthrough, ctx: RequestContext) -> web.Response:
+        return web.Response(
+            body=exc.body,
+            status=exc.status,
+            headers={"Content-Type": exc.content_type, "X-Request-Id": ctx.request_id},
+        )
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    text = str(exc)
+    return f"{exc.__class__.__name__}: {text}" if text else exc.__class__.__name__

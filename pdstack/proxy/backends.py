@@ -1,0 +1,288 @@
+"""Discovery: the proxy's live backend table (state, health, pairings, generations).
+
+The static part comes from the planner's :class:`pdstack.plan.BackendTable` (or from
+flags through ``BackendTable.adhoc``); the live part (healthy / drained / in-flight /
+failure counters) is kept here. The admin API adds, replaces, drains and removes
+backends at run time (the rolling upgrade uses it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("pdstack.proxy")
+
+KV_MODES = ("colocated", "nixl", "shared-l1", "shared-l1+nixl", "lmcache-pd")
+ROLES = ("prefill", "decode", "colocated")
+SHARED_L1_MODES = ("shared-l1", "shared-l1+nixl")
+
+
+@dataclass(eq=False)
+class BackendState:
+    """One engine as the proxy sees it."""
+
+    name: str
+    role: str
+    node: str
+    url: str
+    generation: str = ""
+    healthy: bool = False
+    probed: bool = False  # a first passing probe admits at once; later re-admission waits
+    drained: bool = False
+    removed: bool = False
+    in_flight: int = 0
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+    ejections: int = 0
+    served: int = 0
+    last_error: str = ""
+
+    @property
+    def usable(self) -> bool:
+        """May take new requests."""
+        return self.healthy and not self.drained and not self.removed
+
+    @property
+    def state(self) -> str:
+        if self.removed:
+            return "removed"
+        if not self.healthy:
+            return "ejected" if self.probed else "unknown"
+        return "drained" if self.drained else "healthy"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "role": self.role,
+            "node": self.node,
+            "url": self.url,
+            "generation": self.generation,
+            "state": self.state,
+            "healthy": self.healthy,
+            "drained": self.drained,
+            "in_flight": self.in_flight,
+            "served": self.served,
+            "consecutive_failures": self.consecutive_failures,
+            "ejections": self.ejections,
+            "last_error": self.last_error,
+        }
+
+
+def derive_kv_path(kv_mode: str, prefill: BackendState, decode: BackendState) -> str | None:
+    """The KV path between a prefiller and a decoder under ``kv_mode``; None = no pairing."""
+    same_node = prefill.node == decode.node
+    if kv_mode == "nixl":
+        return "nixl"
+    if kv_mode == "shared-l1":
+        return "shared-l1" if same_node else None
+    if kv_mode == "shared-l1+nixl":
+        return "shared-l1" if same_node else "nixl"
+    if kv_mode == "lmcache-pd":
+        return "lmcache-pd"
+    return None
+
+
+@dataclass
+class BackendRegistry:
+    """Backends + pairings + live state. Single-threaded (asyncio): no locks."""
+
+    kv_mode: str
+    served_model_name: str = ""
+    skip_prefill_threshold_tokens: int = 0
+    backends: dict[str, BackendState] = field(default_factory=dict)
+    # prefill name -> {decode name: kv_path}
+    pairings: dict[str, dict[str, str]] = field(default_factory=dict)
+    on_eject: Callable[[BackendState], None] | None = None
+    version: int = 0  # bumped on membership changes (routers rebuild their rings)
+
+    # ------------------------------------------------------------ construction
+    @classmethod
+    def from_table(cls, table: Any) -> BackendRegistry:
+        """From a ``pdstack.plan.BackendTable`` (or its JSON dict)."""
+        data = table if isinstance(table, dict) else table.model_dump(mode="json")
+        kv_mode = data["kv_mode"]
+        if kv_mode not in KV_MODES:
+            raise ValueError(f"unknown kv_mode {kv_mode!r} (one of {', '.join(KV_MODES)})")
+        reg = cls(
+            kv_mode=kv_mode,
+            served_model_name=data.get("served_model_name") or "",
+            skip_prefill_threshold_tokens=int(data.get("skip_prefill_threshold_tokens") or 0),
+        )
+        for b in data["backends"]:
+            reg._add(
+                BackendState(
+                    name=b["name"],
+                    role=b["role"],
+                    node=b.get("node") or "local",
+                    url=b["url"].rstrip("/"),
+                    generation=b.get("generation") or "",
+                )
+            )
+        for pair in data.get("pairings") or []:
+            reg.pairings.setdefault(pair["prefill"], {})[pair["decode"]] = pair["kv_path"]
+        reg.validate()
+        return reg
+
+    def _add(self, backend: BackendState) -> None:
+        if backend.role not in ROLES:
+            raise ValueError(f"backend {backend.name}: unknown role {backend.role!r}")
+        if self.kv_mode == "colocated" and backend.role != "colocated":
+            raise ValueError(f"backend {backend.name}: kv_mode colocated needs role colocated")
+        if self.kv_mode != "colocated" and backend.role == "colocated":
+            raise ValueError(f"backend {backend.name}: role colocated needs kv_mode colocated")
+        self.backends[backend.name] = backend
+        self.version += 1
+
+    def validate(self) -> None:
+        for pre, decs in self.pairings.items():
+            p = self.backends.get(pre)
+            if p is None or p.role != "prefill":
+                raise ValueError(f"pairing names {pre!r}, which is not a prefill backend")
+            for dec in decs:
+                d = self.backends.get(dec)
+                if d is None or d.role != "decode":
+                    raise ValueError(f"pairing names {dec!r}, which is not a decode backend")
+
+    # ------------------------------------------------------------ queries
+    def by_role(self, role: str) -> list[BackendState]:
+        return [b for b in self.backends.values() if b.role == role and not b.removed]
+
+    def decoders_for(self, prefill: BackendState) -> list[tuple[BackendState, str]]:
+        """Usable decoders paired with ``prefill``, same generation, with their KV path."""
+        out: list[tuple[BackendState, str]] = []
+        for name, kv_path in self.pairings.get(prefill.name, {}).items():
+            d = self.backends.get(name)
+            if d is None or not d.usable or d.generation != prefill.generation:
+                continue
+            if kv_path == "shared-l1" and d.node != prefill.node:
+                continue  # the LMCache store is per node
+            out.append((d, kv_path))
+        return out
+
+    def describe_unroutable(self) -> str:
+        """Why no request can be routed now (an operator-readable sentence)."""
+        if self.kv_mode == "colocated":
+            engines = self.by_role("colocated")
+            return f"no healthy engine ({_summary(engines)})"
+        prefillers = self.by_role("prefill")
+        usable = [p for p in prefillers if p.usable]
+        if not usable:
+            return f"no healthy prefiller ({_summary(prefillers)})"
+        p = usable[0]
+        paired = [self.backends[n] for n in self.pairings.get(p.name, {}) if n in self.backends]
+        same_gen = [d for d in paired if d.generation == p.generation]
+        detail = _summary(paired)
+        if paired and not same_gen:
+            detail = f"none of generation {p.generation!r}"
+        return f"no healthy decoder for prefiller {p.name} on node {p.node} ({detail})"
+
+    # ------------------------------------------------------------ health bookkeeping
+    def record_failure(self, backend: BackendState, error: str, eject_after: int) -> None:
+        backend.consecutive_failures += 1
+        backend.consecutive_successes = 0
+        backend.last_error = error
+        if backend.healthy and backend.consecutive_failures >= eject_after:
+            self.eject(backend, error)
+
+    def eject(self, backend: BackendState, reason: str) -> None:
+        backend.healthy = False
+        backend.ejections += 1
+        log.warning("ejected backend %s (%s): %s", backend.name, backend.url, reason)
+        if self.on_eject is not None:
+            self.on_eject(backend)
+
+    def record_probe(self, backend: BackendState, ok: bool, error: str, cfg: Any) -> None:
+        first = not backend.probed
+        backend.probed = True
+        if ok:
+            backend.consecutive_failures = 0
+            if first:
+                backend.healthy = True
+            elif not backend.healthy:
+                backend.consecutive_successes += 1
+                if backend.consecutive_successes >= cfg.readmit_after:
+                    backend.healthy = True
+                    backend.consecutive_successes = 0
+                    backend.last_error = ""
+                    log.warning("re-admitted backend %s (%s)", backend.name, backend.url)
+        else:
+            self.record_failure(backend, error, cfg.eject_after)
+
+    # ------------------------------------------------------------ admin
+    def upsert(self, spec: dict[str, Any]) -> BackendState:
+        """Add or replace a backend (admin API). New backends start unhealthy until probed."""
+        name = str(spec["name"])
+        role = str(spec["role"])
+        old = self.backends.get(name)
+        backend = BackendState(
+            name=name,
+            role=role,
+            node=str(spec.get("node") or "local"),
+            url=str(spec["url"]).rstrip("/"),
+            generation=str(spec.get("generation") or ""),
+            drained=bool(spec.get("drained", False)),
+        )
+        if old is not None and old.role != role:
+            raise ValueError(f"backend {name} exists with role {old.role}; remove it first")
+        self._add(backend)
+        explicit = spec.get("pairs_with")
+        if role == "prefill":
+            targets = explicit if explicit is not None else [d.name for d in self.by_role("decode")]
+            self.pairings[name] = {}
+            for dname in targets:
+                d = self.backends.get(dname)
+                if d is None or d.role != "decode":
+                    raise ValueError(f"pairs_with names {dname!r}, which is not a decode backend")
+                path = derive_kv_path(self.kv_mode, backend, d)
+                if path is not None:
+                    self.pairings[name][dname] = path
+        elif role == "decode":
+            targets = (
+                explicit if explicit is not None else [p.name for p in self.by_role("prefill")]
+            )
+            for decs in self.pairings.values():
+                decs.pop(name, None)
+            for pname in targets:
+                p = self.backends.get(pname)
+                if p is None or p.role != "prefill":
+                    raise ValueError(f"pairs_with names {pname!r}, which is not a prefill backend")
+                path = derive_kv_path(self.kv_mode, p, backend)
+                if path is not None:
+                    self.pairings.setdefault(pname, {})[name] = path
+        if old is not None:
+            old.removed = True  # in-flight requests on the old entry finish; no new ones
+        return backend
+
+    def remove(self, name: str) -> BackendState:
+        backend = self.backends.pop(name)
+        backend.removed = True
+        self.pairings.pop(name, None)
+        for decs in self.pairings.values():
+            decs.pop(name, None)
+        self.version += 1
+        return backend
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kv_mode": self.kv_mode,
+            "served_model_name": self.served_model_name,
+            "backends": [b.to_json() for b in self.backends.values()],
+            "pairings": [
+                {"prefill": p, "decode": d, "kv_path": path}
+                for p, decs in self.pairings.items()
+                for d, path in decs.items()
+            ],
+        }
+
+
+def _summary(backends: Iterable[BackendState]) -> str:
+    items = list(backends)
+    if not items:
+        return "none configured"
+    counts: dict[str, int] = {}
+    for b in items:
+        counts[b.state] = counts.get(b.state, 0) + 1
+    return ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))

@@ -1,0 +1,203 @@
+"""``pdstack proxy``: run the P/D-aware OpenAI proxy.
+
+Backends come from one of:
+- ``-i/--inventory DIR``: ``make_plan(load_topology(DIR)).backend_table``;
+- ``--backends FILE``: a backend table as JSON (what the planner renders);
+- ``--prefill URL... --decode URL... --kv-mode MODE``: ad hoc (every prefiller pairs with
+  every decoder, all on node ``local``; in ``colocated`` every URL is an engine).
+
+Secrets (admin token, client API keys) come from the environment or ``--env-file``,
+never from argv: see :mod:`pdstack.proxy.config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+from pathlib import Path
+from typing import Any
+
+from pdstack.proxy.config import ProxyConfig, load_secrets
+
+DEFAULT_ENV_FILE = "/etc/pdstack/secrets.env"
+KV_MODE_CHOICES = ("nixl", "shared-l1", "shared-l1+nixl", "colocated", "lmcache-pd")
+
+
+def register(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(name, help=help_text, description=__doc__.splitlines()[0])
+    src = p.add_argument_group("backends (pick one source)")
+    src.add_argument("-i", "--inventory", help="inventory directory (uses the planner)")
+    src.add_argument("--backends", help="backend table JSON file")
+    src.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill engine URLs")
+    src.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode engine URLs")
+    src.add_argument("--kv-mode", choices=KV_MODE_CHOICES, help="KV mode for --prefill/--decode")
+    src.add_argument("--served-model-name", default="", help="model name for /v1/models fallback")
+
+    d = ProxyConfig()
+    p.add_argument("--host", default=d.host, help="bind address (default %(default)s)")
+    p.add_argument("--port", type=int, default=d.port, help="port (default %(default)s)")
+    p.add_argument(
+        "--env-file",
+        default=None,
+        help=f"KEY=VALUE file with secrets (default {DEFAULT_ENV_FILE} if present)",
+    )
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=d.max_concurrency,
+        help="requests in flight before 429 (default %(default)s)",
+    )
+    p.add_argument(
+        "--prefix-chars",
+        type=int,
+        default=d.prefix_chars,
+        help="leading prompt characters hashed for prefill affinity",
+    )
+    p.add_argument(
+        "--load-factor",
+        type=float,
+        default=d.load_factor,
+        help="bounded-load factor, >= 1 (default %(default)s)",
+    )
+    p.add_argument(
+        "--skip-prefill-threshold",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="skip prefill when the uncached prompt part is below this many tokens "
+        "(shared-l1 modes; default: the backend table's value; 0 = off)",
+    )
+    p.add_argument("--chars-per-token", type=float, default=d.chars_per_token)
+    p.add_argument("--health-interval", type=float, default=d.health_interval_s)
+    p.add_argument("--health-timeout", type=float, default=d.health_timeout_s)
+    p.add_argument(
+        "--eject-after",
+        type=int,
+        default=d.eject_after,
+        help="consecutive failures before a backend is ejected",
+    )
+    p.add_argument(
+        "--readmit-after",
+        type=int,
+        default=d.readmit_after,
+        help="consecutive passing health checks before re-admission",
+    )
+    p.add_argument("--max-retries", type=int, default=d.max_retries)
+    p.add_argument("--connect-timeout", type=float, default=d.connect_timeout_s)
+    p.add_argument("--prefill-timeout", type=float, default=d.prefill_timeout_s)
+    p.add_argument("--decode-first-byte-timeout", type=float, default=d.decode_first_byte_timeout_s)
+    p.add_argument("--stream-idle-timeout", type=float, default=d.stream_idle_timeout_s)
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=d.request_timeout_s,
+        help="whole non-streaming decode leg",
+    )
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=run)
+    return p
+
+
+def backend_table_from_args(args: argparse.Namespace) -> Any:
+    """The planner's BackendTable for whichever source the flags name."""
+    from pdstack.plan import BackendTable
+
+    sources = [bool(args.inventory), bool(args.backends), bool(args.prefill or args.decode)]
+    if sum(sources) != 1:
+        raise SystemExit("pdstack proxy: give exactly one of -i, --backends, --prefill/--decode")
+    if args.inventory:
+        from pdstack.plan import make_plan
+        from pdstack.topology import load_topology
+
+        return make_plan(load_topology(args.inventory)).backend_table
+    if args.backends:
+        return BackendTable.model_validate(json.loads(Path(args.backends).read_text()))
+    if not args.kv_mode:
+        raise SystemExit("pdstack proxy: --kv-mode is required with --prefill/--decode")
+    if args.kv_mode != "colocated" and not (args.prefill and args.decode):
+        raise SystemExit("pdstack proxy: P/D modes need at least one --prefill and one --decode")
+    return BackendTable.adhoc(args.prefill, args.decode, args.kv_mode, args.served_model_name)
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    config = ProxyConfig(
+        host=args.host,
+        port=args.port,
+        max_concurrency=args.max_concurrency,
+        prefix_chars=args.prefix_chars,
+        load_factor=max(1.0, args.load_factor),
+        skip_prefill_threshold_tokens=args.skip_prefill_threshold,
+        chars_per_token=args.chars_per_token,
+        health_interval_s=args.health_interval,
+        health_timeout_s=args.health_timeout,
+        eject_after=args.eject_after,
+        readmit_after=args.readmit_after,
+        max_retries=args.max_retries,
+        connect_timeout_s=args.connect_timeout,
+        prefill_timeout_s=args.prefill_timeout,
+        decode_first_byte_timeout_s=args.decode_first_byte_timeout,
+        stream_idle_timeout_s=args.stream_idle_timeout,
+        request_timeout_s=args.request_timeout,
+    )
+    env_file = args.env_file
+    if env_file is None and Path(DEFAULT_ENV_FILE).exists():
+        env_file = DEFAULT_ENV_FILE
+    if env_file is not None and not Path(env_file).exists():
+        raise SystemExit(f"pdstack proxy: env file {env_file} does not exist")
+    return load_secrets(config, env_file)
+
+
+async def serve(proxy: Any, host: str, port: int) -> None:
+    """Run until SIGINT/SIGTERM."""
+    from aiohttp import web
+
+    runner = proxy.runner()
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=4096, reuse_address=True)
+    await site.start()
+    logging.getLogger("pdstack.proxy").warning(
+        "pdstack proxy on http://%s:%d (kv_mode %s, %d backends)",
+        host,
+        port,
+        proxy.registry.kv_mode,
+        len(proxy.registry.backends),
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s"
+    )
+    from pdstack.proxy.app import Proxy
+    from pdstack.proxy.backends import BackendRegistry
+    from pdstack.topology import TopologyError
+
+    try:
+        table = backend_table_from_args(args)
+        registry = BackendRegistry.from_table(table)
+    except (ValueError, OSError, TopologyError) as exc:
+        print(f"pdstack proxy: {exc}")
+        return 2
+    config = config_from_args(args)
+    proxy = Proxy(registry, config)
+    try:
+        import uvloop  # type: ignore[import-not-found]
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(proxy, config.host, config.port))
+    return 0

@@ -1,0 +1,82 @@
+"""Proxy settings and secrets.
+
+Secrets never come from argv: the admin token and client API keys are read from the
+environment, which an env file (``KEY=VALUE`` lines, ``#`` comments) may fill in:
+- ``PDSTACK_ADMIN_TOKEN``: required for ``/admin/*`` (without it the admin API answers 403).
+- ``PDSTACK_API_KEYS``: comma-separated client keys; when set, ``/v1/*`` needs
+  ``Authorization: Bearer <key>``.
+- ``PDSTACK_ENGINE_API_KEY``: sent to the engines as ``Authorization: Bearer`` (optional).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ADMIN_TOKEN_ENV = "PDSTACK_ADMIN_TOKEN"
+API_KEYS_ENV = "PDSTACK_API_KEYS"
+ENGINE_API_KEY_ENV = "PDSTACK_ENGINE_API_KEY"
+
+
+@dataclass
+class ProxyConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # admission
+    max_concurrency: int = 2048
+    retry_after_s: int = 1
+    # routing
+    prefix_chars: int = 1024  # leading characters hashed for prefill affinity
+    load_factor: float = 1.25  # bounded-load factor c (>= 1)
+    skip_prefill_threshold_tokens: int | None = None  # None = the backend table's value
+    chars_per_token: float = 4.0  # the proxy does not tokenize; it estimates
+    index_block_chars: int = 256
+    index_capacity: int = 200_000
+    # health
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 2.0
+    eject_after: int = 3
+    readmit_after: int = 2
+    # retries and timeouts (per leg)
+    max_retries: int = 2
+    connect_timeout_s: float = 3.0
+    prefill_timeout_s: float = 300.0
+    decode_first_byte_timeout_s: float = 300.0
+    stream_idle_timeout_s: float = 60.0
+    request_timeout_s: float = 900.0  # non-streaming decode leg, whole response
+    # secrets
+    admin_token: str | None = field(default=None, repr=False)
+    api_keys: frozenset[str] = field(default_factory=frozenset, repr=False)
+    engine_api_key: str | None = field(default=None, repr=False)
+
+
+def read_env_file(path: str | Path) -> dict[str, str]:
+    values: dict[str, str] = {}
+    for raw in Path(path).read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#") or "=" not in line:
+            continue
+        key, value = line.split("=", 1)
+        key = key.strip().removeprefix("export ").strip()
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        values[key] = value
+    return values
+
+
+def load_secrets(
+    config: ProxyConfig, env_file: str | Path | None, environ: dict[str, str] | None = None
+) -> ProxyConfig:
+    """Fill the secrets of ``config`` from the environment (which wins) and ``env_file``."""
+    env: dict[str, str] = {}
+    if env_file is not None and Path(env_file).exists():
+        env.update(read_env_file(env_file))
+    env.update(os.environ if environ is None else environ)
+    config.admin_token = env.get(ADMIN_TOKEN_ENV) or None
+    config.api_keys = frozenset(
+        k.strip() for k in env.get(API_KEYS_ENV, "").split(",") if k.strip()
+    )
+    config.engine_api_key = env.get(ENGINE_API_KEY_ENV) or None
+    return config

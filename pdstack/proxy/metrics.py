@@ -1,0 +1,131 @@
+"""Stats: the proxy's Prometheus metrics (one registry per proxy instance).
+
+Metric names (all prefixed ``pdstack_proxy_``):
+- ``ttft_seconds`` histogram {route}: request arrival -> first byte written to the client
+  (route: ``pd`` two legs, ``skip_prefill``, ``colocated``).
+- ``leg_seconds`` histogram {leg}: ``prefill`` (whole leg), ``decode_first_byte``,
+  ``decode`` (whole leg).
+- ``requests_total`` counter {outcome}: ``ok``, ``client_error`` (4xx passed through),
+  ``bad_request``, ``unauthorized``, ``rejected`` (429), ``no_backend`` (503),
+  ``upstream_error`` (every try failed before the first byte), ``stream_error`` (upstream
+  died or stalled mid-stream; the client got an error event), ``client_disconnect``.
+- ``in_flight`` gauge; ``backend_in_flight`` / ``backend_healthy`` / ``backend_drained``
+  gauges {backend, role, node, generation}.
+- ``skip_prefill_total`` counter.
+- ``prefix_index_lookups_total``, ``prefix_index_hits_total`` counters and
+  ``prefix_index_hit_ratio`` gauge (hits / lookups; a hit = some prefix cached).
+- ``retries_total`` counter {leg}; ``ejections_total`` counter {backend}.
+- ``pairs_total`` counter {prefill, decode, prefill_generation, decode_generation}: which
+  prefiller/decoder pairs served requests (proves generations never mix).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from pdstack.proxy.backends import BackendRegistry
+
+TTFT_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+OUTCOMES = (
+    "ok", "client_error", "bad_request", "unauthorized", "rejected", "no_backend",
+    "upstream_error", "stream_error", "client_disconnect",
+)  # fmt: skip
+
+
+class _BackendCollector(Collector):
+    def __init__(self, backends: Callable[[], BackendRegistry], in_flight: Callable[[], int]):
+        self._backends = backends
+        self._in_flight = in_flight
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["backend", "role", "node", "generation"]
+        in_flight = GaugeMetricFamily(
+            "pdstack_proxy_backend_in_flight", "requests in flight per backend", labels=labels
+        )
+        healthy = GaugeMetricFamily(
+            "pdstack_proxy_backend_healthy", "1 = passing health checks", labels=labels
+        )
+        drained = GaugeMetricFamily(
+            "pdstack_proxy_backend_drained", "1 = drained (no new requests)", labels=labels
+        )
+        for b in self._backends().backends.values():
+            values = [b.name, b.role, b.node, b.generation]
+            in_flight.add_metric(values, b.in_flight)
+            healthy.add_metric(values, 1 if b.healthy else 0)
+            drained.add_metric(values, 1 if b.drained else 0)
+        total = GaugeMetricFamily("pdstack_proxy_in_flight", "client requests in flight")
+        total.add_metric([], self._in_flight())
+        yield from (in_flight, healthy, drained, total)
+
+
+class ProxyMetrics:
+    def __init__(
+        self, backends: Callable[[], BackendRegistry], in_flight: Callable[[], int]
+    ) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "pdstack_proxy_ttft_seconds",
+            "proxy-observed time to first byte",
+            ["route"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.leg = Histogram(
+            "pdstack_proxy_leg_seconds",
+            "per-leg latency",
+            ["leg"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "pdstack_proxy_requests", "client requests by outcome", ["outcome"], registry=r
+        )
+        self.skip_prefill = Counter(
+            "pdstack_proxy_skip_prefill", "requests sent straight to a decoder", registry=r
+        )
+        self.index_lookups = Counter(
+            "pdstack_proxy_prefix_index_lookups", "prefix index lookups", registry=r
+        )
+        self.index_hits = Counter(
+            "pdstack_proxy_prefix_index_hits", "lookups that found a cached prefix", registry=r
+        )
+        self.index_hit_ratio = Gauge(
+            "pdstack_proxy_prefix_index_hit_ratio", "prefix index hits / lookups", registry=r
+        )
+        self.retries = Counter("pdstack_proxy_retries", "retried legs", ["leg"], registry=r)
+        self.ejections = Counter(
+            "pdstack_proxy_ejections", "backends ejected", ["backend"], registry=r
+        )
+        self.pairs = Counter(
+            "pdstack_proxy_pairs",
+            "requests per prefiller/decoder pair",
+            ["prefill", "decode", "prefill_generation", "decode_generation"],
+            registry=r,
+        )
+        r.register(_BackendCollector(backends, in_flight))
+        # pre-bound children: label lookups off the hot path
+        self.outcome = {o: self.requests.labels(o) for o in OUTCOMES}
+        self.ttft_route = {k: self.ttft.labels(k) for k in ("pd", "skip_prefill", "colocated")}
+        self.leg_prefill = self.leg.labels("prefill")
+        self.leg_decode_first = self.leg.labels("decode_first_byte")
+        self.leg_decode = self.leg.labels("decode")
+        self._lookups = 0
+        self._hits = 0
+
+    def index_lookup(self, hit: bool) -> None:
+        self._lookups += 1
+        self.index_lookups.inc()
+        if hit:
+            self._hits += 1
+            self.index_hits.inc()
+        self.index_hit_ratio.set(self._hits / self._lookups)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

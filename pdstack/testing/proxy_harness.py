@@ -1,0 +1,178 @@
+"""Harness for proxy tests: in-process FakeEngine test doubles + an in-process proxy."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from pdstack.proxy.app import Proxy
+from pdstack.proxy.backends import BackendRegistry
+from pdstack.proxy.config import ProxyConfig
+from pdstack.testing.fake_engine import FakeEngine
+
+ADMIN_TOKEN = "test-admin-token"
+
+
+@dataclass
+class RunningProxy:
+    proxy: Proxy
+    url: str
+    session: aiohttp.ClientSession
+
+    @property
+    def registry(self) -> BackendRegistry:
+        return self.proxy.registry
+
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+    async def metrics(self) -> str:
+        async with self.session.get(f"{self.url}/metrics") as resp:
+            return await resp.text()
+
+
+def backend(name: str, role: str, engine: FakeEngine, node: str = "n1", gen: str = "g1") -> dict:
+    return {"name": name, "role": role, "node": node, "url": engine.url, "generation": gen}
+
+
+def table(
+    kv_mode: str,
+    backends: list[dict],
+    pairings: list[tuple[str, str, str]] | None = None,
+    threshold: int = 0,
+) -> dict[str, Any]:
+    """A backend table dict; pairings default to every P x D allowed by ``kv_mode``."""
+    if pairings is None:
+        pairings = []
+        for p in (b for b in backends if b["role"] == "prefill"):
+            for d in (b for b in backends if b["role"] == "decode"):
+                same = p["node"] == d["node"]
+                if kv_mode == "shared-l1" and not same:
+                    continue
+                path = "nixl" if kv_mode == "nixl" else ("shared-l1" if same else "nixl")
+                pairings.append((p["name"], d["name"], path))
+    return {
+        "kv_mode": kv_mode,
+        "served_model_name": "fake",
+        "backends": backends,
+        "pairings": [{"prefill": p, "decode": d, "kv_path": k} for p, d, k in pairings],
+        "skip_prefill_threshold_tokens": threshold,
+    }
+
+
+@contextlib.asynccontextmanager
+async def running_proxy(
+    backend_table: dict[str, Any], **config: Any
+) -> AsyncIterator[RunningProxy]:
+    defaults: dict[str, Any] = {
+        "health_interval_s": 0.2,
+        "health_timeout_s": 0.5,
+        "admin_token": ADMIN_TOKEN,
+    }
+    defaults.update(config)
+    proxy = Proxy(BackendRegistry.from_table(backend_table), ProxyConfig(**defaults))
+    runner = proxy.runner()
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        try:
+            yield RunningProxy(proxy, f"http://127.0.0.1:{port}", session)
+        finally:
+            await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def engines(*names: str, **kwargs: Any) -> AsyncIterator[dict[str, FakeEngine]]:
+    started: dict[str, FakeEngine] = {}
+    try:
+        for name in names:
+            engine = FakeEngine(name=name, **kwargs)
+            await engine.start()
+            started[name] = engine
+        yield started
+    finally:
+        for engine in started.values():
+            await engine.stop()
+
+
+@dataclass
+class StreamResult:
+    status: int
+    headers: CIMultiDict[str]
+    events: list[str]
+    text: str
+
+    @property
+    def error_events(self) -> list[dict]:
+        out = []
+        for e in self.events:
+            if e.startswith("{") and '"error"' in e:
+                out.append(json.loads(e)["error"])
+        return out
+
+
+async def stream_completion(
+    session: aiohttp.ClientSession,
+    url: str,
+    prompt: str,
+    headers: dict | None = None,
+    chat: bool = False,
+    **extra: Any,
+) -> StreamResult:
+    body: dict[str, Any] = {"model": "fake", "stream": True, **extra}
+    if chat:
+        body["messages"] = [
+            {"role": "system", "content": prompt},
+            {"role": "user", "content": "hi"},
+        ]
+        path = "/v1/chat/completions"
+    else:
+        body["prompt"] = prompt
+        path = "/v1/completions"
+    async with session.post(url + path, json=body, headers=headers or {}) as resp:
+        raw = await resp.read()
+        hdrs = CIMultiDict(resp.headers)
+        status = resp.status
+    text = raw.decode()
+    events = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
+    return StreamResult(status, hdrs, events, text)
+
+
+def completion_text(events: list[str]) -> str:
+    out = []
+    for e in events:
+        if e == "[DONE]":
+            continue
+        data = json.loads(e)
+        for choice in data.get("choices", []):
+            out.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
+    return "".join(out)
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    found = False
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric, _, label_text = head.partition("{")
+        if metric != name:
+            continue
+        if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
+            total += float(value)
+            found = True
+    if not found:
+        return 0.0
+    return total
