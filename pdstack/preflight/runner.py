@@ -1,0 +1,676 @@
+"""``run_preflight(plan)``: prove every network path of a plan before anything starts.
+
+Phases, each parallel over nodes and bounded in time:
+
+1. SSH to every node (paramiko), upload the stdlib probe (``scripts/pdstack_probe.py``)
+   to ``/tmp``, collect host facts (interfaces, MTU, GPU, RDMA, memory, disk), and start a
+   listener on every planned destination port where nothing listens yet.
+2. From every source node, one probe run connects to all its edges and sends
+   don't-fragment pings at the configured MTU to every other node, all in parallel.
+3. Listeners are stopped (stdin closed) and connections closed.
+
+Worst case (every edge filtered, a node unreachable) is about ``ssh_timeout + timeout +
+a few seconds``; with the defaults (5 s, 3 s) well under 30 s for any number of nodes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import json
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pdstack.plan import Edge, NodePlan, Plan
+from pdstack.preflight.report import (
+    CAUSE_TEXT,
+    Check,
+    NodeReport,
+    PreflightReport,
+    is_private_address,
+)
+from pdstack.preflight.transport import Spawned, Transport, TransportError, connect
+
+T = TypeVar("T")
+SMALL_PING = 56  # payload bytes of the control ping that tells "ICMP blocked" from "MTU"
+
+
+def default_probe_path() -> Path:
+    env = os.environ.get("PDSTACK_PROBE")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2] / "scripts" / "pdstack_probe.py"
+
+
+def _parallel(items: list[Any], fn: Callable[[Any], T]) -> list[T]:
+    if not items:
+        return []
+    with ThreadPoolExecutor(max_workers=min(64, len(items))) as pool:
+        return list(pool.map(fn, items))
+
+
+def _edge_label(e: Edge) -> str:
+    return f"{e.src_node} -> {e.dst_node} {e.dst_address}:{e.port} ({e.purpose})"
+
+
+class _Node:
+    """Per-node state during one run."""
+
+    def __init__(self, plan: NodePlan):
+        self.plan = plan
+        self.transport: Transport | None = None
+        self.error: TransportError | None = None
+        self.probe: str | None = None
+        self.facts: dict[str, Any] = {}
+        self.listener: Spawned | None = None
+        self.binds: list[dict[str, Any]] = []
+        self.listener_error: str | None = None
+        self.listener_done: dict[str, Any] = {}
+        self.batch: dict[str, Any] | None = None
+        self.batch_error: str | None = None
+
+
+def run_preflight(
+    plan: Plan,
+    *,
+    timeout: float = 3.0,
+    ssh_timeout: float = 5.0,
+    probe_path: str | Path | None = None,
+    inventory: str | None = None,
+    python: str = "python3",
+) -> PreflightReport:
+    """Probe every edge of ``plan``; never raises for a network problem, never hangs."""
+    t0 = time.monotonic()
+    report = PreflightReport(
+        deployment=plan.deployment,
+        inventory=inventory,
+        timeout_s=timeout,
+        ssh_timeout_s=ssh_timeout,
+        started_at=datetime.now(UTC).isoformat(timespec="seconds"),
+    )
+    probe_file = Path(probe_path) if probe_path else default_probe_path()
+    probe_src = probe_file.read_bytes()
+    digest = hashlib.sha256(probe_src).hexdigest()[:12]
+    remote_probe = f"/tmp/pdstack_probe-{digest}.py"
+    nodes = {name: _Node(np) for name, np in plan.nodes.items()}
+
+    # listen addresses per destination node
+    wanted: dict[str, list[tuple[str, int]]] = {name: [] for name in nodes}
+    for e in plan.edges:
+        if e.dst_node in wanted and (e.dst_address, e.port) not in wanted[e.dst_node]:
+            wanted[e.dst_node].append((e.dst_address, e.port))
+    listen_seconds = ssh_timeout + 3 * timeout + 30
+
+    # ---- phase 1: connect, upload, facts, listeners
+    def setup(node: _Node) -> None:
+        try:
+            node.transport = connect(node.plan.name, node.plan.ssh, ssh_timeout)
+        except TransportError as exc:
+            node.error = exc
+            return
+        except Exception as exc:  # paramiko raises a zoo; never let one node kill the run
+            node.error = TransportError("ssh_unreachable", f"{type(exc).__name__}: {exc}")
+            return
+        tr = node.transport
+        try:
+            if node.transport.description.startswith("local"):
+                node.probe = str(probe_file)
+            else:
+                install = (
+                    f"test -s {remote_probe} || {{ umask 022; "
+                    "t=$(mktemp /tmp/.pdstack_probe.XXXXXX)"
+                    f' && cat > "$t" && mv -f "$t" {remote_probe}; }}'
+                )
+                res = tr.exec(install, stdin=probe_src, timeout=ssh_timeout + 5)
+                if res.rc != 0:
+                    raise TransportError("probe_error", f"upload failed: {res.stderr.strip()}")
+                node.probe = remote_probe
+            if wanted[node.plan.name]:
+                binds = " ".join(f"--bind {_hostport(a, p)}" for a, p in wanted[node.plan.name])
+                node.listener = tr.spawn(
+                    f"exec {python} {node.probe} listen {binds} --seconds {listen_seconds:.0f} "
+                    "--exit-on-stdin-eof"
+                )
+            res = tr.exec(f"{python} {node.probe} info", timeout=ssh_timeout + 10)
+            if res.rc != 0:
+                raise TransportError(
+                    "probe_error",
+                    f"'{python} {node.probe} info' exited {res.rc}: "
+                    f"{(res.stderr or res.stdout).strip()[:300]}",
+                )
+            node.facts = json.loads(res.stdout)
+            if node.listener is not None:
+                try:
+                    ready = json.loads(node.listener.readline(ssh_timeout + 5))
+                    node.binds = ready.get("binds", [])
+                except (TransportError, ValueError) as exc:
+                    node.listener_error = str(exc)
+        except TransportError as exc:
+            node.error = exc
+        except ValueError as exc:
+            node.error = TransportError("probe_error", f"probe printed no JSON: {exc}")
+
+    _parallel(list(nodes.values()), setup)
+
+    # ---- phase 2: one batch per source node
+    edges_by_src: dict[str, list[Edge]] = {}
+    for e in plan.edges:
+        edges_by_src.setdefault(e.src_node, []).append(e)
+    mtu_pairs: dict[str, list[tuple[str, int]]] = {}
+    ready = [n for n in nodes.values() if n.error is None]
+    for a in ready:
+        for b in nodes.values():
+            if a is b:
+                continue
+            mtu = min(a.plan.mtu, b.plan.mtu)
+            mtu_pairs.setdefault(a.plan.name, []).append((b.plan.name, mtu))
+
+    def probe_from(node: _Node) -> None:
+        assert node.transport is not None
+        targets = sorted({(e.dst_address, e.port) for e in edges_by_src.get(node.plan.name, [])})
+        pings = []
+        for dst, mtu in mtu_pairs.get(node.plan.name, []):
+            addr = nodes[dst].plan.private_address
+            overhead = 48 if ":" in addr else 28
+            pings.append({"id": f"{dst}/mtu", "host": addr, "size": mtu - overhead})
+            pings.append({"id": f"{dst}/small", "host": addr, "size": SMALL_PING})
+        spec = {
+            "timeout": timeout,
+            "connect": [{"id": f"{h}:{p}", "host": h, "port": p} for h, p in targets],
+            "ping": pings,
+        }
+        try:
+            res = node.transport.exec(
+                f"{python} {node.probe} batch", stdin=json.dumps(spec).encode(), timeout=timeout + 8
+            )
+            if res.rc != 0:
+                node.batch_error = f"probe batch exited {res.rc}: {res.stderr.strip()[:300]}"
+                return
+            node.batch = json.loads(res.stdout)
+        except TransportError as exc:
+            node.batch_error = str(exc)
+        except ValueError as exc:
+            node.batch_error = f"probe printed no JSON: {exc}"
+
+    _parallel(ready, probe_from)
+
+    # ---- phase 3: stop listeners, close
+    def teardown(node: _Node) -> None:
+        if node.listener is not None:
+            try:
+                out = node.listener.finish(3.0)
+                for line in out.splitlines():
+                    if line.startswith("{") and '"done"' in line:
+                        node.listener_done = json.loads(line)
+            except (TransportError, ValueError, OSError, EOFError):
+                pass
+        if node.transport is not None:
+            node.transport.close()
+
+    _parallel(list(nodes.values()), teardown)
+
+    _judge(plan, nodes, report)
+    report.duration_s = time.monotonic() - t0
+    return report
+
+
+def _hostport(addr: str, port: int) -> str:
+    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+
+
+# ---------------------------------------------------------------------------- judging
+
+
+def _judge(plan: Plan, nodes: dict[str, _Node], report: PreflightReport) -> None:
+    checks = report.checks
+    for name, node in nodes.items():
+        ssh = node.plan.ssh
+        report.nodes[name] = NodeReport(
+            name=name,
+            ssh_target=node.transport.description
+            if node.transport
+            else f"{ssh.user}@{ssh.host}:{ssh.port}",
+            reachable=node.error is None or node.error.cause == "probe_error",
+            facts=_facts_summary(node.facts),
+        )
+        _judge_node(plan, node, checks)
+    for e in plan.edges:
+        checks.append(_judge_edge(e, nodes))
+    _judge_mtu_paths(nodes, checks)
+
+
+def _judge_node(plan: Plan, node: _Node, checks: list[Check]) -> None:
+    name = node.plan.name
+    ssh = node.plan.ssh
+    target = f"{ssh.user}@{ssh.host}:{ssh.port}"
+    if node.error is not None and node.error.cause != "probe_error":
+        checks.append(
+            Check(
+                kind="ssh",
+                status="fail",
+                node=name,
+                cause=node.error.cause,
+                subject=f"{name} ({target})",
+                result=f"{CAUSE_TEXT[node.error.cause]}: {node.error}",
+            )
+        )
+        return
+    note = node.transport.host_key_note if node.transport else None
+    checks.append(
+        Check(
+            kind="ssh",
+            status="warn" if note else "ok",
+            node=name,
+            subject=f"{name} ({target})",
+            result="ssh ok" + (f"; {note}" if note else ""),
+        )
+    )
+    if node.error is not None:
+        checks.append(
+            Check(
+                kind="probe",
+                status="fail",
+                node=name,
+                cause="probe_error",
+                subject=name,
+                result=f"probe failed: {node.error}",
+            )
+        )
+        return
+    if node.listener_error:
+        checks.append(
+            Check(
+                kind="probe",
+                status="fail",
+                node=name,
+                cause="probe_error",
+                subject=name,
+                result=f"listener did not start: {node.listener_error}",
+            )
+        )
+    for b in node.binds:
+        if b.get("status") == "address_not_available":
+            checks.append(
+                Check(
+                    kind="probe",
+                    status="fail",
+                    node=name,
+                    port=b.get("port"),
+                    dst_address=b.get("address"),
+                    cause="address_missing",
+                    subject=name,
+                    result=f"cannot listen on {b.get('address')}:{b.get('port')}: "
+                    "address not on any interface",
+                )
+            )
+        elif b.get("status") == "error":
+            checks.append(
+                Check(
+                    kind="probe",
+                    status="fail",
+                    node=name,
+                    port=b.get("port"),
+                    cause="probe_error",
+                    subject=name,
+                    result=f"cannot listen on {b.get('address')}:{b.get('port')}: {b.get('error')}",
+                )
+            )
+
+    # private address: private, on an interface that is up, MTU as configured
+    addr = node.plan.private_address
+    ifaces = node.facts.get("interfaces", {}).get("interfaces", [])
+    holder = next(
+        (i for i in ifaces for a in i.get("addresses", []) if a.get("address") == addr), None
+    )
+    try:
+        private = is_private_address(addr)
+        loopback = ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        private, loopback = False, False
+    if loopback and len(plan.nodes) == 1:
+        checks.append(
+            Check(
+                kind="address",
+                status="ok",
+                node=name,
+                subject=name,
+                result=f"{addr} is loopback (single-node plan)",
+            )
+        )
+    elif not private:
+        checks.append(
+            Check(
+                kind="address",
+                status="fail",
+                node=name,
+                cause="address_not_private",
+                dst_address=addr,
+                subject=name,
+                result=f"address {addr} is not private (RFC 1918, CGNAT 100.64/10 or "
+                "IPv6 ULA fc00::/7); engines would expose KV ports publicly",
+            )
+        )
+    if holder is None:
+        have = (
+            ", ".join(
+                f"{a.get('address')} on {i.get('name')}"
+                for i in ifaces
+                for a in i.get("addresses", [])
+                if i.get("name") != "lo"
+            )
+            or "none"
+        )
+        checks.append(
+            Check(
+                kind="address",
+                status="fail",
+                node=name,
+                cause="address_missing",
+                dst_address=addr,
+                subject=name,
+                result=f"private address {addr} is on no interface (has: {have})",
+            )
+        )
+    else:
+        if not (holder.get("up") and holder.get("lower_up")):
+            checks.append(
+                Check(
+                    kind="address",
+                    status="fail",
+                    node=name,
+                    cause="interface_down",
+                    dst_address=addr,
+                    subject=name,
+                    result=f"{addr} is on {holder.get('name')}, which is down "
+                    f"(state {holder.get('state')})",
+                )
+            )
+        elif private or loopback:
+            checks.append(
+                Check(
+                    kind="address",
+                    status="ok",
+                    node=name,
+                    dst_address=addr,
+                    subject=name,
+                    result=f"{addr} on {holder.get('name')}, private",
+                )
+            )
+        mtu = holder.get("mtu")
+        if loopback:
+            pass
+        elif isinstance(mtu, int) and mtu < node.plan.mtu:
+            checks.append(
+                Check(
+                    kind="interface_mtu",
+                    status="fail",
+                    node=name,
+                    cause="mtu",
+                    detail={
+                        "interface": holder.get("name"),
+                        "interface_mtu": mtu,
+                        "configured_mtu": node.plan.mtu,
+                    },
+                    subject=name,
+                    result=f"{holder.get('name')} MTU {mtu} is below the configured "
+                    f"pdstack_mtu {node.plan.mtu}",
+                )
+            )
+        else:
+            checks.append(
+                Check(
+                    kind="interface_mtu",
+                    status="ok",
+                    node=name,
+                    detail={
+                        "interface": holder.get("name"),
+                        "interface_mtu": mtu,
+                        "configured_mtu": node.plan.mtu,
+                    },
+                    subject=name,
+                    result=f"{holder.get('name')} MTU {mtu} (configured {node.plan.mtu})",
+                )
+            )
+
+    rdma = node.facts.get("rdma", {})
+    if node.plan.rdma:
+        if not rdma.get("present"):
+            checks.append(
+                Check(
+                    kind="rdma",
+                    status="fail",
+                    node=name,
+                    cause="rdma_absent",
+                    subject=name,
+                    result="RDMA expected (pdstack_rdma: true) but absent: no "
+                    "/dev/infiniband/uverbs* device; NIXL would fall back to TCP",
+                )
+            )
+        elif rdma.get("ibv_devinfo") and not rdma.get("active_ports"):
+            checks.append(
+                Check(
+                    kind="rdma",
+                    status="fail",
+                    node=name,
+                    cause="rdma_absent",
+                    detail={"ports": rdma.get("ports", [])},
+                    subject=name,
+                    result="RDMA expected but no port is PORT_ACTIVE (ibv_devinfo)",
+                )
+            )
+        else:
+            checks.append(
+                Check(
+                    kind="rdma",
+                    status="ok",
+                    node=name,
+                    subject=name,
+                    result=f"RDMA present ({', '.join(rdma.get('hcas', [])) or 'uverbs'}, "
+                    f"{rdma.get('active_ports', '?')} active port(s))",
+                )
+            )
+
+
+def _connect_result(node: _Node | None, addr: str, port: int) -> dict[str, Any] | None:
+    if node is None or node.batch is None:
+        return None
+    return next(
+        (
+            r
+            for r in node.batch.get("connect", [])
+            if r.get("host") == addr and r.get("port") == port
+        ),
+        None,
+    )
+
+
+def _judge_edge(e: Edge, nodes: dict[str, _Node]) -> Check:
+    src = nodes.get(e.src_node)
+    dst = nodes.get(e.dst_node)
+    base: dict[str, Any] = dict(
+        kind="edge",
+        src=e.src_node,
+        dst=e.dst_node,
+        dst_address=e.dst_address,
+        port=e.port,
+        purpose=e.purpose,
+    )
+    label = _edge_label(e)
+    if src is None or src.error is not None:
+        why = str(src.error) if src is not None and src.error else "unknown node"
+        return Check(
+            status="fail",
+            cause="src_unreachable",
+            subject=label,
+            result=f"not probed: source {e.src_node} unreachable ({why})",
+            **base,
+        )
+    if src.batch is None:
+        return Check(
+            status="fail",
+            cause="probe_error",
+            subject=label,
+            result=f"probe on {e.src_node} failed: {src.batch_error}",
+            **base,
+        )
+    r = _connect_result(src, e.dst_address, e.port)
+    if r is None:
+        return Check(
+            status="fail",
+            cause="probe_error",
+            subject=label,
+            result="no result from the probe",
+            **base,
+        )
+    notes = []
+    if dst is not None and dst.error is not None:
+        notes.append(f"destination {e.dst_node} unreachable over SSH, so no listener there")
+    bind = next(
+        (
+            b
+            for b in (dst.binds if dst else [])
+            if b.get("address") == e.dst_address and b.get("port") == e.port
+        ),
+        None,
+    )
+    if bind and bind.get("status") == "in_use":
+        notes.append("port already in use on the destination (an existing listener answered)")
+    detail = {"connect": r, "listener": bind}
+    note = f" [{'; '.join(notes)}]" if notes else ""
+    status = r.get("status")
+    if status == "ok":
+        return Check(
+            status="ok",
+            rtt_ms=r.get("rtt_ms"),
+            detail=detail,
+            subject=label,
+            result=f"ok, {r.get('rtt_ms')} ms" + note,
+            **base,
+        )
+    elapsed = (r.get("elapsed_ms") or 0) / 1000.0
+    cause = status if status in CAUSE_TEXT else "error"
+    what = CAUSE_TEXT[cause]
+    if cause == "timeout":
+        what = f"timed out after {r.get('timeout_s')}s (filtered by a firewall DROP, or no route)"
+    elif cause == "error":
+        what = f"error: {r.get('error')}"
+    return Check(
+        status="fail",
+        cause=cause,
+        elapsed_s=round(elapsed, 3),
+        detail=detail,
+        subject=label,
+        result=f"{what}" + note,
+        **base,
+    )
+
+
+def _judge_mtu_paths(nodes: dict[str, _Node], checks: list[Check]) -> None:
+    for src in nodes.values():
+        if src.batch is None:
+            continue
+        pings = {p.get("id"): p for p in src.batch.get("ping", [])}
+        for dst in nodes.values():
+            if dst is src or f"{dst.plan.name}/mtu" not in pings:
+                continue
+            big = pings[f"{dst.plan.name}/mtu"]
+            small = pings.get(f"{dst.plan.name}/small", {})
+            mtu = min(src.plan.mtu, dst.plan.mtu)
+            size = big.get("size")
+            base: dict[str, Any] = dict(
+                kind="path_mtu",
+                src=src.plan.name,
+                dst=dst.plan.name,
+                dst_address=dst.plan.private_address,
+                detail={"mtu": mtu, "size": size, "ping": big, "small_ping": small},
+            )
+            label = f"{src.plan.name} -> {dst.plan.name} {dst.plan.private_address}"
+            if big.get("status") == "ok":
+                checks.append(
+                    Check(
+                        status="ok",
+                        rtt_ms=big.get("rtt_ms"),
+                        subject=label,
+                        result=f"MTU {mtu} ok (DF ping of {size} bytes)",
+                        **base,
+                    )
+                )
+            elif big.get("status") == "too_big":
+                where = f"local/path MTU {big['mtu']}" if big.get("mtu") else "packet too big"
+                checks.append(
+                    Check(
+                        status="fail",
+                        cause="mtu",
+                        subject=label,
+                        result=f"MTU {mtu} fails at size {size} ({where}; DF ping)",
+                        **base,
+                    )
+                )
+            elif small.get("status") == "ok":
+                checks.append(
+                    Check(
+                        status="fail",
+                        cause="mtu",
+                        subject=label,
+                        result=f"MTU {mtu} fails at size {size} (no reply to a "
+                        f"don't-fragment ping of {big.get('packet_bytes')} bytes, while a "
+                        f"{SMALL_PING}-byte ping answers: a smaller MTU on the path)",
+                        **base,
+                    )
+                )
+            elif big.get("status") == "unavailable":
+                checks.append(
+                    Check(
+                        status="warn",
+                        cause="icmp_blocked",
+                        subject=label,
+                        result=f"MTU {mtu} unverified: {big.get('error')}",
+                        **base,
+                    )
+                )
+            else:
+                checks.append(
+                    Check(
+                        status="warn",
+                        cause="icmp_blocked",
+                        subject=label,
+                        result=f"MTU {mtu} unverified: no ICMP echo reply at any size "
+                        f"({small.get('status')}); ICMP blocked or host unreachable",
+                        **base,
+                    )
+                )
+
+
+def _facts_summary(facts: dict[str, Any]) -> dict[str, Any]:
+    if not facts:
+        return {}
+    res = facts.get("resources", {})
+    gpu = facts.get("gpu", {})
+    rdma = facts.get("rdma", {})
+    return {
+        "hostname": facts.get("hostname"),
+        "python": facts.get("python"),
+        "memory_total_bytes": res.get("memory", {}).get("total_bytes"),
+        "memory_available_bytes": res.get("memory", {}).get("available_bytes"),
+        "disk": res.get("disk", []),
+        "cpus": res.get("cpus"),
+        "gpu_count": gpu.get("count", 0) if gpu.get("present") else 0,
+        "gpu_driver": gpu.get("driver_version"),
+        "gpus": [g.get("name") for g in gpu.get("gpus", [])],
+        "rdma_present": bool(rdma.get("present")),
+        "rdma_active_ports": rdma.get("active_ports", 0),
+        "interfaces": [
+            {
+                "name": i.get("name"),
+                "mtu": i.get("mtu"),
+                "state": i.get("state"),
+                "addresses": [a.get("address") for a in i.get("addresses", [])],
+            }
+            for i in facts.get("interfaces", {}).get("interfaces", [])
+        ],
+    }

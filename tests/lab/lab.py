@@ -1,0 +1,261 @@
+"""The namespaced test lab as a Python object and pytest fixtures.
+
+``Lab`` drives ``tests/lab/netns_lab.sh`` (three nodes 10.77.0.1-3, each a network
+namespace with its own sshd; a controller namespace holding the bridge) and injects
+faults inside node namespaces: iptables DROP / REJECT on a port, link down, MTU change.
+Every fault is undone by :meth:`Lab.clear_faults`, which the ``clean_lab`` fixture calls
+after each test, pass or fail; the session fixture ``lab`` tears the namespaces down at
+the end even when tests fail.  A missing prerequisite (not root, no sshd, no iptables)
+*fails* with a message naming what to install; it never skips.
+
+Load it from a conftest without making ``tests`` a package::
+
+    import importlib.util, pathlib, sys
+    _p = pathlib.Path(__file__).parents[1] / "lab" / "lab.py"
+    _spec = importlib.util.spec_from_file_location("pdstack_netns_lab", _p)
+    netns_lab = importlib.util.module_from_spec(_spec)
+    sys.modules["pdstack_netns_lab"] = netns_lab
+    _spec.loader.exec_module(netns_lab)
+    lab, clean_lab = netns_lab.lab, netns_lab.clean_lab   # fixtures
+
+See tests/lab/README.md for the full interface.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+SCRIPT = HERE / "netns_lab.sh"
+LAB_INVENTORY = REPO / "inventory" / "lab"
+DEFAULT_BASE_ROOT = "/var/lib/pdstack-lab"
+# what the committed inventory/lab refers to (LAB_PREFIX=pdlab)
+INVENTORY_BASE = f"{DEFAULT_BASE_ROOT}/pdlab"
+
+REQUIRED_TOOLS = {
+    "ip": "iproute2",
+    "unshare": "util-linux",
+    "ssh-keygen": "openssh-client",
+    "ssh": "openssh-client",
+    "/usr/sbin/sshd": "openssh-server",
+    "iptables": "iptables",
+    "ping": "iputils-ping",
+}
+
+
+class LabError(RuntimeError):
+    pass
+
+
+def missing_prerequisites() -> list[str]:
+    """Human-readable list of what this machine lacks for the lab (empty when ready)."""
+    problems = []
+    if os.geteuid() != 0:
+        problems.append("must run as root (network namespaces, sshd, iptables)")
+    for tool, package in REQUIRED_TOOLS.items():
+        if shutil.which(tool) is None and not Path(tool).is_file():
+            problems.append(f"{tool} not found (apt-get install {package})")
+    if not Path("/usr/bin/python3").is_file():
+        problems.append("/usr/bin/python3 not found (the nodes run the probe with it)")
+    return problems
+
+
+class Lab:
+    """One running lab; node names are ``node1`` .. ``nodeN``."""
+
+    def __init__(self, prefix: str = "pdlab", n: int = 3, net: str = "10.77.0",
+                 mtu: int = 1500, base: str | None = None):
+        self.prefix = prefix
+        self.n = n
+        self.net = net
+        self.mtu = mtu
+        self.base = Path(base or f"{DEFAULT_BASE_ROOT}/{prefix}")
+        self.ctl = f"{prefix}-ctl"
+        self.key_file = self.base / "keys" / "id_ed25519"
+        self.known_hosts = self.base / "known_hosts"
+        self._faults: list[tuple[str, str]] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "LAB_PREFIX": self.prefix, "LAB_N": str(self.n),
+                "LAB_NET": self.net, "LAB_MTU": str(self.mtu), "LAB_BASE": str(self.base)}
+
+    def up(self) -> str:
+        proc = subprocess.run([str(SCRIPT), "up"], env=self.env, capture_output=True,
+                              text=True, timeout=60)
+        if proc.returncode != 0:
+            raise LabError(f"netns_lab.sh up failed ({proc.returncode}):\n{proc.stdout}\n"
+                           f"{proc.stderr}")
+        return proc.stdout
+
+    def down(self) -> str:
+        proc = subprocess.run([str(SCRIPT), "down"], env=self.env, capture_output=True,
+                              text=True, timeout=60)
+        if proc.returncode != 0:
+            raise LabError(f"netns_lab.sh down failed:\n{proc.stdout}\n{proc.stderr}")
+        return proc.stdout
+
+    def namespaces(self) -> list[str]:
+        out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        names = [line.split()[0] for line in out.splitlines() if line.strip()]
+        return [n for n in names if n == self.ctl or n.startswith(f"{self.prefix}-node")]
+
+    # ------------------------------------------------------------------ naming
+    @property
+    def nodes(self) -> list[str]:
+        return [f"node{i}" for i in range(1, self.n + 1)]
+
+    def ns(self, node: str) -> str:
+        return f"{self.prefix}-{node}"
+
+    def address(self, node: str) -> str:
+        return f"{self.net}.{int(node.removeprefix('node'))}"
+
+    def _bridge_port(self, node: str) -> str:
+        return f"p{int(node.removeprefix('node'))}"
+
+    # ------------------------------------------------------------------ running things
+    def ctl_run(self, argv: Sequence[str], timeout: float = 60, check: bool = False,
+                env: Mapping[str, str] | None = None,
+                input: str | None = None) -> subprocess.CompletedProcess[str]:
+        """Run ``argv`` in the controller namespace (where the nodes' sshd are reachable)."""
+        return subprocess.run(["ip", "netns", "exec", self.ctl, *argv], capture_output=True,
+                              text=True, timeout=timeout, check=check,
+                              env=dict(env) if env is not None else None, input=input)
+
+    def node_run(self, node: str, argv: Sequence[str], timeout: float = 30,
+                 check: bool = True) -> subprocess.CompletedProcess[str]:
+        """Run ``argv`` in a node's *network* namespace (root mount namespace)."""
+        return subprocess.run(["ip", "netns", "exec", self.ns(node), *argv],
+                              capture_output=True, text=True, timeout=timeout, check=check)
+
+    def ssh(self, node: str, command: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+        """Run a shell command on a node over real SSH (its own mount/UTS namespace)."""
+        return self.ctl_run(["ssh", "-i", str(self.key_file), "-o", "BatchMode=yes",
+                             "-o", f"UserKnownHostsFile={self.known_hosts}",
+                             "-o", "StrictHostKeyChecking=yes", "-o", "ConnectTimeout=5",
+                             f"root@{self.address(node)}", command], timeout=timeout)
+
+    # ------------------------------------------------------------------ faults
+    def _iptables(self, node: str, rule: list[str]) -> None:
+        self.node_run(node, ["iptables", "-I", "INPUT", *rule])
+        self._faults.append(("iptables", node))
+
+    def drop(self, node: str, port: int, src: str | None = None, proto: str = "tcp") -> None:
+        """Silently drop packets to ``node``'s ``port`` (optionally only from ``src``,
+        a node name or address): connects time out."""
+        self._iptables(node, [*self._match(port, src, proto), "-j", "DROP"])
+
+    def reject(self, node: str, port: int, src: str | None = None, proto: str = "tcp",
+               reject_with: str = "icmp-port-unreachable") -> None:
+        """Reject packets to ``node``'s ``port``: connects are refused at once."""
+        self._iptables(node, [*self._match(port, src, proto), "-j", "REJECT",
+                              "--reject-with", reject_with])
+
+    def drop_icmp(self, node: str) -> None:
+        """Drop every ICMP echo request to ``node`` (a firewall that blocks ping)."""
+        self._iptables(node, ["-p", "icmp", "--icmp-type", "echo-request", "-j", "DROP"])
+
+    def _match(self, port: int, src: str | None, proto: str) -> list[str]:
+        rule = ["-p", proto, "--dport", str(port)]
+        if src is not None:
+            rule = ["-s", self.address(src) if src.startswith("node") else src, *rule]
+        return rule
+
+    def link_down(self, node: str) -> None:
+        """Take the node's eth0 down (its address and route go with it)."""
+        self.node_run(node, ["ip", "link", "set", "eth0", "down"])
+        self._faults.append(("link", node))
+
+    def link_up(self, node: str) -> None:
+        self.node_run(node, ["ip", "link", "set", "eth0", "up"])
+
+    def set_mtu(self, node: str, mtu: int, path: bool = False) -> None:
+        """Set ``node``'s eth0 MTU.  With ``path=True`` also its bridge port and the bridge
+        (so jumbo frames really pass); with ``path=False`` the path stays at the lab MTU
+        and oversized frames from the node are dropped on the way."""
+        self.node_run(node, ["ip", "link", "set", "eth0", "mtu", str(mtu)])
+        if path:
+            subprocess.run(["ip", "-n", self.ctl, "link", "set", self._bridge_port(node),
+                            "mtu", str(mtu)], check=True, capture_output=True)
+        self._faults.append(("mtu", node))
+
+    def set_path_mtu(self, mtu: int) -> None:
+        """Every node's eth0, every bridge port and the bridge to ``mtu``."""
+        for node in self.nodes:
+            self.set_mtu(node, mtu, path=True)
+
+    def clear_faults(self) -> None:
+        """Undo every fault: flush node firewalls, links up, MTUs back to the lab MTU."""
+        for node in self.nodes:
+            self.node_run(node, ["iptables", "-F", "INPUT"], check=False)
+            self.node_run(node, ["ip", "link", "set", "eth0", "mtu", str(self.mtu), "up"],
+                          check=False)
+            subprocess.run(["ip", "-n", self.ctl, "link", "set", self._bridge_port(node),
+                            "mtu", str(self.mtu), "up"], capture_output=True, check=False)
+            # a link brought down loses its connected route only while down; the address
+            # stays, so bringing it up restores the node completely
+        self._faults.clear()
+
+    # ------------------------------------------------------------------ inventories
+    def write_inventory(self, dest: str | Path,
+                        node_vars: Mapping[str, Mapping[str, Any]] | None = None,
+                        group_vars: Mapping[str, Any] | None = None) -> Path:
+        """Copy inventory/lab to ``dest`` pointing at this lab's keys, with overrides:
+        ``node_vars={"node1": {"pdstack_mtu": 9000}}``, ``group_vars={...}``."""
+        dest = Path(dest)
+        (dest / "group_vars").mkdir(parents=True, exist_ok=True)
+        text = (LAB_INVENTORY / "hosts.yml").read_text().replace(INVENTORY_BASE, str(self.base))
+        hosts = yaml.safe_load(text)
+        nodes = hosts["all"]["children"]["pdstack_nodes"]["hosts"]
+        for name, extra in (node_vars or {}).items():
+            nodes[name].update(extra)
+        (dest / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
+        gv = yaml.safe_load((LAB_INVENTORY / "group_vars" / "all.yml").read_text())
+        gv.update(group_vars or {})
+        (dest / "group_vars" / "all.yml").write_text(yaml.safe_dump(gv, sort_keys=False))
+        return dest
+
+
+# ---------------------------------------------------------------------- fixtures
+
+TEST_PREFIX = os.environ.get("PDSTACK_LAB_PREFIX", "pdtest")
+
+
+@pytest.fixture(scope="session")
+def lab() -> Iterator[Lab]:
+    """A running 3-node lab for the whole session; always torn down."""
+    missing = missing_prerequisites()
+    if missing:
+        pytest.fail("netns lab prerequisites missing:\n  " + "\n  ".join(missing)
+                    + "\n(CI: .ci/install.sh must install them)", pytrace=False)
+    the_lab = Lab(prefix=TEST_PREFIX)
+    try:
+        the_lab.up()
+    except LabError as exc:
+        the_lab.down()
+        pytest.fail(str(exc), pytrace=False)
+    try:
+        yield the_lab
+    finally:
+        the_lab.down()
+
+
+@pytest.fixture
+def clean_lab(lab: Lab) -> Iterator[Lab]:
+    """The session lab, with every injected fault undone after the test."""
+    lab.clear_faults()
+    try:
+        yield lab
+    finally:
+        lab.clear_faults()
