@@ -1,0 +1,280 @@
+"""Rolling upgrade rev1 -> rev2 of the CPU stack under steady traffic (issue 7).
+
+The real stack (``compose/cpu``: LMCache MP server, prefill-0, decode-0, decode-1,
+proxy; images from ``.ci/install-docker.sh``) runs from a copy in a temp dir under its
+own compose project. While a steady client sends completions through the proxy,
+``pdstack upgrade`` moves every engine to ``/models/tiny-llama/rev2`` (random weights,
+another seed). Asserted:
+- zero failed requests;
+- afterwards every engine reports the rev2 model, and every answer (direct and through
+  the proxy) carries rev2's logprobs for a fixed prompt at temperature 0, not rev1's;
+- the proxy's per-pair counter never shows a prefiller/decoder pair of two generations;
+- no LMCache hit crossed revisions: a long prompt that rev1 engines stored in the
+  node's LMCache store gives a rev2 engine zero external prefix-cache hits, while the
+  same probe between two rev2 engines does hit (so the metric can see a hit).
+  (LMCache 0.5.6's MP server serves no ``/metrics`` on its HTTP port, so hits are read
+  from the engines' ``vllm:external_prefix_cache_hits`` counter.)
+Heavy: holds ``/tmp/pdstack-heavy.lock`` for the whole run.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .steady import SteadyClient
+
+pytestmark = pytest.mark.docker
+
+REPO = Path(__file__).resolve().parents[2]
+PROJECT = "pdstack-upgrade-test"
+PROXY = "http://127.0.0.1:8000"
+ENGINES = {"prefill-0": "http://127.0.0.1:8100", "decode-0": "http://127.0.0.1:8101",
+           "decode-1": "http://127.0.0.1:8102"}
+IMAGES = ("pdstack/engine-cpu:dev", "pdstack/proxy:dev")
+HEAVY_LOCK = "/tmp/pdstack-heavy.lock"
+FIXED_PROMPT = "the proxy sends the request to the decoder and the cache"
+REV = {"rev1": "/models/tiny-llama/rev1", "rev2": "/models/tiny-llama/rev2"}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def http(method: str, url: str, body: Any = None, timeout: float = 120.0) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        raw = resp.read().decode()
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def compose(stack: Path, *args: str, timeout: float = 1200) -> subprocess.CompletedProcess:
+    return subprocess.run(["docker", "compose", "-p", PROJECT, *args], cwd=stack,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def first_token_logprobs(url: str, prompt: str = FIXED_PROMPT) -> dict[str, float]:
+    """Top-5 logprobs of the first generated token (temperature 0)."""
+    answer = http("POST", f"{url}/v1/completions", {
+        "model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0, "logprobs": 5})
+    top = answer["choices"][0]["logprobs"]["top_logprobs"][0]
+    return {k: float(v) for k, v in top.items()}
+
+
+def distance(a: dict[str, float], b: dict[str, float]) -> float:
+    """Max |logprob difference| over shared top tokens; large when few are shared."""
+    common = set(a) & set(b)
+    if len(common) < 3:
+        return 99.0
+    return max(abs(a[t] - b[t]) for t in common)
+
+
+def classify(top: dict[str, float], refs: dict[str, dict[str, float]]) -> str:
+    best = min(refs, key=lambda r: distance(top, refs[r]))
+    return best if distance(top, refs[best]) < 0.25 else f"unknown ({top})"
+
+
+def metric_sum(url: str, name: str) -> float:
+    text = http("GET", f"{url}/metrics")
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def proxy_pairs(metrics_text: str) -> list[tuple[dict[str, str], float]]:
+    out = []
+    for line in metrics_text.splitlines():
+        if line.startswith("pdstack_proxy_pairs_total{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            out.append((labels, float(line.rsplit(" ", 1)[1])))
+    return out
+
+
+def long_prompt(url: str, tag: str, tokens: int = 700) -> str:
+    """A prompt of about ``tokens`` tokens (several LMCache chunks of 256)."""
+    words = ["prefill", "decode", "cache", "token", "model",
+             "server", "request", "stream", "node", "engine"]
+    text = f"{tag}: " + " ".join(f"{words[i % len(words)]} {tag}{i}" for i in range(tokens))
+    count = http("POST", f"{url}/tokenize", {"model": "tiny", "prompt": text})["count"]
+    while count > tokens * 1.2:
+        text = text[: int(len(text) * tokens / count)]
+        count = http("POST", f"{url}/tokenize", {"model": "tiny", "prompt": text})["count"]
+    assert count >= 600, count
+    return text
+
+
+def external_hits_after(url: str, prompt: str) -> float:
+    """Send ``prompt`` straight to an engine; its external (LMCache) prefix-cache hits."""
+    before = metric_sum(url, "vllm:external_prefix_cache_hits_total")
+    http("POST", f"{url}/v1/completions",
+         {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+    time.sleep(1.0)
+    return metric_sum(url, "vllm:external_prefix_cache_hits_total") - before
+
+
+def store_via(url: str, prompt: str) -> None:
+    """Prefill ``prompt`` on an engine (its KV goes to the node's LMCache store)."""
+    http("POST", f"{url}/v1/completions",
+         {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+    time.sleep(2.0)  # the store is asynchronous
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+def _require_docker() -> None:
+    hint = "run .ci/install-docker.sh"
+    if shutil.which("docker") is None:
+        pytest.fail(f"docker CLI missing: {hint}")
+    if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
+        pytest.fail(f"Docker engine not running: {hint}")
+    if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode != 0:
+        pytest.fail(f"docker compose v2 missing: {hint}")
+    for image in IMAGES:
+        if subprocess.run(["docker", "image", "inspect", image],
+                          capture_output=True).returncode != 0:
+            pytest.fail(f"image {image} missing: {hint}")
+
+
+def _ports_free() -> None:
+    for port in (8000, 8100, 8101, 8102, 6000, 6001):
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                pytest.fail(f"127.0.0.1:{port} is taken (another pdstack stack running?)")
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Path]:
+    _require_docker()
+    lock = open(HEAVY_LOCK, "a")  # noqa: SIM115 - held for the fixture's life
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    stack = tmp_path / "stack"
+    stack.mkdir()
+    for name in ("compose.yaml", ".env", "backends.json"):
+        shutil.copy(REPO / "compose" / "cpu" / name, stack / name)
+    # the admin token reaches the proxy from this process's environment, never a file
+    (stack / "compose.override.yaml").write_text(
+        "services:\n  proxy:\n    environment:\n"
+        "      PDSTACK_ADMIN_TOKEN: ${PDSTACK_ADMIN_TOKEN:?}\n"
+    )
+    os.environ["PDSTACK_ADMIN_TOKEN"] = secrets.token_hex(16)
+    compose(stack, "down", "-v", "--timeout", "5")
+    _ports_free()
+    try:
+        t0 = time.monotonic()
+        up = compose(stack, "up", "-d", "--wait", "--wait-timeout", "900")
+        if up.returncode != 0:
+            logs = compose(stack, "logs", "--tail", "40").stdout
+            pytest.fail(f"stack did not start: {up.stderr[-2000:]}\n{logs[-6000:]}")
+        print(f"stack up in {time.monotonic() - t0:.0f}s", file=sys.stderr)
+        yield stack
+    finally:
+        if os.environ.get("PDSTACK_KEEP_STACK") != "1":
+            compose(stack, "down", "-v", "--timeout", "10")
+        os.environ.pop("PDSTACK_ADMIN_TOKEN", None)
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        lock.close()
+
+
+# --------------------------------------------------------------------------- the test
+
+
+def test_rolling_upgrade_rev1_to_rev2_under_traffic(
+    stack: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # ---- before: everything is rev1; references for both revisions' logprobs
+    for name, url in ENGINES.items():
+        root = http("GET", f"{url}/v1/models")["data"][0]["root"]
+        assert root == REV["rev1"], f"{name} serves {root}"
+    ref1 = first_token_logprobs(ENGINES["decode-0"])
+    assert classify(first_token_logprobs(PROXY), {"rev1": ref1}) == "rev1"
+
+    # LMCache probe, rev1 side: prefill-0 (rev1) stores X; decode-0 (rev1) hits it
+    x_prompt = long_prompt(ENGINES["decode-0"], "xrev")
+    store_via(ENGINES["prefill-0"], x_prompt)
+    rev1_hits = external_hits_after(ENGINES["decode-0"], x_prompt)
+    assert rev1_hits > 0, "same-revision LMCache sharing must hit (else the probe is blind)"
+
+    # ---- steady traffic + the upgrade
+    client = SteadyClient(PROXY, workers=2)
+    client.start()
+    time.sleep(5)
+    t0 = time.monotonic()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [str(REPO / ".venv" / "bin" / "pdstack"), "upgrade", "--stack-dir", str(stack),
+         "--model-revision", "rev2", "--proxy", PROXY, "--project-name", PROJECT],
+        capture_output=True, text=True, env=env, timeout=3000, check=False,
+    )
+    upgrade_s = time.monotonic() - t0
+    time.sleep(5)  # traffic keeps flowing on the new generation
+    client.stop()
+    token = os.environ["PDSTACK_ADMIN_TOKEN"]
+    assert token not in proc.stdout + proc.stderr, "the admin token leaked into the output"
+    with capsys.disabled():
+        print(f"\n[rolling upgrade] requests sent: {client.sent}, "
+              f"failed: {len(client.failed)}, upgrade took {upgrade_s:.1f}s")
+    assert proc.returncode == 0, f"pdstack upgrade failed:\n{proc.stderr[-4000:]}"
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["upgraded"] == [
+        "decode-1", "prefill-0", "decode-0"]
+    assert client.sent >= 20, f"too little traffic to judge: {client.sent}"
+    assert not client.failed, "failed requests:\n" + "\n".join(
+        f"{o.detail} (stream={o.stream}, id={o.request_id})" for o in client.failed[:10])
+    # traffic really ran during the upgrade, not just around it
+    during = [o for o in client.outcomes if t0 <= o.started <= t0 + upgrade_s]
+    assert len(during) >= 10, f"only {len(during)} requests during the upgrade"
+
+    # ---- after: every engine is rev2; every answer carries rev2's logprobs
+    for name, url in ENGINES.items():
+        root = http("GET", f"{url}/v1/models")["data"][0]["root"]
+        assert root == REV["rev2"], f"{name} serves {root}"
+    ref2 = first_token_logprobs(ENGINES["decode-0"])
+    refs = {"rev1": ref1, "rev2": ref2}
+    assert distance(ref1, ref2) > 0.5, "rev1 and rev2 must be distinguishable"
+    for name, url in ENGINES.items():
+        assert classify(first_token_logprobs(url), refs) == "rev2", name
+    for _ in range(6):
+        assert classify(first_token_logprobs(PROXY), refs) == "rev2"
+    env_text = (stack / ".env").read_text()
+    assert "rev1" not in env_text.replace("# ", "")  # every engine line moved
+    gens = {b["generation"] for b in json.loads((stack / "backends.json").read_text())[
+        "backends"]}
+    assert gens == {"rev2@pdstack/engine-cpu:dev"}
+
+    # ---- the proxy never paired two generations, and served both generations' pairs
+    pairs = proxy_pairs(http("GET", f"{PROXY}/metrics"))
+    mixed = [(lab, n) for lab, n in pairs if lab["prefill_generation"] != lab["decode_generation"]
+             and n > 0]
+    assert not mixed, f"requests served by a mixed-generation pair: {mixed}"
+    served = {lab["prefill_generation"].split("@")[0] for lab, n in pairs if n > 0}
+    assert served == {"rev1", "rev2"}, pairs
+
+    # ---- no LMCache hit crossed revisions
+    # X was stored by rev1 engines; a rev2 engine must not find it ...
+    assert external_hits_after(ENGINES["decode-1"], x_prompt) == 0, \
+        "a rev2 engine read rev1's KV from the LMCache store"
+    # ... while rev2 -> rev2 sharing still hits (the probe can see a hit)
+    y_prompt = long_prompt(ENGINES["decode-0"], "yrev")
+    store_via(ENGINES["prefill-0"], y_prompt)
+    assert external_hits_after(ENGINES["decode-0"], y_prompt) > 0
