@@ -204,7 +204,11 @@ class FakeEngine:
     async def start(self) -> str:
         """Start listening (again, on the same port after a kill/stop); returns the URL."""
         if self._runner is None:
-            self._runner = web.AppRunner(self.make_app(), access_log=None, shutdown_timeout=0.5)
+            # handler_cancellation: a client that goes away cancels the handler (vLLM
+            # aborts the request the same way)
+            self._runner = web.AppRunner(
+                self.make_app(), access_log=None, shutdown_timeout=0.5, handler_cancellation=True
+            )
             await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
         await self._site.start()
@@ -215,20 +219,26 @@ class FakeEngine:
         return self.url
 
     async def kill(self) -> None:
-        """Simulate a crash: stop listening and abort every open connection."""
-        if self._site is not None:
-            await self._site.stop()
-            self._site = None
+        """Simulate a crash: stop listening and abort every open connection (idle
+        keep-alive ones too). ``start()`` brings it back on the same port."""
+        runner, self._runner = self._runner, None
+        self._site = None
+        if runner is None:
+            return
+        server = runner.server
+        if server is not None:
+            for handler in server.connections:
+                transport = handler.transport
+                if transport is not None:
+                    transport.abort()
         for transport in list(self._transports):
             with contextlib.suppress(Exception):
                 transport.abort()  # type: ignore[attr-defined]
         self._transports.clear()
+        await runner.cleanup()
 
     async def stop(self) -> None:
         await self.kill()
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
 
     async def __aenter__(self) -> FakeEngine:
         await self.start()
@@ -475,9 +485,12 @@ class FakeEngine:
             await response.write_eof()
             self.counters["success"] += 1
             return response
-        except (asyncio.CancelledError, ConnectionResetError):
+        except asyncio.CancelledError:
             self.counters["aborted"] += 1
             raise
+        except ConnectionResetError:  # the peer went away while we wrote
+            self.counters["aborted"] += 1
+            return web.Response(status=499)
         finally:
             self.running -= 1
 
