@@ -4,11 +4,12 @@
 #   bash benchmarks/install_vllm_router.sh            # -> .venv-router/bin/vllm-router
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$here"  # .python-version there picks the interpreter under pyenv
 venv="${VLLM_ROUTER_VENV:-$here/.venv-router}"
 version="${VLLM_ROUTER_VERSION:-0.1.17}"
-python="${PYTHON:-python3.12}"
+python="${PYTHON:-python3}"
 if [[ -x "$venv/bin/vllm-router" ]] && "$venv/bin/python" -m pip show vllm-router 2>/dev/null \
-    | grep -qx "Version: $version"; then
+    | grep -x "Version: $version" >/dev/null; then
   echo "vllm-router $version already in $venv"
   exit 0
 fi

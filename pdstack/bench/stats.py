@@ -33,25 +33,45 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return float(np.percentile(np.asarray(values, dtype=float), q))
 
 
+Window = tuple[float, float]
+
+
+def _inside(t: float, windows: Sequence[Window]) -> bool:
+    return any(start <= t < end for start, end in windows)
+
+
+def _total(windows: Sequence[Window]) -> float:
+    if not windows or any(end <= start for start, end in windows):
+        raise ValueError("empty window")
+    return sum(end - start for start, end in windows)
+
+
 def served_rate(results: Iterable[RequestResult], start: float, end: float) -> float:
     """Successful completions inside ``[start, end)`` per second."""
-    if end <= start:
-        raise ValueError("empty window")
+    return _served(results, [(start, end)])
+
+
+def _served(results: Iterable[RequestResult], windows: Sequence[Window]) -> float:
+    duration = _total(windows)
     done = sum(
-        1 for r in results if r.ok and r.end_time is not None and start <= r.end_time < end
+        1 for r in results if r.ok and r.end_time is not None and _inside(r.end_time, windows)
     )
-    return done / (end - start)
+    return done / duration
 
 
 def tokens_in_window(results: Iterable[RequestResult], start: float, end: float) -> float:
     """Output tokens whose chunk arrived inside ``[start, end)`` (multi-token chunks
     split evenly by the request's output token count)."""
+    return _tokens(results, [(start, end)])
+
+
+def _tokens(results: Iterable[RequestResult], windows: Sequence[Window]) -> float:
     total = 0.0
     for r in results:
         if not r.chunk_times or r.output_tokens <= 0:
             continue
         per_chunk = r.output_tokens / len(r.chunk_times)
-        inside = sum(1 for t in r.chunk_times if start <= t < end)
+        inside = sum(1 for t in r.chunk_times if _inside(t, windows))
         total += inside * per_chunk
     return total
 
@@ -72,18 +92,22 @@ def _ms_stats(name: str, seconds: Sequence[float]) -> dict[str, float | None]:
 def summarize(
     results: Sequence[RequestResult],
     *,
-    window_start: float,
-    window_end: float,
+    window_start: float | None = None,
+    window_end: float | None = None,
+    windows: Sequence[Window] | None = None,
     asked_rate: float | None,
     max_concurrency: int | None = None,
     slo_ttft_p50_ms: float | None = None,
     slo_ttft_p99_ms: float | None = None,
 ) -> dict[str, Any]:
-    """The per-rate metrics dict that goes into the JSON file."""
-    duration = window_end - window_start
-    if duration <= 0:
-        raise ValueError("empty window")
-    measured = [r for r in results if window_start <= r.send_time < window_end]
+    """The per-rate metrics dict that goes into the JSON file. The measurement is
+    ``[window_start, window_end)``, or several ``windows`` pooled (interleaved runs)."""
+    if windows is None:
+        if window_start is None or window_end is None:
+            raise ValueError("need window_start and window_end, or windows")
+        windows = [(window_start, window_end)]
+    duration = _total(windows)
+    measured = [r for r in results if _inside(r.send_time, windows)]
     ok = [r for r in measured if r.ok]
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     e2es = [r.e2e for r in ok if r.e2e is not None]
@@ -97,9 +121,9 @@ def summarize(
     unfinished = sum(1 for r in measured if r.error is None and r.end_time is None)
     if unfinished:
         errors["unfinished"] += unfinished
-    out_tokens = tokens_in_window(results, window_start, window_end)
+    out_tokens = _tokens(results, windows)
     in_tokens = sum(r.prompt_tokens for r in ok)
-    served = served_rate(results, window_start, window_end)
+    served = _served(results, windows)
     metrics: dict[str, Any] = {
         "request_rate": asked_rate,
         "max_concurrency": max_concurrency,

@@ -103,3 +103,17 @@ def test_cost_per_million_output_tokens() -> None:
     assert cost_per_million_output_tokens(1000.0, 3.6, 2) == pytest.approx(2.0)
     assert cost_per_million_output_tokens(0.0, 3.6, 2) is None
     assert cost_per_million_output_tokens(math.inf, 3.6, 2) is None
+
+
+def test_summarize_pools_several_windows() -> None:
+    a = [_ok(send=float(i), ttft=0.1, itl=0.01, n=2) for i in range(5)]        # window [0, 5)
+    b = [_ok(send=100.0 + i, ttft=0.3, itl=0.01, n=2) for i in range(5)]  # window [100, 105)
+    gap = [_ok(send=50.0, ttft=9.0, itl=0.01, n=2)]  # between the windows: not measured
+    m = summarize([*a, *gap, *b], windows=[(0.0, 5.0), (100.0, 105.0)], asked_rate=None)
+    assert m["duration"] == 10.0
+    assert m["completed"] == 10
+    assert m["request_throughput"] == pytest.approx(1.0)
+    assert m["median_ttft_ms"] == pytest.approx(200.0)
+    assert m["max_ttft_ms"] == pytest.approx(300.0)
+    with pytest.raises(ValueError):
+        summarize(a, windows=[(5.0, 5.0)], asked_rate=None)

@@ -1,0 +1,450 @@
+#!/usr/bin/env python3
+"""What does the P/D proxy cost? TTFT and throughput at 1/100/500 concurrent streams:
+
+  (a) direct:      the load generator plays the NIXL P/D protocol itself (prefill leg to
+                   P, then the streamed decode leg to D) -- a zero-overhead proxy;
+  (b) pdstack:     through ``pdstack proxy --kv-mode nixl``;
+  (c) vllm-router: through the Rust ``vllm-router --vllm-pd-disaggregation``.
+
+P and D are ``pdstack.testing.fake_engine`` processes with a fixed TTFT and
+inter-token delay, so every millisecond above the direct path is the proxy's.
+The load generator (this process), each proxy and each engine are separate
+processes. Per-process CPU use and the machine's load are recorded beside the
+numbers: on a small shared machine the proxies compete with the load generator
+and the engines for the same cores.
+
+Target: pdstack adds <= 1 ms P50 and <= 5 ms P99 TTFT at 500 streams.
+
+  bash benchmarks/install_vllm_router.sh          # once: .venv-router/bin/vllm-router
+  flock /tmp/pdstack-heavy.lock .venv/bin/python benchmarks/proxy_overhead.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from pdstack.bench.client import BenchClient  # noqa: E402
+from pdstack.bench.runner import run_closed_loop  # noqa: E402
+from pdstack.bench.stats import summarize  # noqa: E402
+from pdstack.bench.workload import Distribution, Workload, WorkloadConfig  # noqa: E402
+
+TARGET_P50_MS = 1.0
+TARGET_P99_MS = 5.0
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process for {url} exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} not ready after {timeout} s")
+        time.sleep(0.1)
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and its descendants."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """user + system CPU seconds of pid and its descendants (all threads)."""
+    total = 0.0
+    for p in process_tree(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
+    return total
+
+
+def machine_busy_seconds() -> tuple[float, float]:
+    """(busy CPU seconds, total CPU seconds) of the whole machine so far."""
+    vals = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = vals[3] + vals[4]  # idle + iowait
+    total = sum(vals[:8])
+    return (total - idle) / CLK_TCK, total / CLK_TCK
+
+
+@dataclass
+class Proc:
+    name: str
+    cmd: list[str]
+    url: str
+    popen: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
+
+    def start(self, log_dir: Path, ready_path: str, timeout: float = 60.0) -> None:
+        self.log = log_dir / f"{self.name}.log"
+        with self.log.open("wb") as fh:
+            self.popen = subprocess.Popen(
+                self.cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        wait_http(self.url + ready_path, timeout, self.popen)
+
+    def stop(self) -> None:
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGTERM)
+        try:
+            self.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(timeout=5)
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+
+@dataclass
+class Setup:
+    prefill: Proc
+    decode: Proc
+    proxies: dict[str, Proc] = field(default_factory=dict)
+
+    def all(self) -> list[Proc]:
+        return [self.prefill, self.decode, *self.proxies.values()]
+
+
+def build_setup(args: argparse.Namespace) -> Setup:
+    py = sys.executable
+    p_port, d_port = free_port(), free_port()
+    engine = [py, "-m", "pdstack.testing.fake_engine", "--no-record",
+              "--output-tokens", str(args.output_tokens)]
+    prefill = Proc("prefill", [*engine, "--port", str(p_port), "--name", "p0",
+                               "--ttft-ms", str(args.prefill_ttft_ms)],
+                   f"http://127.0.0.1:{p_port}")
+    decode = Proc("decode", [*engine, "--port", str(d_port), "--name", "d0",
+                             "--ttft-ms", str(args.decode_ttft_ms),
+                             "--itl-ms", str(args.itl_ms)],
+                  f"http://127.0.0.1:{d_port}")
+    setup = Setup(prefill, decode)
+    if "pdstack" in args.targets:
+        port = free_port()
+        setup.proxies["pdstack"] = Proc(
+            "pdstack",
+            [py, "-m", "pdstack.cli", "proxy", "--prefill", prefill.url, "--decode", decode.url,
+             "--kv-mode", "nixl", "--host", "127.0.0.1", "--port", str(port),
+             *args.pdstack_arg],
+            f"http://127.0.0.1:{port}",
+        )
+    if "vllm-router" in args.targets:
+        port = free_port()
+        setup.proxies["vllm-router"] = Proc(
+            "vllm-router",
+            [str(args.router_bin), "--vllm-pd-disaggregation", "--kv-connector", "nixl",
+             "--prefill", prefill.url, "--decode", decode.url, "--policy", "round_robin",
+             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+             "--max-concurrent-requests", "32768", "--queue-size", "4096"],
+            f"http://127.0.0.1:{port}",
+        )
+    return setup
+
+
+@dataclass
+class Collected:
+    """One target at one stream count: its interleaved segments, pooled."""
+
+    results: list[Any] = field(default_factory=list)
+    windows: list[tuple[float, float]] = field(default_factory=list)
+    cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds in the segments
+    machine_busy: float = 0.0
+    wall: float = 0.0
+
+
+async def segment(
+    args: argparse.Namespace, setup: Setup, target: str, streams: int, seconds: float,
+    seed: int, into: Collected,
+) -> None:
+    """One closed-loop segment of ``seconds`` (after the warm-up) against ``target``."""
+    if target == "direct":
+        client = BenchClient(setup.decode.url, "fake", endpoint="chat",
+                             prefill_url=setup.prefill.url, timeout_s=120)
+    else:
+        client = BenchClient(setup.proxies[target].url, "fake", endpoint="chat", timeout_s=120)
+    workload = Workload(WorkloadConfig(
+        num_system_prompts=4, shared_share=0.8,
+        system_len=Distribution.parse(str(args.prompt_words)),
+        user_len=Distribution.parse("uniform:16:64"),
+        output_len=Distribution.parse(str(args.output_tokens)),
+        seed=seed,
+    ))
+    watched = {"load generator": os.getpid(), "prefill engine": setup.prefill.pid,
+               "decode engine": setup.decode.pid}
+    if target != "direct":
+        watched[target] = setup.proxies[target].pid
+    marks: dict[str, Any] = {}
+
+    async def window_start() -> None:
+        marks["t"] = time.perf_counter()
+        marks["cpu"] = {k: cpu_seconds(p) for k, p in watched.items()}
+        marks["machine"] = machine_busy_seconds()[0]
+
+    async with client:
+        results, start, end = await run_closed_loop(
+            client, workload, streams, duration=seconds, warmup=args.warmup,
+            on_window_start=window_start,
+        )
+    # CPU use is counted from the window's start to the end of the drain
+    into.wall += time.perf_counter() - marks["t"]
+    for k, p in watched.items():
+        into.cpu[k] = into.cpu.get(k, 0.0) + cpu_seconds(p) - marks["cpu"][k]
+    into.machine_busy += machine_busy_seconds()[0] - marks["machine"]
+    into.results.extend(results)
+    into.windows.append((start, end))
+
+
+def describe(target: str, streams: int, c: Collected) -> dict[str, Any]:
+    m = summarize(c.results, windows=c.windows, asked_rate=None, max_concurrency=streams)
+    cpu = {k: v / c.wall for k, v in c.cpu.items()}
+    machine = c.machine_busy / c.wall
+    return {
+        "target": target,
+        "streams": streams,
+        "segments": len(c.windows),
+        "measured_s": m["duration"],
+        "completed": m["completed"],
+        "failed": m["failed"],
+        "errors": m["errors"],
+        "request_throughput": m["request_throughput"],
+        "output_throughput": m["output_throughput"],
+        **{k: m[k] for k in ("mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
+                             "max_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms",
+                             "p99_e2el_ms")},
+        "cpu_cores_used": {k: round(v, 3) for k, v in cpu.items()},
+        "machine_cpu_cores_busy": round(machine, 3),
+        "other_processes_cpu_cores": round(max(0.0, machine - sum(cpu.values())), 3),
+    }
+
+
+def ratio_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each run with its deltas and ratios against the direct run at the same streams."""
+    direct = {r["streams"]: r for r in runs if r["target"] == "direct"}
+    rows = []
+    for r in runs:
+        d = direct.get(r["streams"])
+        row = dict(r)
+        if d is not None and r["median_ttft_ms"] is not None and d["median_ttft_ms"] is not None:
+            row["delta_p50_ttft_ms"] = r["median_ttft_ms"] - d["median_ttft_ms"]
+            row["delta_p99_ttft_ms"] = r["p99_ttft_ms"] - d["p99_ttft_ms"]
+            row["p50_ttft_ratio"] = r["median_ttft_ms"] / d["median_ttft_ms"]
+            row["throughput_ratio"] = (r["request_throughput"] / d["request_throughput"]
+                                       if d["request_throughput"] else None)
+        rows.append(row)
+    return rows
+
+
+def fmt(v: Any, spec: str, width: int) -> str:
+    return ("-" if v is None else format(v, spec)).rjust(width)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'streams':>7} {'target':<12} {'TTFT p50':>9} {'p90':>8} {'p99':>8} "
+            f"{'dP50':>8} {'dP99':>8} {'p50 x':>6} {'req/s':>8} {'tok/s':>8} {'thr x':>6} "
+            f"{'err':>5} {'proxy cpu':>9} {'gen cpu':>7} {'other':>6}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        proxy_cpu = r["cpu_cores_used"].get(r["target"])
+        lines.append(
+            f"{r['streams']:>7} {r['target']:<12} {fmt(r['median_ttft_ms'], '.2f', 9)} "
+            f"{fmt(r['p90_ttft_ms'], '.2f', 8)} {fmt(r['p99_ttft_ms'], '.2f', 8)} "
+            f"{fmt(r.get('delta_p50_ttft_ms') if r['target'] != 'direct' else None, '+.2f', 8)} "
+            f"{fmt(r.get('delta_p99_ttft_ms') if r['target'] != 'direct' else None, '+.2f', 8)} "
+            f"{fmt(r.get('p50_ttft_ratio'), '.3f', 6)} {fmt(r['request_throughput'], '.1f', 8)} "
+            f"{fmt(r['output_throughput'], '.0f', 8)} {fmt(r.get('throughput_ratio'), '.3f', 6)} "
+            f"{r['failed']:>5} {fmt(proxy_cpu, '.0%', 9)} "
+            f"{fmt(r['cpu_cores_used']['load generator'], '.0%', 7)} "
+            f"{fmt(r['other_processes_cpu_cores'], '.2f', 6)}"
+        )
+    lines.append("TTFT in ms; dP50/dP99 = added TTFT vs direct; x = ratio vs direct; cpu in "
+                 "cores (100% = one core); other = cores busy with processes outside this run")
+    return "\n".join(lines)
+
+
+def verdict(rows: list[dict[str, Any]], streams: int) -> dict[str, Any]:
+    row = next((r for r in rows if r["target"] == "pdstack" and r["streams"] == streams), None)
+    if row is None or "delta_p50_ttft_ms" not in row:
+        return {"streams": streams, "met": None, "why": "no pdstack/direct pair at that load"}
+    met = (row["delta_p50_ttft_ms"] <= TARGET_P50_MS and row["delta_p99_ttft_ms"] <= TARGET_P99_MS
+           and row["failed"] == 0)
+    return {
+        "streams": streams,
+        "target_p50_ms": TARGET_P50_MS,
+        "target_p99_ms": TARGET_P99_MS,
+        "delta_p50_ttft_ms": row["delta_p50_ttft_ms"],
+        "delta_p99_ttft_ms": row["delta_p99_ttft_ms"],
+        "met": met,
+    }
+
+
+async def run_all(args: argparse.Namespace, setup: Setup) -> list[dict[str, Any]]:
+    """Per stream count: ``rounds`` rounds, each running every target for
+    duration/rounds s, the order rotated each round (so drift in the machine's
+    load falls on all targets alike); the segments are pooled per target."""
+    runs = []
+    seconds = args.duration / args.rounds
+    for streams in args.streams:
+        collected = {t: Collected() for t in args.targets}
+        for rnd in range(args.rounds):
+            k = rnd % len(args.targets)
+            for target in args.targets[k:] + args.targets[:k]:
+                print(f"-- {streams} streams, round {rnd + 1}/{args.rounds}: {target}", flush=True)
+                await segment(args, setup, target, streams, seconds, seed=streams * 100 + rnd,
+                              into=collected[target])
+                await asyncio.sleep(args.pause)
+        for target in args.targets:
+            run = describe(target, streams, collected[target])
+            print(f"   {target:<12} TTFT p50 {run['median_ttft_ms'] or 0:.2f} ms p99 "
+                  f"{run['p99_ttft_ms'] or 0:.2f} ms, {run['request_throughput']:.1f} req/s, "
+                  f"errors {run['errors']}", flush=True)
+            runs.append(run)
+    return runs
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.splitlines()[1:]))
+    p.add_argument("--streams", default="1,100,500",
+                   type=lambda s: [int(x) for x in s.split(",")],
+                   help="concurrent streams, comma-separated (default 1,100,500)")
+    p.add_argument("--targets", default="direct,pdstack,vllm-router",
+                   type=lambda s: [x.strip() for x in s.split(",")])
+    p.add_argument("--duration", type=float, default=30.0,
+                   help="measured seconds per target and stream count (default 30)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved segments the duration is split into (default 3)")
+    p.add_argument("--warmup", type=float, default=3.0, help="seconds before each segment")
+    p.add_argument("--pause", type=float, default=1.0, help="seconds between points")
+    p.add_argument("--prefill-ttft-ms", type=float, default=100.0)
+    p.add_argument("--decode-ttft-ms", type=float, default=10.0)
+    p.add_argument("--itl-ms", type=float, default=50.0)
+    p.add_argument("--output-tokens", type=int, default=16)
+    p.add_argument("--prompt-words", type=int, default=256, help="system prompt length")
+    p.add_argument("--router-bin", type=Path, default=REPO / ".venv-router/bin/vllm-router")
+    p.add_argument("--pdstack-arg", action="append", default=[],
+                   help="extra argument for `pdstack proxy` (repeatable)")
+    p.add_argument("--output", type=Path,
+                   default=REPO / "benchmarks/results/proxy_overhead.json")
+    p.add_argument("--check", action="store_true",
+                   help="exit 1 when pdstack misses the target at the largest stream count")
+    args = p.parse_args(argv)
+    unknown = set(args.targets) - {"direct", "pdstack", "vllm-router"}
+    if unknown:
+        p.error(f"unknown targets {sorted(unknown)}")
+    if "direct" not in args.targets:
+        args.targets.insert(0, "direct")
+    if "vllm-router" in args.targets and not args.router_bin.exists():
+        found = shutil.which("vllm-router")
+        if found is None:
+            p.error(f"{args.router_bin} missing: run bash benchmarks/install_vllm_router.sh "
+                    "(or --targets direct,pdstack)")
+        args.router_bin = Path(found)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup = build_setup(args)
+    log_dir = Path(tempfile.mkdtemp(prefix="proxy_overhead-"))
+    load_before = list(os.getloadavg())
+    started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    try:
+        for proc in setup.all():
+            proc.start(log_dir, "/health")
+        runs = asyncio.run(run_all(args, setup))
+    finally:
+        for proc in reversed(setup.all()):
+            proc.stop()
+    rows = ratio_rows(runs)
+    top = max(args.streams)
+    result = {
+        "benchmark": "proxy_overhead",
+        "date": started,
+        "config": {
+            "streams": args.streams, "targets": args.targets, "duration_s": args.duration,
+            "warmup_s": args.warmup, "rounds": args.rounds, "prefill_ttft_ms": args.prefill_ttft_ms,
+            "decode_ttft_ms": args.decode_ttft_ms, "itl_ms": args.itl_ms,
+            "output_tokens": args.output_tokens, "system_prompt_words": args.prompt_words,
+            "kv_mode": "nixl", "pdstack_args": args.pdstack_arg,
+            "vllm_router": str(args.router_bin),
+        },
+        "load_conditions": {
+            "cpu_count": os.cpu_count(),
+            "loadavg_before": load_before,
+            "loadavg_after": list(os.getloadavg()),
+            "note": "one machine for load generator, proxy and both fake engines, all separate "
+                    "processes; the machine is shared with other work (see "
+                    "other_processes_cpu_cores per run)",
+        },
+        "runs": rows,
+        "target": verdict(rows, top),
+    }
+    text = table(rows)
+    v = result["target"]
+    if v["met"] is not None:
+        text += (f"\npdstack at {top} streams: +{v['delta_p50_ttft_ms']:.2f} ms P50, "
+                 f"+{v['delta_p99_ttft_ms']:.2f} ms P99 TTFT (target <= {TARGET_P50_MS:g} / "
+                 f"<= {TARGET_P99_MS:g} ms): {'MET' if v['met'] else 'MISSED'}")
+    print(text)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    args.output.with_suffix(".txt").write_text(text + "\n")
+    print(f"wrote {args.output} and {args.output.with_suffix('.txt')} (process logs: {log_dir})")
+    return 1 if args.check and v["met"] is False else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
