@@ -12,10 +12,12 @@ Library use (the Ansible ``private_network`` role, scripts)::
     report.to_dict()                    # the JSON of ``--json`` (schema.json)
 """
 
+from pathlib import Path
+
 from pdstack.preflight.report import Check, NodeReport, PreflightReport, is_private_address
 from pdstack.preflight.runner import default_probe_path, run_preflight
 
-SCHEMA_PATH = __import__("pathlib").Path(__file__).with_name("schema.json")
+SCHEMA_PATH = Path(__file__).with_name("schema.json")
 
 __all__ = [
     "SCHEMA_PATH",
