@@ -193,11 +193,13 @@ async def run_closed_loop(
     duration: float,
     warmup: float,
     drain_timeout: float = 30.0,
+    ramp: float | None = None,
     progress: Progress | None = None,
     on_window_start: Callable[[], Awaitable[Any]] | None = None,
 ) -> tuple[list[RequestResult], float, float]:
     """``concurrency`` streams, each sending its next request as soon as the last ends,
-    for ``warmup + duration`` s (stream starts are spread over the first 0.5 s)."""
+    for ``warmup + duration`` s. Stream starts are spread over ``ramp`` s (default: half
+    the warm-up, at most 2 s), so new connections do not overflow listen backlogs."""
     results: list[RequestResult] = []
     phase = Phase()
     total = warmup + duration
@@ -207,8 +209,10 @@ async def run_closed_loop(
     t0 = time.perf_counter()
     window = (t0 + warmup, t0 + total)
 
+    spread = min(2.0, warmup / 2) if ramp is None else ramp
+
     async def stream(i: int) -> None:
-        await asyncio.sleep(0.5 * i / concurrency)
+        await asyncio.sleep(spread * i / concurrency)
         while time.perf_counter() < window[1]:
             phase.sent += 1
             r = await client.send(workload.next_request(), results)

@@ -167,10 +167,10 @@ class Workload:
             # The tag's checksum makes the first ids differ between prompts.
             span = cfg.token_id_max - cfg.token_id_min
             head = [cfg.token_id_min + zlib.crc32(tag.encode()) % span]
-            return head + [rng.randrange(cfg.token_id_min, cfg.token_id_max) for _ in range(n - 1)]
+            return head + rng.choices(range(cfg.token_id_min, cfg.token_id_max), k=n - 1)
         # The tag (a few words) always leads, so a prompt may be a bit longer than n.
         words = tag.split()
-        words += [rng.choice(_WORDS) for _ in range(n - len(words))]
+        words += rng.choices(_WORDS, k=max(0, n - len(words)))
         return " ".join(words)
 
     def next_request(self) -> ChatRequest:
