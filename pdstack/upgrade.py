@@ -341,7 +341,7 @@ class Upgrader:
     admin: AdminClient
     compose: Compose
     stack_dir: Path
-    model_revision: str
+    model_revision: str | None
     engine_image: str | None = None
     model_template: str | None = None
     node: str | None = None
@@ -391,9 +391,10 @@ class Upgrader:
         p = env_prefix(engine.service)
         old_model, old_rev = values[f"{p}_MODEL"], values.get(f"{p}_REVISION", "")
         image = self.engine_image or values[f"{p}_IMAGE"]
-        model = new_model_arg(old_model, old_rev, self.model_revision, self.model_template)
-        new = {f"{p}_IMAGE": image, f"{p}_MODEL": model, f"{p}_REVISION": self.model_revision}
-        return new, generation(self.model_revision, image)
+        rev = self.model_revision or old_rev
+        model = new_model_arg(old_model, old_rev, rev, self.model_template)
+        new = {f"{p}_IMAGE": image, f"{p}_MODEL": model, f"{p}_REVISION": rev}
+        return new, generation(rev, image)
 
     def check_cache_isolation(self, engines: list[Engine]) -> None:
         """Refuse a revision change that keeps the LMCache namespace (the model arg)."""
@@ -404,12 +405,12 @@ class Upgrader:
             p = env_prefix(e.service)
             new, _ = self.target(e)
             if (
-                values.get(f"{p}_REVISION", "") != self.model_revision
+                values.get(f"{p}_REVISION", "") != new[f"{p}_REVISION"]
                 and new[f"{p}_MODEL"] == values[f"{p}_MODEL"]
             ):
                 raise UpgradeError(
                     f"{e.service}: the model argument stays {values[f'{p}_MODEL']!r} across "
-                    f"revisions {values.get(f'{p}_REVISION')!r} -> {self.model_revision!r}, so "
+                    f"revisions {values.get(f'{p}_REVISION')!r} -> {new[f'{p}_REVISION']!r}, so "
                     "the node's LMCache store would hand KV of one revision to the other "
                     "(its cache key is the model argument). Use a per-revision model path "
                     "(model name with '{revision}') or pass --model with one."
@@ -578,9 +579,14 @@ def read_admin_token(token_file: str | None) -> str:
 
 def register(subparsers: Any, name: str, help_text: str) -> None:
     p = subparsers.add_parser(name, help=help_text, description=__doc__.splitlines()[0])
+    add_arguments(p)
+    p.set_defaults(func=main)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stack-dir", required=True, type=Path,
                    help="the node's rendered stack (compose.yaml + .env)")
-    p.add_argument("--model-revision", required=True, help="the revision to run")
+    p.add_argument("--model-revision", help="the revision to run (default: keep)")
     p.add_argument("--engine-image", help="the engine image to run (default: keep)")
     p.add_argument("--model", dest="model_template",
                    help="model argument for the new revision; '{revision}' is filled in "
@@ -598,11 +604,12 @@ def register(subparsers: Any, name: str, help_text: str) -> None:
                    help="seconds for docker compose --wait")
     p.add_argument("--allow-capacity-gap", action="store_true",
                    help="proceed when an engine's restart leaves nothing serving")
-    p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
     try:
+        if not args.model_revision and not args.engine_image:
+            raise UpgradeError("nothing to do: give --model-revision and/or --engine-image")
         token = read_admin_token(args.admin_token_file)
         stack = args.stack_dir.resolve()
         if not (stack / ".env").is_file() or not (stack / "compose.yaml").is_file():
@@ -628,3 +635,11 @@ def main(args: argparse.Namespace) -> int:
     except UpgradeError as exc:
         log(f"ERROR: {exc}")
         return 1
+
+
+if __name__ == "__main__":
+    # Standalone on a node (stdlib only): the engine_upgrade Ansible role copies this
+    # file to the node and runs it there, next to the node's Docker Compose.
+    parser = argparse.ArgumentParser(prog="pdstack-upgrade", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))
