@@ -257,7 +257,7 @@ def test_rolling_upgrade_rev1_to_rev2_under_traffic(
     for _ in range(6):
         assert classify(first_token_logprobs(PROXY), refs) == "rev2"
     env_text = (stack / ".env").read_text()
-    assert "rev1" not in env_text.replace("# ", "")  # every engine line moved
+    assert "rev1" not in env_text, env_text  # every engine's lines (and comments) moved
     gens = {b["generation"] for b in json.loads((stack / "backends.json").read_text())[
         "backends"]}
     assert gens == {"rev2@pdstack/engine-cpu:dev"}
