@@ -207,13 +207,20 @@ class Proxy:
         assert self.session is not None
         self._probing.add(backend.name)
         ok, error = False, ""
+        started = time.monotonic()
         try:
             timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
             async with self.session.get(f"{backend.url}/health", timeout=timeout) as resp:
                 await resp.read()
                 ok = resp.status == 200
                 error = "" if ok else f"/health answered {resp.status}"
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except TimeoutError:
+            error = "/health timed out"
+            if backend.last_success >= started:
+                # it answered real requests meanwhile: a slow probe (busy event loop or
+                # busy engine) is no evidence of death
+                return
+        except aiohttp.ClientError as exc:
             error = f"/health failed: {exc.__class__.__name__} {exc}".strip()
         finally:
             self._probing.discard(backend.name)
@@ -609,7 +616,7 @@ class Proxy:
             if status >= 500:
                 self._record_failure(backend, error)
             raise _Retryable(error)
-        backend.consecutive_failures = 0
+        _mark_success(backend)
         try:
             params = json.loads(data).get("kv_transfer_params")
         except (json.JSONDecodeError, AttributeError):
@@ -699,7 +706,7 @@ class Proxy:
                         content_type = upstream.headers.get("Content-Type", "application/json")
                         upstream.release()
                         upstream = None
-                        backend.consecutive_failures = 0
+                        _mark_success(backend)
                         backend.served += 1
                         now = time.perf_counter()
                         metrics.ttft_route[ctx.route].observe(now - ctx.started)
@@ -784,7 +791,7 @@ class Proxy:
             else:
                 if pending:
                     await response.write(pending)
-                backend.consecutive_failures = 0
+                _mark_success(backend)
                 backend.served += 1
                 upstream.release()
                 upstream = None
@@ -807,6 +814,11 @@ class Proxy:
             status=exc.status,
             headers={"Content-Type": exc.content_type, "X-Request-Id": ctx.request_id},
         )
+
+
+def _mark_success(backend: BackendState) -> None:
+    backend.consecutive_failures = 0
+    backend.last_success = time.monotonic()
 
 
 def _describe(exc: BaseException) -> str:

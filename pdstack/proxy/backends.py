@@ -38,6 +38,7 @@ class BackendState:
     consecutive_successes: int = 0
     ejections: int = 0
     served: int = 0
+    last_success: float = 0.0  # time.monotonic() of the last successful leg
     last_error: str = ""
 
     @property

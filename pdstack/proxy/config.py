@@ -40,7 +40,7 @@ class ProxyConfig:
     readmit_after: int = 2
     # retries and timeouts (per leg)
     max_retries: int = 2
-    connect_timeout_s: float = 3.0
+    connect_timeout_s: float = 10.0
     prefill_timeout_s: float = 300.0
     decode_first_byte_timeout_s: float = 300.0
     stream_idle_timeout_s: float = 60.0

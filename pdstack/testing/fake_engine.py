@@ -210,7 +210,9 @@ class FakeEngine:
                 self.make_app(), access_log=None, shutdown_timeout=0.5, handler_cancellation=True
             )
             await self._runner.setup()
-        self._site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
+        self._site = web.TCPSite(
+            self._runner, self.host, self.port, reuse_address=True, backlog=4096
+        )
         await self._site.start()
         server = self._site._server  # need the bound port
         if self.port == 0 and server is not None:

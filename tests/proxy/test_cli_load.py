@@ -1,0 +1,150 @@
+"""The real processes: ``pdstack proxy`` (CLI) in front of FakeEngine test-double processes.
+
+Acceptance: 1,000 concurrent streaming requests through the proxy complete without error
+on this 2-core machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from pdstack.testing.proxy_harness import completion_text, stream_completion
+
+REPO = Path(__file__).resolve().parents[2]
+PDSTACK = [sys.executable, "-m", "pdstack.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 30.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"{url} did not come up in {timeout}s")
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """1 prefiller + 2 decoders (fake engine processes) + the proxy process, nixl mode."""
+    procs: list[subprocess.Popen] = []
+    ports = {name: free_port() for name in ("p0", "d0", "d1", "proxy")}
+    env = {**os.environ, "PDSTACK_ADMIN_TOKEN": "cli-test-token"}
+    try:
+        for name in ("p0", "d0", "d1"):
+            cmd = [
+                sys.executable,
+                "-m",
+                "pdstack.testing.fake_engine",
+                "--port",
+                str(ports[name]),
+                "--name",
+                name,
+                "--no-record",
+                "--output-tokens",
+                "16",
+                "--ttft-ms",
+                "20" if name.startswith("d") else "5",
+                "--itl-ms",
+                "10",
+            ]
+            log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=log, cwd=REPO))
+        cmd = [
+            *PDSTACK,
+            "proxy",
+            "--kv-mode",
+            "nixl",
+            "--prefill",
+            f"http://127.0.0.1:{ports['p0']}",
+            "--decode",
+            f"http://127.0.0.1:{ports['d0']}",
+            f"http://127.0.0.1:{ports['d1']}",
+            "--port",
+            str(ports["proxy"]),
+            "--log-level",
+            "WARNING",
+        ]
+        log = open(tmp_path / "proxy.log", "w")  # noqa: SIM115
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=log, cwd=REPO, env=env))
+        for name in ("p0", "d0", "d1"):
+            wait_http(f"http://127.0.0.1:{ports[name]}/health")
+        wait_http(f"http://127.0.0.1:{ports['proxy']}/health")
+        yield {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+async def test_cli_proxy_thousand_concurrent_streams(stack: dict[str, str]) -> None:
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=180)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        started = time.monotonic()
+        results = await asyncio.gather(
+            *(
+                stream_completion(session, stack["proxy"], f"system prompt {i % 5} user {i}")
+                for i in range(1000)
+            )
+        )
+        elapsed = time.monotonic() - started
+        async with session.get(f"{stack['proxy']}/metrics") as resp:
+            metrics = await resp.text()
+        async with session.get(
+            f"{stack['proxy']}/admin/backends", headers={"Authorization": "Bearer cli-test-token"}
+        ) as resp:
+            admin = await resp.json()
+    problems = Counter(
+        (r.status, r.error_events[0]["message"] if r.error_events else r.text[:200])
+        for r in results
+        if r.status != 200 or r.events[-1] != "[DONE]" or r.error_events
+    )
+    assert not problems, problems.most_common(5)
+    assert all(len(completion_text(r.events).split()) == 16 for r in results)
+    assert 'pdstack_proxy_requests_total{outcome="ok"} 1000.0' in metrics
+    served = {b["name"]: b["served"] for b in admin["backends"]}
+    assert served["local/decode-0"] + served["local/decode-1"] == 1000
+    assert min(served["local/decode-0"], served["local/decode-1"]) > 300
+    print(f"1000 streams through the proxy in {elapsed:.1f}s; decoders served {served}")
+
+
+async def test_cli_rejects_missing_sources() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        *PDSTACK,
+        "proxy",
+        "--port",
+        "1",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        cwd=REPO,
+    )
+    out, _ = await proc.communicate()
+    assert proc.returncode != 0
+    assert b"exactly one of -i, --backends, --prefill/--decode" in out
