@@ -82,7 +82,7 @@ def run_preflight(
     ssh_timeout: float = 5.0,
     probe_path: str | Path | None = None,
     inventory: str | None = None,
-    python: str = "python3",
+    python: str | None = None,
 ) -> PreflightReport:
     """Probe every edge of ``plan``; never raises for a network problem, never hangs."""
     t0 = time.monotonic()
@@ -106,6 +106,12 @@ def run_preflight(
             wanted[e.dst_node].append((e.dst_address, e.port))
     listen_seconds = ssh_timeout + 3 * timeout + 30
 
+    # the node's interpreter: the given one, else the system python3 (not a user's shim)
+    pick = (
+        f"PY={python or '/usr/bin/python3'}; [ -x \"$PY\" ] || PY=$(command -v python3) || "
+        "{ echo 'python3 not found on this node' >&2; exit 127; }"
+    )
+
     # ---- phase 1: connect, upload, facts, listeners
     def setup(node: _Node) -> None:
         try:
@@ -117,39 +123,38 @@ def run_preflight(
             node.error = TransportError("ssh_unreachable", f"{type(exc).__name__}: {exc}")
             return
         tr = node.transport
+        # One remote command per node (each SSH exec pays the login shell's start-up):
+        # install the probe if this exact version is not there yet (read exactly
+        # len(probe) bytes from stdin), print host facts, then become the listener.
+        n = len(probe_src)
+        install = (
+            f"test -s {remote_probe} || {{ umask 022; t=$(mktemp /tmp/.pdstack_probe.XXXXXX) "
+            f'&& head -c {n} > "$t" && [ "$(wc -c < "$t")" -eq {n} ] '
+            f'&& mv -f "$t" {remote_probe} || {{ rm -f "$t"; echo "probe upload failed" >&2; '
+            "exit 126; }; }"
+        )
+        command = f'{pick}; {install}; "$PY" {remote_probe} info'
+        if wanted[node.plan.name]:
+            binds = " ".join(f"--bind {_hostport(a, p)}" for a, p in wanted[node.plan.name])
+            command += (
+                f' && exec "$PY" {remote_probe} listen {binds} '
+                f"--seconds {listen_seconds:.0f} --exit-on-stdin-eof"
+            )
+        node.probe = remote_probe
         try:
-            if node.transport.description.startswith("local"):
-                node.probe = str(probe_file)
-            else:
-                install = (
-                    f"test -s {remote_probe} || {{ umask 022; "
-                    "t=$(mktemp /tmp/.pdstack_probe.XXXXXX)"
-                    f' && cat > "$t" && mv -f "$t" {remote_probe}; }}'
-                )
-                res = tr.exec(install, stdin=probe_src, timeout=ssh_timeout + 5)
-                if res.rc != 0:
-                    raise TransportError("probe_error", f"upload failed: {res.stderr.strip()}")
-                node.probe = remote_probe
+            proc = tr.spawn(command)
+            proc.write(probe_src)
+            line = proc.readline(ssh_timeout + 10)
+            node.facts = json.loads(line)
             if wanted[node.plan.name]:
-                binds = " ".join(f"--bind {_hostport(a, p)}" for a, p in wanted[node.plan.name])
-                node.listener = tr.spawn(
-                    f"exec {python} {node.probe} listen {binds} --seconds {listen_seconds:.0f} "
-                    "--exit-on-stdin-eof"
-                )
-            res = tr.exec(f"{python} {node.probe} info", timeout=ssh_timeout + 10)
-            if res.rc != 0:
-                raise TransportError(
-                    "probe_error",
-                    f"'{python} {node.probe} info' exited {res.rc}: "
-                    f"{(res.stderr or res.stdout).strip()[:300]}",
-                )
-            node.facts = json.loads(res.stdout)
-            if node.listener is not None:
+                node.listener = proc
                 try:
-                    ready = json.loads(node.listener.readline(ssh_timeout + 5))
+                    ready = json.loads(proc.readline(ssh_timeout + 5))
                     node.binds = ready.get("binds", [])
                 except (TransportError, ValueError) as exc:
                     node.listener_error = str(exc)
+            else:
+                proc.finish(2.0)
         except TransportError as exc:
             node.error = exc
         except ValueError as exc:
@@ -184,10 +189,9 @@ def run_preflight(
             "connect": [{"id": f"{h}:{p}", "host": h, "port": p} for h, p in targets],
             "ping": pings,
         }
+        command = f'{pick}; exec "$PY" {node.probe} batch'
         try:
-            res = node.transport.exec(
-                f"{python} {node.probe} batch", stdin=json.dumps(spec).encode(), timeout=timeout + 8
-            )
+            res = node.transport.exec(command, stdin=json.dumps(spec).encode(), timeout=timeout + 8)
             if res.rc != 0:
                 node.batch_error = f"probe batch exited {res.rc}: {res.stderr.strip()[:300]}"
                 return
@@ -261,13 +265,14 @@ def _judge_node(plan: Plan, node: _Node, checks: list[Check]) -> None:
         )
         return
     note = node.transport.host_key_note if node.transport else None
+    is_local = node.transport is not None and node.transport.description.startswith("local")
     checks.append(
         Check(
             kind="ssh",
             status="warn" if note else "ok",
             node=name,
             subject=f"{name} ({target})",
-            result="ssh ok" + (f"; {note}" if note else ""),
+            result=("runs locally" if is_local else "ssh ok") + (f"; {note}" if note else ""),
         )
     )
     if node.error is not None:
@@ -390,7 +395,7 @@ def _judge_node(plan: Plan, node: _Node, checks: list[Check]) -> None:
                     f"(state {holder.get('state')})",
                 )
             )
-        elif private or loopback:
+        elif private:
             checks.append(
                 Check(
                     kind="address",

@@ -37,6 +37,7 @@ class ExecResult:
 
 
 class Spawned(Protocol):
+    def write(self, data: bytes) -> None: ...
     def readline(self, timeout: float) -> str: ...
     def finish(self, timeout: float) -> str: ...
 
@@ -91,6 +92,13 @@ class _ChannelSpawn:
     def __init__(self, chan: paramiko.Channel):
         self.chan = chan
         self._buf = b""
+
+    def write(self, data: bytes) -> None:
+        """Best effort: a process that needs no input may already be gone; whatever it
+        printed (or why it failed) comes from :meth:`readline`."""
+        self.chan.settimeout(10.0)
+        with contextlib.suppress(OSError, EOFError):
+            self.chan.sendall(data)
 
     def readline(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout
@@ -270,13 +278,24 @@ class _ProcSpawn:
             self._eof = True
             self._cond.notify_all()
 
+    def write(self, data: bytes) -> None:
+        assert self.proc.stdin is not None
+        with contextlib.suppress(OSError):
+            self.proc.stdin.write(data)
+            self.proc.stdin.flush()
+
     def readline(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout
         with self._cond:
             while not self._lines:
                 left = deadline - time.monotonic()
                 if self._eof:
-                    raise TransportError("probe_error", "process ended early")
+                    self.proc.wait()
+                    err = self.proc.stderr.read() if self.proc.stderr else b""
+                    raise TransportError(
+                        "probe_error",
+                        f"process ended early: {err.decode(errors='replace').strip()[:300]}",
+                    )
                 if left <= 0:
                     raise TransportError("probe_error", f"no output within {timeout:.1f}s")
                 self._cond.wait(left)
@@ -284,7 +303,8 @@ class _ProcSpawn:
 
     def finish(self, timeout: float) -> str:
         assert self.proc.stdin is not None
-        self.proc.stdin.close()
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
