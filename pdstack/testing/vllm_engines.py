@@ -1,0 +1,243 @@
+"""Test support (not a test double): real vLLM CPU engines and an LMCache MP server
+for the `vllm` tests.
+
+Everything runs from the venv that `.ci/install-vllm-venv.sh` builds; a missing venv is
+a test failure (never a skip). Heavy runs hold /tmp/pdstack-heavy.lock so they never
+overlap another heavy job on this 2-core machine (set PDSTACK_HEAVY_LOCK_HELD=1 when the
+caller already holds it, e.g. under `flock /tmp/pdstack-heavy.lock pytest ...`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]  # the checkout (editable install)
+VENV = Path(os.environ.get("PDSTACK_VLLM_VENV", REPO / ".venv-vllm"))
+MODEL_DIR = REPO / "build" / "models" / "tiny-llama-s1"
+LOG_DIR = REPO / "build" / "vllm-test-logs"
+HEAVY_LOCK = "/tmp/pdstack-heavy.lock"
+KV_BYTES = "268435456"
+SERVED_NAME = "tiny"
+
+
+def require_venv() -> None:
+    stamp = VENV / ".pdstack-vllm-venv"
+    if not (VENV / "bin" / "vllm").exists() or not stamp.exists():
+        import pytest
+
+        pytest.fail(f"vLLM venv {VENV} is missing or incomplete: run .ci/install-vllm-venv.sh")
+
+
+def ensure_model() -> Path:
+    if not (MODEL_DIR / "model.safetensors").exists():
+        subprocess.run(
+            [
+                str(VENV / "bin" / "python"),
+                str(REPO / "images/engine-cpu/make_tiny_model.py"),
+                "--out",
+                str(MODEL_DIR),
+                "--seed",
+                "1",
+                "--arch",
+                "llama",
+            ],
+            check=True,
+        )
+    return MODEL_DIR
+
+
+@contextlib.contextmanager
+def heavy_lock() -> Iterator[None]:
+    if os.environ.get("PDSTACK_HEAVY_LOCK_HELD"):
+        yield
+        return
+    with open(HEAVY_LOCK, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_env(cpu: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHON"))}
+    env.update(
+        {
+            "VLLM_CPU_OMP_THREADS_BIND": cpu,
+            "VLLM_CACHE_ROOT": str(VENV / "vllm-cache"),
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "NIXL_PTHR_DELAY_US": "1000",
+            "LMCACHE_TRACK_USAGE": "false",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+        }
+    )
+    return env
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+    url: str = ""
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.popen.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGTERM)  # our own process group only
+        try:
+            self.popen.wait(30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(10)
+
+
+def spawn(name: str, cmd: list[str], env: dict[str, str]) -> Proc:
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    log = LOG_DIR / f"{name}.log"
+    handle = open(log, "w")  # noqa: SIM115 - the child owns it
+    popen = subprocess.Popen(
+        cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
+    )
+    return Proc(name, popen, log)
+
+
+def start_engine(
+    name: str,
+    port: int,
+    cpu: str,
+    kv_transfer_config: dict[str, Any] | None,
+    extra_env: dict[str, str] | None = None,
+) -> Proc:
+    cmd = [
+        str(VENV / "bin" / "vllm"),
+        "serve",
+        str(ensure_model()),
+        "--served-model-name",
+        SERVED_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "2048",
+        "--kv-cache-memory-bytes",
+        KV_BYTES,
+        "--seed",
+        "0",
+    ]
+    if kv_transfer_config is not None:
+        cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+    env = base_env(cpu) | (extra_env or {})
+    proc = spawn(name, cmd, env)
+    proc.url = f"http://127.0.0.1:{port}"
+    return proc
+
+
+def start_lmcache(zmq_port: int, http_port: int) -> Proc:
+    cmd = [
+        str(VENV / "bin" / "lmcache"),
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(zmq_port),
+        "--l1-size-gb",
+        "1",
+        "--eviction-policy",
+        "LRU",
+        "--chunk-size",
+        "256",
+        "--supported-transfer-mode",
+        "engine_driven",
+        "--http-port",
+        str(http_port),
+    ]
+    proc = spawn("lmcache", cmd, base_env("nobind"))
+    proc.url = f"http://127.0.0.1:{http_port}"
+    return proc
+
+
+def wait_ready(procs: list[Proc], path: str = "/health", timeout: float = 900.0) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(procs)
+    while pending:
+        for proc in list(pending):
+            if proc.popen.poll() is not None:
+                raise RuntimeError(f"{proc.name} exited ({proc.popen.returncode}):\n{proc.tail()}")
+            try:
+                with urllib.request.urlopen(proc.url + path, timeout=2) as resp:
+                    if resp.status == 200:
+                        pending.remove(proc)
+            except OSError:
+                pass
+        if time.monotonic() > deadline:
+            names = ", ".join(p.name for p in pending)
+            raise TimeoutError(f"{names} not ready after {timeout}s:\n{pending[0].tail()}")
+        time.sleep(1)
+
+
+def wait_port(proc: Proc, port: int, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
+        with socket.socket() as s:
+            s.settimeout(1)
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"{proc.name} did not open port {port}:\n{proc.tail()}")
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        return resp.read().decode()
+
+
+_VOCAB_TEXT = (
+    "the of and to in is that for it as was with be by on not this are or from at "
+    "which have an they you were her she there one all we their can has more when "
+    "will would if so what up out about who them some into time only other could "
+    "prefill decode cache token model server request stream node engine memory block "
+    "layer vector tensor prefix shared store transfer kernel batch queue proxy"
+)
+_VOCAB = _VOCAB_TEXT.split()
+
+
+def prompt_of(words: int, seed: int) -> str:
+    """Deterministic English-ish text (about 1.2 tokens per word for the tiny BPE)."""
+    state = seed * 7919 + 17
+    out = []
+    for _ in range(words):
+        state = (state * 1103515245 + 12345) % (2**31)
+        out.append(_VOCAB[state % len(_VOCAB)])
+    return " ".join(out)
