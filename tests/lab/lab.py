@@ -8,7 +8,8 @@ after each test, pass or fail; the session fixture ``lab`` tears the namespaces 
 the end even when tests fail.  A missing prerequisite (not root, no sshd, no iptables)
 *fails* with a message naming what to install; it never skips.
 
-Load it from a conftest without making ``tests`` a package::
+Load it from a conftest without making ``tests`` a package, with a namespace prefix of
+your own (so two test folders' session labs never collide)::
 
     import importlib.util, pathlib, sys
     _p = pathlib.Path(__file__).parents[1] / "lab" / "lab.py"
@@ -16,7 +17,7 @@ Load it from a conftest without making ``tests`` a package::
     netns_lab = importlib.util.module_from_spec(_spec)
     sys.modules["pdstack_netns_lab"] = netns_lab
     _spec.loader.exec_module(netns_lab)
-    lab, clean_lab = netns_lab.lab, netns_lab.clean_lab   # fixtures
+    lab, clean_lab = netns_lab.lab_fixtures("pdans")   # pytest fixtures
 
 See tests/lab/README.md for the full interface.
 """
@@ -229,33 +230,41 @@ class Lab:
 
 # ---------------------------------------------------------------------- fixtures
 
-TEST_PREFIX = os.environ.get("PDSTACK_LAB_PREFIX", "pdtest")
 
+def lab_fixtures(prefix: str) -> tuple[Any, Any]:
+    """``(lab, clean_lab)`` pytest fixtures for a lab with its own namespace prefix.
 
-@pytest.fixture(scope="session")
-def lab() -> Iterator[Lab]:
-    """A running 3-node lab for the whole session; always torn down."""
-    missing = missing_prerequisites()
-    if missing:
-        pytest.fail("netns lab prerequisites missing:\n  " + "\n  ".join(missing)
-                    + "\n(CI: .ci/install.sh must install them)", pytrace=False)
-    the_lab = Lab(prefix=TEST_PREFIX)
-    try:
-        the_lab.up()
-    except LabError as exc:
-        the_lab.down()
-        pytest.fail(str(exc), pytrace=False)
-    try:
-        yield the_lab
-    finally:
-        the_lab.down()
+    Each test folder that needs a lab uses its own prefix (at most 8 characters), so two
+    folders' session labs never tear each other down::
 
+        lab, clean_lab = netns_lab.lab_fixtures("pdans")
+    """
 
-@pytest.fixture
-def clean_lab(lab: Lab) -> Iterator[Lab]:
-    """The session lab, with every injected fault undone after the test."""
-    lab.clear_faults()
-    try:
-        yield lab
-    finally:
+    @pytest.fixture(scope="session")
+    def lab() -> Iterator[Lab]:
+        """A running 3-node lab for the whole session; always torn down."""
+        missing = missing_prerequisites()
+        if missing:
+            pytest.fail("netns lab prerequisites missing:\n  " + "\n  ".join(missing)
+                        + "\n(CI: .ci/install.sh must install them)", pytrace=False)
+        the_lab = Lab(prefix=prefix)
+        try:
+            the_lab.up()
+        except LabError as exc:
+            the_lab.down()
+            pytest.fail(str(exc), pytrace=False)
+        try:
+            yield the_lab
+        finally:
+            the_lab.down()
+
+    @pytest.fixture
+    def clean_lab(lab: Lab) -> Iterator[Lab]:
+        """The session lab, with every injected fault undone after the test."""
         lab.clear_faults()
+        try:
+            yield lab
+        finally:
+            lab.clear_faults()
+
+    return lab, clean_lab
