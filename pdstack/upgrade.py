@@ -509,9 +509,12 @@ class Upgrader:
             self.wait_admitted(engine)
             self.admin.undrain(engine.backend)
         except (UpgradeError, OSError, subprocess.SubprocessError) as exc:
-            self.rollback(engine, old_values, old_spec, edited)
+            if self.rollback(engine, old_values, old_spec, edited):
+                outcome = f"rolled back to {old_gen}"
+            else:
+                outcome = f"ROLLBACK FAILED ({engine.service} left drained; .env restored)"
             raise UpgradeError(
-                f"{engine.service}: upgrade to {new_gen} failed, rolled back to {old_gen}: {exc}"
+                f"{engine.service}: upgrade to {new_gen} failed, {outcome}: {exc}"
             ) from exc
         self.retire_standins()
         log(f"{engine.service}: serving {new_gen} ({time.monotonic() - t0:.1f}s)")
@@ -546,7 +549,7 @@ class Upgrader:
 
     def rollback(
         self, engine: Engine, old_values: dict[str, str], old_spec: dict[str, Any], edited: bool
-    ) -> None:
+    ) -> bool:
         log(f"{engine.service}: rolling back")
         try:
             if edited:
@@ -556,7 +559,14 @@ class Upgrader:
                 self.wait_admitted(engine)
             self.admin.undrain(engine.backend)
         except (UpgradeError, OSError, subprocess.SubprocessError) as exc:
+            # stand-ins stay registered: they may be all that serves now
             log(f"{engine.service}: ROLLBACK FAILED, left drained: {exc}")
+            return False
+        try:
+            self.retire_standins()
+        except UpgradeError as exc:
+            log(f"stand-ins not retired: {exc}")
+        return True
 
 
 # --------------------------------------------------------------------------- CLI
