@@ -4,4 +4,34 @@ Modules: ``backends`` (discovery: backend table, health state, pairings, generat
 ``routing`` (bounded-load consistent hashing, power of two choices, prefix index),
 ``metrics`` (Prometheus), ``app`` (aiohttp server and the two-leg flow), ``config``
 (settings, secrets from env), ``cli`` (``pdstack proxy``).
+
+HTTP API
+--------
+- ``POST /v1/completions``, ``POST /v1/chat/completions`` (stream or not), ``GET /v1/models``:
+  OpenAI-compatible; ``Authorization: Bearer <key>`` when ``PDSTACK_API_KEYS`` is set.
+  Every response carries ``X-Request-Id`` (the client's, or a new one), also sent on both
+  upstream legs. Errors use OpenAI's shape ``{"error": {"message", "type", "param",
+  "code"}}``; over ``--max-concurrency``: 429 with ``Retry-After``; nothing routable: 503
+  with the reason (e.g. "no healthy decoder for prefiller n1/prefill-0 on node n1").
+  A stream whose upstream dies after its first byte ends with
+  ``data: {"error": {...}}`` then ``data: [DONE]``.
+- ``GET /health``: 200 when at least one route (prefiller with a same-generation healthy
+  decoder, or a colocated engine) is usable, else 503 with ``reason``.
+- ``GET /metrics``: Prometheus text (see :mod:`pdstack.proxy.metrics`).
+- Admin (``Authorization: Bearer $PDSTACK_ADMIN_TOKEN`` or ``X-Admin-Token``; without a
+  configured token the admin API answers 403):
+  - ``GET /admin/backends``: ``{"kv_mode", "backends": [{"name", "role", "node", "url",
+    "generation", "state" (healthy|drained|ejected|unknown), "in_flight", "served", ...}],
+    "pairings": [...], "in_flight"}``;
+  - ``POST /admin/backends/{name}/drain`` / ``.../undrain``: drained = no new requests,
+    in-flight ones finish (poll ``in_flight`` until 0 before stopping the engine);
+  - ``POST /admin/backends`` ``{"name", "role", "url", "node", "generation",
+    "drained"?, "pairs_with"?}``: add (201) or replace (200) a backend; pairings default
+    to the kv_mode's rule (shared-l1: same node); the answer carries its first probe;
+  - ``DELETE /admin/backends/{name}``.
+  Names contain ``/`` (``node1/prefill-0``) and are used as is in the path.
+
+Generations: a prefiller is paired only with decoders of the same ``generation``
+string, and a prefiller without such a healthy decoder is not routed to, so an old
+generation keeps serving until the new one has both roles healthy.
 """

@@ -158,7 +158,11 @@ async def serve(proxy: Any, host: str, port: int) -> None:
     runner = proxy.runner()
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=4096, reuse_address=True)
-    await site.start()
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        raise
     logging.getLogger("pdstack.proxy").warning(
         "pdstack proxy on http://%s:%d (kv_mode %s, %d backends)",
         host,
@@ -193,11 +197,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     config = config_from_args(args)
     proxy = Proxy(registry, config)
+    loop_factory = None
     try:
         import uvloop  # type: ignore[import-not-found]
 
-        uvloop.install()
+        loop_factory = uvloop.new_event_loop
     except ImportError:
         pass
-    asyncio.run(serve(proxy, config.host, config.port))
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(serve(proxy, config.host, config.port))
+    except OSError as exc:
+        print(f"pdstack proxy: cannot serve on {config.host}:{config.port}: {exc}")
+        return 1
     return 0
