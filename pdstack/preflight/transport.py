@@ -161,9 +161,9 @@ class SshTransport:
         opts = _ssh_options(target.common_args)
         known = opts.get("userknownhostsfile")
         strict = opts.get("stricthostkeychecking", "").lower()
-        files = [Path("~/.ssh/known_hosts").expanduser()]
-        if known:
-            files.append(Path(known).expanduser())
+        # like OpenSSH: UserKnownHostsFile (one or more files) replaces ~/.ssh/known_hosts
+        files = [Path(k).expanduser() for k in known.split()] if known else [
+            Path("~/.ssh/known_hosts").expanduser()]
         for f in files:
             if f.is_file():
                 with contextlib.suppress(OSError):

@@ -249,3 +249,29 @@ def test_local_node_without_ssh(clean_lab: Any, tmp_path: Path) -> None:
     edges = [c for c in rep["checks"] if c["kind"] == "edge"]
     assert edges and all(c["status"] == "ok" and c["dst_address"] == "127.0.0.1"
                          for c in edges)
+
+
+def test_host_key_checking(clean_lab: Any, tmp_path: Path) -> None:
+    empty = tmp_path / "empty_known_hosts"
+    empty.write_text("")
+    wrong = tmp_path / "wrong_known_hosts"  # node3's address with node1's host key
+    line = next(ln for ln in clean_lab.known_hosts.read_text().splitlines()
+                if ln.startswith("10.77.0.1 "))
+    wrong.write_text(line.replace("10.77.0.1 ", "10.77.0.3 ", 1) + "\n")
+    inv = clean_lab.write_inventory(tmp_path / "inv", node_vars={
+        "node1": {"ansible_ssh_common_args":
+                  f"-o UserKnownHostsFile={empty} -o StrictHostKeyChecking=yes"},
+        "node2": {"ansible_ssh_common_args": f"-o UserKnownHostsFile={empty}"},
+        "node3": {"ansible_ssh_common_args": f"-o UserKnownHostsFile={wrong}"},
+    })
+    run = run_preflight_cli(clean_lab, inv, *FAST)
+    assert run.rc == 1, run.explain()
+    by_node = {c["node"]: c for c in run.checks(kind="ssh")}
+    assert by_node["node1"]["status"] == "fail" and by_node["node1"]["cause"] == "host_key"
+    assert "StrictHostKeyChecking=yes" in by_node["node1"]["message"]
+    # unknown but not strict: accepted, and said so
+    assert by_node["node2"]["status"] == "warn"
+    assert "is in no known_hosts file; accepted for this run" in by_node["node2"]["message"]
+    # a known host presenting another key is never accepted
+    assert by_node["node3"]["status"] == "fail" and by_node["node3"]["cause"] == "host_key"
+    assert "host key mismatch" in by_node["node3"]["message"]
