@@ -19,8 +19,9 @@ Subcommands::
   rdma        /dev/infiniband and ``ibv_devinfo``, when present
   free-ports  [--address A] [--start P --end P --count N]
   resources   memory (/proc/meminfo), disk (--path ...), CPUs
-  batch       reads {"timeout": s, "connect": [...], "ping": [...]} on stdin,
-              runs every item in parallel, bounded by the timeout
+  batch       reads {"timeout": s, "connect": [...], "ping": [...], "throughput": [...]}
+              on stdin; connects and pings run in parallel, bounded by the timeout,
+              then each throughput item ({"host", "port", "seconds"}) in turn
 
 Connect results: ``ok`` | ``timeout`` (filtered / no route) | ``refused``
 (nothing listening, or REJECT) | ``host_unreachable`` | ``network_unreachable``
@@ -643,7 +644,8 @@ def host_info(paths: list[str]) -> Json:
 # --------------------------------------------------------------------------- batch
 
 def batch(spec: Json) -> Json:
-    """Run connects and DF pings of one source node in parallel, bounded by spec["timeout"]."""
+    """Connects and DF pings of one source node in parallel (bounded by spec["timeout"]),
+    then throughput runs one after another."""
     timeout = float(spec.get("timeout", 3.0))
     connects = spec.get("connect", [])
     pings = spec.get("ping", [])
@@ -655,12 +657,17 @@ def batch(spec: Json) -> Json:
         funcs.append(lambda p=p: dict(ping_df(p["host"], int(p["size"]), timeout), id=p.get("id")))
     start = time.monotonic()
     results = parallel(funcs)
+    # throughput runs last and one at a time, so streams do not share the link
+    tputs = [dict(throughput(t["host"], int(t["port"]), float(t.get("seconds", 1.0)), timeout),
+                  id=t.get("id"))
+             for t in spec.get("throughput", [])]
     return {
         "probe_version": PROBE_VERSION,
         "hostname": socket.gethostname(),
         "elapsed_s": round(time.monotonic() - start, 3),
         "connect": results[:len(connects)],
         "ping": results[len(connects):],
+        "throughput": tputs,
     }
 
 

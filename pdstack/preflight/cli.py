@@ -24,6 +24,9 @@ def register(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentPar
                    help="per-edge connect / ping timeout in seconds (default 3)")
     p.add_argument("--ssh-timeout", type=float, default=5.0, metavar="S",
                    help="SSH connect timeout per node in seconds (default 5)")
+    p.add_argument("--throughput", type=float, default=0.0, metavar="S",
+                   help="also measure TCP throughput for S seconds over each cross-node "
+                        "NIXL path (default off)")
     p.add_argument("--probe", default=None, help="path of pdstack_probe.py (default: scripts/)")
     p.add_argument("--all", action="store_true", help="list passing checks too, not only problems")
     p.set_defaults(func=cmd_preflight)
@@ -37,6 +40,9 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
     if not 0 < args.timeout <= 60 or not 0 < args.ssh_timeout <= 60:
         print("pdstack preflight: --timeout and --ssh-timeout must be in (0, 60]", file=sys.stderr)
+        return EXIT_MISUSE
+    if not 0 <= args.throughput <= 30:
+        print("pdstack preflight: --throughput must be in [0, 30] seconds", file=sys.stderr)
         return EXIT_MISUSE
     try:
         topo = load_topology(args.inventory)
@@ -52,7 +58,8 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         print(f"pdstack preflight: probe script not readable: {exc}", file=sys.stderr)
         return EXIT_MISUSE
     report = run_preflight(make_plan(topo), timeout=args.timeout, ssh_timeout=args.ssh_timeout,
-                           probe_path=probe, inventory=str(args.inventory))
+                           probe_path=probe, inventory=str(args.inventory),
+                           throughput_s=args.throughput)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

@@ -11,7 +11,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 Status = Literal["ok", "warn", "fail"]
-Kind = Literal["ssh", "probe", "address", "interface_mtu", "path_mtu", "edge", "rdma"]
+Kind = Literal[
+    "ssh", "probe", "address", "interface_mtu", "path_mtu", "edge", "rdma", "throughput"
+]
 
 SCHEMA_VERSION = 1
 

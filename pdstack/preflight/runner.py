@@ -83,8 +83,12 @@ def run_preflight(
     probe_path: str | Path | None = None,
     inventory: str | None = None,
     python: str | None = None,
+    throughput_s: float = 0.0,
 ) -> PreflightReport:
-    """Probe every edge of ``plan``; never raises for a network problem, never hangs."""
+    """Probe every edge of ``plan``; never raises for a network problem, never hangs.
+
+    ``throughput_s`` > 0 also measures one TCP stream of that many seconds per source node
+    and destination node joined by a NIXL edge (the KV transfer path)."""
     t0 = time.monotonic()
     report = PreflightReport(
         deployment=plan.deployment,
@@ -175,6 +179,19 @@ def run_preflight(
             mtu = min(a.plan.mtu, b.plan.mtu)
             mtu_pairs.setdefault(a.plan.name, []).append((b.plan.name, mtu))
 
+    def _throughput_targets(src: str) -> list[dict[str, Any]]:
+        """One NIXL edge per destination node, to a port our own listener holds."""
+        out: dict[str, dict[str, Any]] = {}
+        for e in edges_by_src.get(src, []):
+            if e.dst_node == src or "nixl" not in e.purpose or e.dst_node in out:
+                continue
+            binds = nodes[e.dst_node].binds
+            mine = any(b.get("port") == e.port and b.get("status") == "listening" for b in binds)
+            if mine:
+                out[e.dst_node] = {"id": e.dst_node, "host": e.dst_address, "port": e.port,
+                                   "seconds": throughput_s}
+        return list(out.values())
+
     def probe_from(node: _Node) -> None:
         assert node.transport is not None
         targets = sorted({(e.dst_address, e.port) for e in edges_by_src.get(node.plan.name, [])})
@@ -184,14 +201,17 @@ def run_preflight(
             overhead = 48 if ":" in addr else 28
             pings.append({"id": f"{dst}/mtu", "host": addr, "size": mtu - overhead})
             pings.append({"id": f"{dst}/small", "host": addr, "size": SMALL_PING})
+        tputs = _throughput_targets(node.plan.name) if throughput_s > 0 else []
         spec = {
             "timeout": timeout,
             "connect": [{"id": f"{h}:{p}", "host": h, "port": p} for h, p in targets],
             "ping": pings,
+            "throughput": tputs,
         }
         command = f'{pick}; exec "$PY" {node.probe} batch'
+        limit = timeout + 8 + len(tputs) * (throughput_s + timeout + 2)
         try:
-            res = node.transport.exec(command, stdin=json.dumps(spec).encode(), timeout=timeout + 8)
+            res = node.transport.exec(command, stdin=json.dumps(spec).encode(), timeout=limit)
             if res.rc != 0:
                 node.batch_error = f"probe batch exited {res.rc}: {res.stderr.strip()[:300]}"
                 return
@@ -246,6 +266,7 @@ def _judge(plan: Plan, nodes: dict[str, _Node], report: PreflightReport) -> None
     for e in plan.edges:
         checks.append(_judge_edge(e, nodes))
     _judge_mtu_paths(nodes, checks)
+    _judge_throughput(plan, nodes, checks)
 
 
 def _judge_node(plan: Plan, node: _Node, checks: list[Check]) -> None:
@@ -649,6 +670,32 @@ def _judge_mtu_paths(nodes: dict[str, _Node], checks: list[Check]) -> None:
                         **base,
                     )
                 )
+
+
+def _judge_throughput(plan: Plan, nodes: dict[str, _Node], checks: list[Check]) -> None:
+    for src in nodes.values():
+        for t in (src.batch or {}).get("throughput", []):
+            dst = t.get("id")
+            edge = next((e for e in plan.edges if e.src_node == src.plan.name
+                         and e.dst_node == dst and e.port == t.get("port")), None)
+            subject = f"{src.plan.name} -> {dst} {t.get('host')}:{t.get('port')}"
+            if edge is not None:
+                subject += f" ({edge.purpose})"
+            base: dict[str, Any] = dict(
+                kind="throughput", src=src.plan.name, dst=dst, dst_address=t.get("host"),
+                port=t.get("port"), purpose=edge.purpose if edge else None, subject=subject,
+                detail={"throughput": t},
+            )
+            if t.get("status") == "ok":
+                checks.append(Check(
+                    status="ok", result=f"{t.get('mbit_per_s')} Mbit/s (one TCP stream, "
+                    f"{t.get('seconds')}s)", **base))
+            else:
+                cause = t.get("status") if t.get("status") in CAUSE_TEXT else "error"
+                checks.append(Check(
+                    status="fail", cause=cause,
+                    result=f"throughput run failed: {t.get('error') or CAUSE_TEXT[cause]}",
+                    **base))
 
 
 def _facts_summary(facts: dict[str, Any]) -> dict[str, Any]:

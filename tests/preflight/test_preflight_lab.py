@@ -25,7 +25,7 @@ def plan_edges(inv: Path) -> list[Any]:
 
 
 def test_healthy_lab_passes(lab_inventory: Path, clean_lab: Any) -> None:
-    run = run_preflight_cli(clean_lab, lab_inventory, *FAST)
+    run = run_preflight_cli(clean_lab, lab_inventory, *FAST, "--throughput", "0.5")
     assert run.rc == 0, run.explain()
     rep = run.report
     assert rep is not None and rep["ok"] and rep["exit_code"] == 0
@@ -41,6 +41,14 @@ def test_healthy_lab_passes(lab_inventory: Path, clean_lab: Any) -> None:
     assert {n: v["reachable"] for n, v in rep["nodes"].items()} == {
         "node1": True, "node2": True, "node3": True}
     assert rep["nodes"]["node2"]["facts"]["hostname"] == "node2"
+    # one TCP stream per (src, dst) node pair joined by a NIXL edge
+    tput = run.checks(kind="throughput")
+    assert {(c["src"], c["dst"]) for c in tput} == {
+        ("node1", "node3"), ("node2", "node1"), ("node2", "node3"), ("node3", "node1")}
+    for c in tput:
+        t = c["detail"]["throughput"]
+        assert c["status"] == "ok" and t["mbit_per_s"] > 0
+        assert t["bytes_sent"] == t["bytes_received"] > 0
     assert run.wall_s < 30
 
 
