@@ -218,11 +218,14 @@ def prepare(
     log_dir: Path,
     secrets: dict[str, str],
     overrides: dict[str, str | None],
+    names: Sequence[str] | None = None,
 ) -> list[Prepared]:
-    """Every service of ``node`` as this host will run it (raises FileNotFoundError for a
-    program missing on PATH, before anything starts)."""
+    """The services of ``node`` (all, or those in ``names``) as this host will run them
+    (raises FileNotFoundError for a program missing on PATH, before anything starts)."""
     out = []
     for svc in node.services:
+        if names is not None and svc.name not in names:
+            continue
         env = dict(os.environ)
         env.update(secrets)  # compose: env_file first, `environment:` wins
         env.update(svc.env)
@@ -395,9 +398,11 @@ class Launcher:
                 live = [(n, r) for n, r in live if r.leader_alive() or r.members()]
                 if live:
                     time.sleep(0.1)
+            still = {n for n, _ in live}
             for n, _ in recs:
-                (self.log_dir / f"{n}.pid").unlink(missing_ok=True)
-                self.children.pop(n, None)
+                if n not in still:  # keep the pid file of what could not be stopped
+                    (self.log_dir / f"{n}.pid").unlink(missing_ok=True)
+                    self.children.pop(n, None)
             if live:
                 self.say(f"could not stop: {', '.join(n for n, _ in live)}")
                 return EXIT_FAILED
@@ -529,7 +534,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     secrets = read_env_file(Path(args.secrets_env))
     try:
-        prepared = [p for p in prepare(plan, node, log_dir, secrets, overrides) if p.name in names]
+        prepared = prepare(plan, node, log_dir, secrets, overrides, names)
     except FileNotFoundError as err:
         print(f"pdstack launch: {err.args[0]}; nothing started", file=sys.stderr)
         return EXIT_FAILED
