@@ -719,19 +719,19 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_listen(args)
         if args.cmd == "connect":
             targets = [split_hostport(t) for t in args.targets]
-            res = parallel([lambda h=h, pt=pt: connect_one(h, pt, args.timeout)
-                            for h, pt in targets])
-            emit({"connect": res}, pretty)
-            return 0 if all(r.get("status") == "ok" for r in res) else 1
+            many = parallel([lambda h=h, pt=pt: connect_one(h, pt, args.timeout)
+                             for h, pt in targets])
+            emit({"connect": many}, pretty)
+            return 0 if all(r.get("status") == "ok" for r in many) else 1
         if args.cmd == "ping":
-            res = ping_df(args.host, args.size, args.timeout)
-            emit(res, pretty)
-            return 0 if res["status"] == "ok" else 1
+            one = ping_df(args.host, args.size, args.timeout)
+            emit(one, pretty)
+            return 0 if one["status"] == "ok" else 1
         if args.cmd == "throughput":
             host, port = split_hostport(args.target)
-            res = throughput(host, port, args.seconds, args.timeout)
-            emit(res, pretty)
-            return 0 if res["status"] == "ok" else 1
+            one = throughput(host, port, args.seconds, args.timeout)
+            emit(one, pretty)
+            return 0 if one["status"] == "ok" else 1
         if args.cmd == "info":
             emit(host_info(args.path or ["/"]), pretty)
         elif args.cmd == "interfaces":

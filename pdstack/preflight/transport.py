@@ -322,7 +322,7 @@ class LocalTransport:
     def __init__(self, name: str):
         self.name = name
         self.description = f"local ({socket.gethostname()})"
-        self.host_key_note = None
+        self.host_key_note: str | None = None
 
     def exec(self, command: str, stdin: bytes | None = None, timeout: float = 10.0) -> ExecResult:
         try:
