@@ -459,13 +459,13 @@ class Upgrader:
             self.health_timeout_s,
         )
 
-    def retire_standins(self, keep_url: str | None = None) -> None:
+    def retire_standins(self, only_url: str | None = None) -> None:
         for name in list(self.standins):
             b = self.admin.backend(name)
             if b is None:
                 self.standins.remove(name)
                 continue
-            if keep_url is not None and b["url"] != keep_url:
+            if only_url is not None and b["url"] != only_url:
                 continue
             self.admin.drain(name)
             self.wait_idle(name)
@@ -494,7 +494,7 @@ class Upgrader:
         for name in list(self.standins):
             b = self.admin.backend(name)
             if b is not None and b["url"] == engine.url:
-                self.retire_standins(keep_url=engine.url)
+                self.retire_standins(only_url=engine.url)
         self.ensure_capacity(engine, old_gen)
         self.admin.drain(engine.backend)
         edited = False
