@@ -9,7 +9,7 @@ JSON document on stdout (``listen`` prints one JSON object per line: a
 
 Subcommands::
 
-  listen      --bind ADDR:PORT ... --seconds N [--exit-on-stdin-eof]
+  listen      --bind ADDR:PORT ... --seconds N [--exit-on-stdin-eof]   (PORT 0: ephemeral)
   connect     HOST:PORT ... [--timeout S]            parallel, with RTT
   ping        HOST --size BYTES [--timeout S]          don't-fragment ICMP echo
   throughput  HOST:PORT [--seconds N]                  against a ``listen`` probe
@@ -292,6 +292,9 @@ def bind_listener(host: str, port: int) -> tuple[socket.socket | None, Json]:
         info["error"] = str(exc)
         return None, info
     info["status"] = "listening"
+    if port == 0:  # an ephemeral port, as UCX's TCP transport uses: say which one
+        info["requested_port"] = 0
+        info["port"] = sock.getsockname()[1]
     return sock, info
 
 

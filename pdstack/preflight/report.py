@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 Status = Literal["ok", "warn", "fail"]
 Kind = Literal[
-    "ssh", "probe", "address", "interface_mtu", "path_mtu", "edge", "rdma", "throughput"
+    "ssh", "probe", "address", "interface_mtu", "path_mtu", "edge", "ucx", "rdma", "throughput"
 ]
 
 SCHEMA_VERSION = 1

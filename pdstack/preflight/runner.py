@@ -108,6 +108,12 @@ def run_preflight(
     for e in plan.edges:
         if e.dst_node in wanted and (e.dst_address, e.port) not in wanted[e.dst_node]:
             wanted[e.dst_node].append((e.dst_address, e.port))
+    # UCX's TCP transport (NIXL without RDMA) moves the KV over connections to an ephemeral
+    # port on the peer: one extra listener on port 0 wherever a cross-node NIXL edge lands
+    ucx_edges = [e for e in plan.edges if _is_ucx_edge(e)]
+    for e in ucx_edges:
+        if e.dst_node in wanted and (e.dst_address, 0) not in wanted[e.dst_node]:
+            wanted[e.dst_node].append((e.dst_address, 0))
     listen_seconds = ssh_timeout + 3 * timeout + 30
 
     # the node's interpreter: the given one, else the system python3 (not a user's shim)
@@ -194,7 +200,12 @@ def run_preflight(
 
     def probe_from(node: _Node) -> None:
         assert node.transport is not None
-        targets = sorted({(e.dst_address, e.port) for e in edges_by_src.get(node.plan.name, [])})
+        wanted_targets = {(e.dst_address, e.port) for e in edges_by_src.get(node.plan.name, [])}
+        for e in ucx_edges:
+            port = _ephemeral_port(nodes.get(e.dst_node), e.dst_address)
+            if e.src_node == node.plan.name and port:
+                wanted_targets.add((e.dst_address, port))
+        targets = sorted(wanted_targets)
         pings = []
         for dst, mtu in mtu_pairs.get(node.plan.name, []):
             addr = nodes[dst].plan.private_address
@@ -243,6 +254,17 @@ def run_preflight(
     return report
 
 
+def _is_ucx_edge(e: Edge) -> bool:
+    return "nixl" in e.purpose and e.src_node != e.dst_node
+
+
+def _ephemeral_port(node: _Node | None, addr: str) -> int | None:
+    if node is None:
+        return None
+    return next((b.get("port") for b in node.binds if b.get("requested_port") == 0
+                 and b.get("address") == addr and b.get("status") == "listening"), None)
+
+
 def _hostport(addr: str, port: int) -> str:
     return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
 
@@ -265,6 +287,9 @@ def _judge(plan: Plan, nodes: dict[str, _Node], report: PreflightReport) -> None
         _judge_node(plan, node, checks)
     for e in plan.edges:
         checks.append(_judge_edge(e, nodes))
+    for e in plan.edges:
+        if _is_ucx_edge(e):
+            checks.append(_judge_ucx(e, nodes))
     _judge_mtu_paths(nodes, checks)
     _judge_throughput(plan, nodes, checks)
 
@@ -320,32 +345,25 @@ def _judge_node(plan: Plan, node: _Node, checks: list[Check]) -> None:
             )
         )
     for b in node.binds:
-        if b.get("status") == "address_not_available":
-            checks.append(
-                Check(
-                    kind="probe",
-                    status="fail",
-                    node=name,
-                    port=b.get("port"),
-                    dst_address=b.get("address"),
-                    cause="address_missing",
-                    subject=name,
-                    result=f"cannot listen on {b.get('address')}:{b.get('port')}: "
-                    "address not on any interface",
-                )
+        status = b.get("status")
+        if status not in ("address_not_available", "error"):
+            continue
+        port = b.get("port") or None  # 0: the ephemeral (UCX) listener
+        where = f"{b.get('address')}:{port or '<ephemeral>'}"
+        missing = status == "address_not_available"
+        checks.append(
+            Check(
+                kind="probe",
+                status="fail",
+                node=name,
+                port=port,
+                dst_address=b.get("address"),
+                cause="address_missing" if missing else "probe_error",
+                subject=name,
+                result=f"cannot listen on {where}: "
+                + ("address not on any interface" if missing else str(b.get("error"))),
             )
-        elif b.get("status") == "error":
-            checks.append(
-                Check(
-                    kind="probe",
-                    status="fail",
-                    node=name,
-                    port=b.get("port"),
-                    cause="probe_error",
-                    subject=name,
-                    result=f"cannot listen on {b.get('address')}:{b.get('port')}: {b.get('error')}",
-                )
-            )
+        )
 
     # private address: private, on an interface that is up, MTU as configured
     addr = node.plan.private_address
@@ -594,6 +612,29 @@ def _judge_edge(e: Edge, nodes: dict[str, _Node]) -> Check:
         result=f"{what}" + note,
         **base,
     )
+
+
+def _judge_ucx(e: Edge, nodes: dict[str, _Node]) -> Check:
+    """The decoder's node reaching an ephemeral TCP port on the prefiller's node."""
+    port = _ephemeral_port(nodes.get(e.dst_node), e.dst_address)
+    purpose = f"{e.purpose.replace(' nixl side channel', '')} UCX data path (ephemeral port)"
+    ucx = Edge(src_node=e.src_node, dst_node=e.dst_node, dst_address=e.dst_address,
+               port=port or 1, purpose=purpose)
+    check = _judge_edge(ucx, nodes)
+    check.kind = "ucx"
+    if port is None:
+        check.port = None
+        check.subject = (f"{e.src_node} -> {e.dst_node} {e.dst_address}:<ephemeral> "
+                         f"({purpose})")
+        if check.cause != "src_unreachable":
+            check.status, check.cause = "fail", "probe_error"
+            check.result = "no ephemeral listener on the destination (see its probe check)"
+        check.message = f"{check.subject}: {check.result}"
+    elif check.status == "fail":
+        check.result += ("; UCX over TCP needs the nodes' ephemeral ports open to each other "
+                         "(or UCX_TCP_PORT_RANGE opened in the firewall)")
+        check.message = f"{check.subject}: {check.result}"
+    return check
 
 
 def _judge_mtu_paths(nodes: dict[str, _Node], checks: list[Check]) -> None:

@@ -163,6 +163,17 @@ class Lab:
         self._iptables(node, [*self._match(port, src, proto), "-j", "REJECT",
                               "--reject-with", reject_with])
 
+    def allow_only(self, node: str, ports: Sequence[int]) -> None:
+        """A stateful firewall on ``node`` that admits TCP only to ``ports`` (plus SSH,
+        replies to the node's own connections, and loopback); every other TCP port drops."""
+        dports = ",".join(str(p) for p in sorted({22, *ports}))
+        # inserted in reverse, so the final order is: established, lo, drop-the-rest
+        self._iptables(node, ["-p", "tcp", "-m", "multiport", "!", "--dports", dports,
+                              "-j", "DROP"])
+        self._iptables(node, ["-i", "lo", "-j", "ACCEPT"])
+        self._iptables(node, ["-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
+                              "-j", "ACCEPT"])
+
     def drop_icmp(self, node: str) -> None:
         """Drop every ICMP echo request to ``node`` (a firewall that blocks ping)."""
         self._iptables(node, ["-p", "icmp", "--icmp-type", "echo-request", "-j", "DROP"])

@@ -172,6 +172,8 @@ def test_every_edge_filtered_finishes_under_30s(lab_inventory: Path, clean_lab: 
     assert run.rc == 1, run.explain()
     edges = run.checks(kind="edge")
     assert len(edges) == 15 and all(c["cause"] == "timeout" for c in edges)
+    ucx = run.checks(kind="ucx")
+    assert len(ucx) == 4 and all(c["cause"] == "timeout" for c in ucx)
     assert all(c["status"] == "warn" and c["cause"] == "icmp_blocked"
                for c in run.checks(kind="path_mtu"))
     assert run.wall_s < 30, run.wall_s
@@ -283,3 +285,22 @@ def test_host_key_checking(clean_lab: Any, tmp_path: Path) -> None:
     # a known host presenting another key is never accepted
     assert by_node["node3"]["status"] == "fail" and by_node["node3"]["cause"] == "host_key"
     assert "host key mismatch" in by_node["node3"]["message"]
+
+
+def test_firewall_with_only_the_planned_ports_breaks_ucx(lab_inventory: Path,
+                                                          clean_lab: Any) -> None:
+    """Every planned port open on node1, nothing else: the side channel connects, but
+    UCX's TCP data path (an ephemeral port) would not."""
+    planned = {e.port for e in plan_edges(lab_inventory) if e.dst_node == "node1"}
+    clean_lab.allow_only("node1", planned)
+    run = run_preflight_cli(clean_lab, lab_inventory, *FAST)
+    assert run.rc == 1, run.explain()
+    assert all(c["status"] == "ok" for c in run.checks(kind="edge"))
+    fails = run.failures()
+    assert {(c["kind"], c["src"], c["dst"]) for c in fails} == {
+        ("ucx", "node2", "node1"), ("ucx", "node3", "node1")}
+    for c in fails:
+        assert c["cause"] == "timeout"
+        assert c["purpose"] == "decode-0->prefill-0 UCX data path (ephemeral port)"
+        assert "UCX over TCP needs the nodes' ephemeral ports open" in c["message"]
+    assert all(c["status"] == "ok" for c in run.checks(kind="ucx", dst="node3"))
