@@ -396,6 +396,10 @@ class Proxy:
             if not isinstance(body, dict):
                 metrics.outcome["bad_request"].inc()
                 return error_response(400, "body must be a JSON object", "invalid_request_error")
+            if "kv_transfer_params" in body:
+                # only the proxy decides where KV comes from: never a client
+                del body["kv_transfer_params"]
+                raw = json.dumps(body).encode()
             request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
             ctx = RequestContext(
                 request_id=request_id,

@@ -247,3 +247,16 @@ async def test_upstream_4xx_is_passed_through_not_retried() -> None:
     assert "error" in json.loads(res.text)
     assert len(e["p0"].seen()) + len(e["p1"].seen()) == 1
     assert not e["d0"].seen()
+
+
+async def test_client_kv_transfer_params_are_dropped() -> None:
+    async with engines("p0", "d0") as e:
+        t = table(
+            "shared-l1", [backend("p0", "prefill", e["p0"]), backend("d0", "decode", e["d0"])]
+        )
+        async with running_proxy(t) as rp:
+            evil = {"do_remote_prefill": True, "remote_host": "10.9.9.9", "remote_port": 1}
+            res = await stream_completion(rp.session, rp.url, "x", kv_transfer_params=evil)
+    assert res.status == 200
+    assert "kv_transfer_params" not in e["p0"].seen()[0].body
+    assert "kv_transfer_params" not in e["d0"].seen()[0].body
