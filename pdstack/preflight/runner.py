@@ -99,7 +99,8 @@ def run_preflight(
     )
     probe_file = Path(probe_path) if probe_path else default_probe_path()
     probe_src = probe_file.read_bytes()
-    digest = hashlib.sha256(probe_src).hexdigest()[:12]
+    full_digest = hashlib.sha256(probe_src).hexdigest()
+    digest = full_digest[:12]
     remote_probe = f"/tmp/pdstack_probe-{digest}.py"
     nodes = {name: _Node(np) for name, np in plan.nodes.items()}
 
@@ -137,8 +138,11 @@ def run_preflight(
         # install the probe if this exact version is not there yet (read exactly
         # len(probe) bytes from stdin), print host facts, then become the listener.
         n = len(probe_src)
+        # reuse a copy only if it is ours and byte-identical (the name in /tmp is
+        # predictable; another user's file there is never executed)
         install = (
-            f"test -s {remote_probe} || {{ umask 022; t=$(mktemp /tmp/.pdstack_probe.XXXXXX) "
+            f'{{ test -O {remote_probe} && sha256sum {remote_probe} | grep -q "^{full_digest} "; }}'
+            f" || {{ umask 022; t=$(mktemp /tmp/.pdstack_probe.XXXXXX) "
             f'&& head -c {n} > "$t" && [ "$(wc -c < "$t")" -eq {n} ] '
             f'&& mv -f "$t" {remote_probe} || {{ rm -f "$t"; echo "probe upload failed" >&2; '
             "exit 126; }; }"

@@ -4,6 +4,7 @@ specific message, within its timeout, and every run must end well under 30 s."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -80,8 +81,13 @@ def test_drop_on_one_port_times_out(lab_inventory: Path, clean_lab: Any) -> None
 
 def test_reject_is_refused_at_once(lab_inventory: Path, clean_lab: Any) -> None:
     clean_lab.reject("node3", 8100)
+    # a stale / foreign copy of the probe under the expected name is replaced, not run
+    digest = hashlib.sha256((REPO / "scripts" / "pdstack_probe.py").read_bytes()).hexdigest()
+    cached = f"/tmp/pdstack_probe-{digest[:12]}.py"
+    assert clean_lab.ssh("node3", f"echo 'raise SystemExit(3)' > {cached}").returncode == 0
     run = run_preflight_cli(clean_lab, lab_inventory, *FAST)
     assert run.rc == 1, run.explain()
+    assert clean_lab.ssh("node3", f"sha256sum {cached}").stdout.startswith(digest)
     [c] = run.failures()
     assert (c["src"], c["dst"], c["port"], c["purpose"], c["cause"]) == (
         "node1", "node3", 8100, "proxy->prefill-0 http", "refused")
