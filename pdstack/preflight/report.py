@@ -12,7 +12,8 @@ from typing import Any, Literal
 
 Status = Literal["ok", "warn", "fail"]
 Kind = Literal[
-    "ssh", "probe", "address", "interface_mtu", "path_mtu", "edge", "ucx", "rdma", "throughput"
+    "ssh", "probe", "address", "interface_mtu", "path_mtu", "edge", "ucx", "rdma", "resources",
+    "throughput",
 ]
 
 SCHEMA_VERSION = 1
@@ -35,6 +36,7 @@ CAUSE_TEXT: dict[str, str] = {
     "mtu": "MTU too small",
     "icmp_blocked": "ICMP echo not answered; MTU unverified",
     "rdma_absent": "RDMA expected but absent",
+    "memory": "not enough host memory",
 }
 
 

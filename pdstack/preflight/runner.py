@@ -485,6 +485,8 @@ def _judge_node(plan: Plan, node: _Node, checks: list[Check]) -> None:
                 )
             )
 
+    _judge_memory(node, checks)
+
     rdma = node.facts.get("rdma", {})
     if node.plan.rdma:
         if not rdma.get("present"):
@@ -522,6 +524,40 @@ def _judge_node(plan: Plan, node: _Node, checks: list[Check]) -> None:
                     f"{rdma.get('active_ports', '?')} active port(s))",
                 )
             )
+
+
+def _l1_size_gb(node: NodePlan) -> float | None:
+    """The LMCache L1 size the plan gives this node's LMCache server, if it runs one."""
+    for svc in node.services:
+        if svc.kind == "lmcache" and "--l1-size-gb" in svc.command:
+            i = svc.command.index("--l1-size-gb")
+            try:
+                return float(svc.command[i + 1])
+            except (IndexError, ValueError):
+                return None
+    return None
+
+
+def _judge_memory(node: _Node, checks: list[Check]) -> None:
+    need_gb = _l1_size_gb(node.plan)
+    avail = node.facts.get("resources", {}).get("memory", {}).get("available_bytes")
+    if need_gb is None or not isinstance(avail, int):
+        return
+    have_gb = avail / 2**30
+    detail = {"lmcache_l1_gb": need_gb, "memory_available_gb": round(have_gb, 1)}
+    name = node.plan.name
+    if have_gb < need_gb:
+        checks.append(Check(
+            kind="resources", status="fail", node=name, cause="memory", subject=name,
+            detail=detail,
+            result=f"LMCache L1 of {need_gb:g} GiB does not fit: {have_gb:.1f} GiB of host "
+                   "memory available",
+        ))
+    else:
+        checks.append(Check(
+            kind="resources", status="ok", node=name, subject=name, detail=detail,
+            result=f"LMCache L1 {need_gb:g} GiB fits ({have_gb:.1f} GiB available)",
+        ))
 
 
 def _connect_result(node: _Node | None, addr: str, port: int) -> dict[str, Any] | None:

@@ -39,6 +39,7 @@ def test_healthy_lab_passes(lab_inventory: Path, clean_lab: Any) -> None:
         assert c["detail"]["connect"]["listener"] == "probe"
         assert c["detail"]["listener"]["status"] == "listening"
     assert len(run.checks(kind="path_mtu", status="ok")) == 6  # every ordered node pair
+    assert [c["status"] for c in run.checks(kind="resources")] == ["ok"] * 3  # 1 GiB L1
     assert {n: v["reachable"] for n, v in rep["nodes"].items()} == {
         "node1": True, "node2": True, "node3": True}
     assert rep["nodes"]["node2"]["facts"]["hostname"] == "node2"
@@ -195,7 +196,7 @@ def test_address_rdma_and_listen_problems(clean_lab: Any, tmp_path: Path) -> Non
             "node1": {"pdstack_private_address": "10.77.0.9"},       # on no interface
             "node2": {"pdstack_rdma": True},                         # no /dev/infiniband here
             "node3": {"pdstack_private_address": "198.51.100.3"},    # not private
-        })
+        }, group_vars={"pdstack_lmcache": {"l1_size_gb": 4096, "chunk_size": 256}})
         run = run_preflight_cli(clean_lab, inv, *FAST)
     finally:
         clean_lab.node_run("node3", ["ip", "addr", "del", "198.51.100.3/32", "dev", "eth0"],
@@ -211,6 +212,11 @@ def test_address_rdma_and_listen_problems(clean_lab: Any, tmp_path: Path) -> Non
     [addr] = run.checks(kind="address", node="node3", status="fail")
     assert addr["cause"] == "address_not_private"
     assert addr["message"].startswith("node3: address 198.51.100.3 is not private")
+    # a 4 TiB LMCache L1 fits no node of this machine
+    mem = run.checks(kind="resources")
+    assert {c["node"] for c in mem} == {"node1", "node2", "node3"}
+    assert all(c["status"] == "fail" and c["cause"] == "memory" and
+               "LMCache L1 of 4096 GiB does not fit" in c["message"] for c in mem)
     # the other nodes have no route to 198.51.100.3: refused locally, no packet sent
     to3 = run.checks(kind="edge", src="node1", dst="node3")
     assert to3 and all(c["cause"] == "network_unreachable" for c in to3)
