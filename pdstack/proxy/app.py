@@ -505,9 +505,7 @@ class Proxy:
             same_path = [d for d, p in pairs if p == kv_path]
             chosen = pick_p2c(same_path or [d for d, _ in pairs], self.rng)
             if chosen is not None:
-                self.metrics.pairs.labels(
-                    chosen_prefill.name, chosen.name, chosen_prefill.generation, chosen.generation
-                ).inc()
+                self.metrics.pair(chosen_prefill, chosen).inc()
             return chosen
 
         return await self._final_leg(

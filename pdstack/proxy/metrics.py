@@ -22,12 +22,13 @@ Metric names (all prefixed ``pdstack_proxy_``):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pdstack.proxy.backends import BackendRegistry
+from pdstack.proxy.backends import BackendRegistry, BackendState
 
 TTFT_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -116,8 +117,16 @@ class ProxyMetrics:
         self.leg_prefill = self.leg.labels("prefill")
         self.leg_decode_first = self.leg.labels("decode_first_byte")
         self.leg_decode = self.leg.labels("decode")
+        self._pair_children: dict[tuple[str, str, str, str], Any] = {}
         self._lookups = 0
         self._hits = 0
+
+    def pair(self, prefill: BackendState, decode: BackendState) -> Any:
+        key = (prefill.name, decode.name, prefill.generation, decode.generation)
+        child = self._pair_children.get(key)
+        if child is None:
+            child = self._pair_children[key] = self.pairs.labels(*key)
+        return child
 
     def index_lookup(self, hit: bool) -> None:
         self._lookups += 1

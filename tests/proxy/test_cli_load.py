@@ -6,6 +6,7 @@ on this 2-core machine.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import signal
@@ -148,3 +149,65 @@ async def test_cli_rejects_missing_sources() -> None:
     out, _ = await proc.communicate()
     assert proc.returncode != 0
     assert b"exactly one of -i, --backends, --prefill/--decode" in out
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    from pdstack.cli import build_parser
+
+    return build_parser(only="proxy").parse_args(["proxy", *argv])
+
+
+def test_cli_backend_sources(tmp_path: Path) -> None:
+    from pdstack.plan import make_plan
+    from pdstack.proxy.backends import BackendRegistry
+    from pdstack.proxy.cli import backend_table_from_args, config_from_args
+    from pdstack.topology import load_topology
+
+    inv = REPO / "inventory" / "sample"
+    from_inventory = backend_table_from_args(_parse(["-i", str(inv)]))
+    assert from_inventory == make_plan(load_topology(inv)).backend_table
+    registry = BackendRegistry.from_table(from_inventory)
+    assert registry.kv_mode == from_inventory.kv_mode
+    assert set(registry.backends) == {b.name for b in from_inventory.backends}
+
+    path = tmp_path / "backends.json"
+    path.write_text(from_inventory.model_dump_json())
+    assert backend_table_from_args(_parse(["--backends", str(path)])) == from_inventory
+
+    adhoc = backend_table_from_args(
+        _parse(
+            [
+                "--prefill",
+                "http://127.0.0.1:1",
+                "--decode",
+                "http://127.0.0.1:2",
+                "http://127.0.0.1:3",
+                "--kv-mode",
+                "shared-l1",
+            ]
+        )
+    )
+    assert [b.role for b in adhoc.backends] == ["prefill", "decode", "decode"]
+    assert len(adhoc.pairings) == 2
+
+    env_file = tmp_path / "secrets.env"
+    env_file.write_text("PDSTACK_ADMIN_TOKEN=from-file\n")
+    args = _parse(
+        [
+            "--prefill",
+            "http://x:1",
+            "--decode",
+            "http://x:2",
+            "--kv-mode",
+            "nixl",
+            "--env-file",
+            str(env_file),
+            "--max-concurrency",
+            "7",
+        ]
+    )
+    config = config_from_args(args)
+    assert config.max_concurrency == 7 and config.host == "127.0.0.1"
+    assert config.admin_token == (os.environ.get("PDSTACK_ADMIN_TOKEN") or "from-file")
+    # no flag takes a secret
+    assert not {"admin_token", "token", "api_key", "api_keys", "engine_api_key"} & set(vars(args))
