@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import ErrorDetails
 
 KvMode = Literal["colocated", "lmcache-pd", "nixl", "shared-l1", "shared-l1+nixl"]
 KV_MODES: tuple[str, ...] = ("colocated", "lmcache-pd", "nixl", "shared-l1", "shared-l1+nixl")
@@ -168,7 +169,7 @@ def _group_vars(inv: Path, problems: list[Problem]) -> tuple[dict[str, Any], dic
     return merged, origin
 
 
-def _loc(err: dict[str, Any]) -> str:
+def _loc(err: ErrorDetails) -> str:
     return ".".join(str(p) for p in err["loc"])
 
 
