@@ -24,10 +24,8 @@ mkdir -p "$W/results" "$W/logs" "$W/state" "$OUTDIR"
 RATES=${RATES:-4,12,24}
 DURATION=${DURATION:-30}
 WARMUP=${WARMUP:-5}
-TOPOLOGIES=(colocated nixl shared-l1 shared-l1-skip)
-declare -A PROXY_PORT=([colocated]=8000 [nixl]=8001 [shared-l1]=8002 [shared-l1-skip]=8003)
-declare -A ENGINE_PORTS=([colocated]="8100 8101" [nixl]="8110 8111" [shared-l1]="8120 8121"
-                         [shared-l1-skip]="8120 8121")
+# inventory/h200x2-<t> for each; "<base>-skip" reuses <base>'s engines and LMCache
+read -r -a TOPOLOGIES <<< "${TOPOLOGIES:-colocated nixl shared-l1 shared-l1-skip}"
 
 elapsed() { echo $(( $(date +%s) - T0 )); }
 left() { echo $(( BUDGET - $(elapsed) )); }
@@ -55,6 +53,21 @@ source "$SITE/env.sh"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=python3
 PD=("$PY" -m pdstack.cli)
+declare -A PROXY_PORT ENGINE_PORTS LMCACHE_HTTP
+for t in "${TOPOLOGIES[@]}"; do  # ports from the plan, the one source of numbering
+  read -r pp ep lm < <("$PY" - "inventory/h200x2-$t" <<'EOF'
+import sys
+from pdstack.plan import make_plan
+from pdstack.topology import load_topology
+svcs = [s for n in make_plan(load_topology(sys.argv[1])).nodes.values() for s in n.services]
+proxy = next(s.ports["http"] for s in svcs if s.kind == "proxy")
+engines = ",".join(str(s.ports["http"]) for s in svcs if s.kind == "engine")
+lm = next((str(s.ports["metrics"]) for s in svcs if s.kind == "lmcache"), "-")
+print(proxy, engines, lm)
+EOF
+)
+  PROXY_PORT[$t]=$pp; ENGINE_PORTS[$t]=${ep//,/ }; LMCACHE_HTTP[$t]=$lm
+done
 
 # ------------------------------------------------------------------ 2. machine facts
 if [ ! -f "$W/results/machine.txt" ]; then
@@ -101,10 +114,14 @@ start_topology() {  # name [extra launch args...]
   setsid bash -c "'${PD[0]}' ${PD[*]:1} launch -i inventory/h200x2-$t start --log-dir $W/logs/$t \
     --timeout 900 $* ; echo \$? > $W/state/launch-$t.rc" > "$W/logs/launch-$t.out" 2>&1 < /dev/null &
 }
-start_topology colocated "${COMMON_ENV[@]}"
-# the plan sets UCX_TLS=tcp,self,sm for non-RDMA nodes; GPU memory needs UCX's cuda transports
-start_topology nixl "${COMMON_ENV[@]}" --env UCX_TLS=
-start_topology shared-l1 "${COMMON_ENV[@]}"
+for t in "${TOPOLOGIES[@]}"; do
+  case $t in
+    *-skip) ;;  # started with its base topology
+    # the plan sets UCX_TLS=tcp,self,sm for non-RDMA nodes; GPU memory needs UCX's cuda transports
+    nixl) start_topology "$t" "${COMMON_ENV[@]}" --env UCX_TLS= ;;
+    *) start_topology "$t" "${COMMON_ENV[@]}" ;;
+  esac
+done
 
 launched_ok() {  # 0 healthy, 1 failed, 2 still starting
   local f="$W/state/launch-$1.rc"
@@ -147,7 +164,7 @@ sweep() {  # topology
   local out="$W/results/$t.json"
   local metrics=(--metrics-url "http://127.0.0.1:$port/metrics")
   for p in ${ENGINE_PORTS[$t]}; do metrics+=(--metrics-url "http://127.0.0.1:$p/metrics"); done
-  [ "$t" = shared-l1 ] || [ "$t" = shared-l1-skip ] && metrics+=(--metrics-url "http://127.0.0.1:6001/metrics")
+  [ "${LMCACHE_HTTP[$t]}" != - ] && metrics+=(--metrics-url "http://127.0.0.1:${LMCACHE_HTTP[$t]}/metrics")
   log "sweep $t: rates $RATES x ${DURATION}s (+${WARMUP}s warm-up) via :$port"
   "${PD[@]}" bench --target "http://127.0.0.1:$port" --token-ids --model deepseek-v2-lite \
     --rates "$RATES" --duration "$DURATION" --warmup "$WARMUP" --drain-timeout 20 \
@@ -165,7 +182,7 @@ SWEEP_EST=$(( $(echo "$RATES" | tr ',' '\n' | wc -l) * (DURATION + WARMUP + 8) +
 for t in "${TOPOLOGIES[@]}"; do
   [ -f "$W/state/swept-$t" ] && continue
   [ -f "$W/state/failed-$t" ] && continue
-  base=$t; [ "$t" = shared-l1-skip ] && base=shared-l1
+  base=${t%-skip}
   while launched_ok "$base"; [ $? -eq 2 ]; do
     [ "$(left)" -lt 15 ] && { log "budget spent while $base starts"; exit 0; }
     sleep 5
@@ -174,14 +191,13 @@ for t in "${TOPOLOGIES[@]}"; do
     log "$base failed to start:"; tail -60 "$W/logs/launch-$base.out" | tee -a "$W/run.log"
     touch "$W/state/failed-$t"; continue
   fi
-  if [ "$t" = shared-l1-skip ] && [ ! -f "$W/state/skip-proxy" ]; then
-    # same engines and LMCache as shared-l1, made cold again; only the proxy differs
-    post http://127.0.0.1:6001/cache/clear
-    post http://127.0.0.1:8120/reset_prefix_cache
-    post http://127.0.0.1:8121/reset_prefix_cache
-    "${PD[@]}" launch -i inventory/h200x2-shared-l1-skip start --services proxy \
-      --log-dir "$W/logs/shared-l1-skip" --timeout 60 2>&1 | tee -a "$W/run.log"
-    touch "$W/state/skip-proxy"
+  if [ "$t" != "$base" ] && [ ! -f "$W/state/proxy-$t" ]; then
+    # same engines and LMCache as $base, made cold again; only the proxy differs
+    post "http://127.0.0.1:${LMCACHE_HTTP[$t]}/cache/clear"
+    for p in ${ENGINE_PORTS[$t]}; do post "http://127.0.0.1:$p/reset_prefix_cache"; done
+    "${PD[@]}" launch -i "inventory/h200x2-$t" start --services proxy \
+      --log-dir "$W/logs/$t" --timeout 60 2>&1 | tee -a "$W/run.log"
+    touch "$W/state/proxy-$t"
   fi
   if [ "$(left)" -lt "$SWEEP_EST" ]; then
     log "left $(left)s < ${SWEEP_EST}s for sweep $t: stop here, call again"; exit 0
@@ -199,7 +215,8 @@ for t in "${TOPOLOGIES[@]}"; do
 done
 if [ $all_done = 1 ] && [ ! -f "$W/state/stopped" ]; then
   log "all sweeps done: stopping every service"
-  for t in shared-l1-skip shared-l1 nixl colocated; do
+  for ((i=${#TOPOLOGIES[@]}-1; i>=0; i--)); do
+    t=${TOPOLOGIES[$i]}
     "${PD[@]}" launch -i "inventory/h200x2-$t" stop --log-dir "$W/logs/$t" --grace 20 2>&1 | tail -3 >> "$W/run.log"
   done
   nvidia-smi --query-gpu=index,memory.used --format=csv >> "$W/run.log"
