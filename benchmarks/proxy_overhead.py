@@ -4,7 +4,8 @@
   (a) direct:      the load generator plays the NIXL P/D protocol itself (prefill leg to
                    P, then the streamed decode leg to D) -- a zero-overhead proxy;
   (b) pdstack:     through ``pdstack proxy --kv-mode nixl``;
-  (c) vllm-router: through the Rust ``vllm-router --vllm-pd-disaggregation``.
+  (c) vllm-router: through the Rust ``vllm-router --vllm-pd-disaggregation``;
+  optionally pdstack-uvloop: (b) with uvloop on the path (``--uvloop-path``).
 
 P and D are ``pdstack.testing.fake_engine`` processes with a fixed TTFT and
 inter-token delay, so every millisecond above the direct path is the proxy's.
@@ -17,6 +18,7 @@ Target: pdstack adds <= 1 ms P50 and <= 5 ms P99 TTFT at 500 streams.
 
   bash benchmarks/install_vllm_router.sh          # once: .venv-router/bin/vllm-router
   flock /tmp/pdstack-heavy.lock .venv/bin/python benchmarks/proxy_overhead.py
+  # results: benchmarks/results/proxy_overhead.json (+ .txt with the printed table)
 """
 
 from __future__ import annotations
@@ -372,15 +374,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="concurrent streams, comma-separated (default 1,100,500)")
     p.add_argument("--targets", default="direct,pdstack,vllm-router",
                    type=lambda s: [x.strip() for x in s.split(",")])
-    p.add_argument("--duration", type=float, default=30.0,
-                   help="measured seconds per target and stream count (default 30)")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="interleaved segments the duration is split into (default 3)")
-    p.add_argument("--warmup", type=float, default=3.0, help="seconds before each segment")
+    p.add_argument("--duration", type=float, default=20.0,
+                   help="measured seconds per target and stream count (default 20)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="interleaved segments the duration is split into (default 2)")
+    p.add_argument("--warmup", type=float, default=6.0,
+                   help="seconds before each segment (default 6: longer than one request)")
     p.add_argument("--pause", type=float, default=1.0, help="seconds between points")
-    p.add_argument("--prefill-ttft-ms", type=float, default=100.0)
-    p.add_argument("--decode-ttft-ms", type=float, default=10.0)
-    p.add_argument("--itl-ms", type=float, default=50.0)
+    # Defaults: a ~5.5 s request (1 s prefill, 16 tokens at 300 ms), so 500 streams ask
+    # ~90 req/s and ~1,500 SSE events/s: what 2 shared cores can carry with Python
+    # engines and load generator beside the proxy. Shorter delays measure CPU saturation.
+    p.add_argument("--prefill-ttft-ms", type=float, default=1000.0)
+    p.add_argument("--decode-ttft-ms", type=float, default=20.0)
+    p.add_argument("--itl-ms", type=float, default=300.0)
     p.add_argument("--output-tokens", type=int, default=16)
     p.add_argument("--prompt-words", type=int, default=256, help="system prompt length")
     p.add_argument("--router-bin", type=Path, default=REPO / ".venv-router/bin/vllm-router")

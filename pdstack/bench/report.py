@@ -91,7 +91,10 @@ def _series(doc: dict[str, Any], key: str) -> tuple[list[float], list[float]]:
 def write_plots(docs: list[tuple[str, dict[str, Any]]], served_png: Path, ttft_png: Path) -> None:
     """Served vs asked (with y = x), and TTFT P50/P99 vs asked with the SLO lines.
     Several documents are overlaid (``bench compare``)."""
-    all_rates = [float(r["request_rate"]) for _, d in docs for r in d["results"]]
+    all_rates = [
+        float(r[k]) for _, d in docs for r in d["results"]
+        for k in ("request_rate", "request_throughput") if r.get(k) is not None
+    ]
     top = max(all_rates) if all_rates else 1.0
 
     fig, ax = plt.subplots(figsize=(7, 5))
