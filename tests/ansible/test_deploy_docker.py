@@ -1,0 +1,111 @@
+"""deploy.yml brings the CPU stack up on a namespaced lab host through the real Docker
+engine, and the proxy answers (marker ``netns``; needs .ci/install-docker.sh's engine and
+the pdstack/engine-cpu:dev + pdstack/proxy:dev images).
+
+The lab node (SSH on 10.77.0.1, its own mount namespace) drives the root namespace's
+Docker daemon through DOCKER_HOST=/proc/<dockerd>/root/run/docker.sock.  Containers use
+``network_mode: host`` and so live in the *root* network namespace: the node's private
+address is 127.0.0.1 with ports no other test uses, the stack directory lies outside the
+node's overlaid /opt (the daemon resolves bind mounts in its own mount namespace), and the
+role checks /health from inside the proxy container (``stack_health_check_from``).  The
+engines are heavy: the run holds /tmp/pdstack-heavy.lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from anshelpers import docker_host, playbook
+
+PROXY_PORT = 28000
+ENGINE_PORT = 28100
+IMAGES = ("pdstack/engine-cpu:dev", "pdstack/proxy:dev")
+
+
+def _inventory(lab, dest: Path, stack_root: Path, dh: str) -> Path:
+    (dest / "group_vars").mkdir(parents=True)
+    hosts = {"all": {
+        "vars": {"ansible_user": "root", "ansible_ssh_private_key_file": str(lab.key_file),
+                 "ansible_ssh_common_args": f"-o UserKnownHostsFile={lab.known_hosts} "
+                                            "-o StrictHostKeyChecking=yes",
+                 "ansible_python_interpreter": "/usr/bin/python3"},
+        "children": {"pdstack_nodes": {"hosts": {"node1": {
+            "ansible_host": lab.address("node1"),
+            "pdstack_private_address": "127.0.0.1",
+            "pdstack_gpu_count": 0,
+            "pdstack_proxy": True,
+            "pdstack_engines": [{"role": "colocated", "cpu_threads_bind": "nobind",
+                                 "kv_cache_bytes": 268435456}],
+        }}}}}}
+    lab_gv = yaml.safe_load(
+        (Path(__file__).resolve().parents[2] / "inventory" / "lab" / "group_vars" / "all.yml")
+        .read_text())
+    gv = {
+        "pdstack_deployment_name": "ansdeploy",
+        "pdstack_profile": "cpu",
+        "pdstack_kv_mode": "colocated",
+        "pdstack_engine_image": IMAGES[0],
+        "pdstack_proxy_image": IMAGES[1],
+        "pdstack_model": lab_gv["pdstack_model"],
+        "pdstack_ports": {"proxy": PROXY_PORT, "engine_http_base": ENGINE_PORT,
+                          "nixl_side_channel_base": 28600, "lmcache_zmq": 28700,
+                          "lmcache_http": 28701, "lmcache_pd_base": 28300},
+        "pdstack_shm_size": "1g",
+        "pdstack_docker_host": dh,
+        "stack_root": str(stack_root),
+        "stack_health_check_from": "container",
+        "stack_pull": "never",
+    }
+    (dest / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
+    (dest / "group_vars" / "all.yml").write_text(yaml.safe_dump(gv, sort_keys=False))
+    return dest
+
+
+@pytest.mark.netns
+@pytest.mark.docker
+def test_deploy_cpu_stack_through_docker(clean_alab, tmp_path):
+    lab = clean_alab
+    dh = docker_host()
+    for image in IMAGES:
+        if subprocess.run(["docker", "image", "inspect", image], capture_output=True).returncode:
+            pytest.fail(f"image {image} missing: run .ci/install-docker.sh", pytrace=False)
+    stack_root = lab.base / "stacks"
+    inv = _inventory(lab, tmp_path / "inv", stack_root, dh)
+    project_dir = stack_root / "ansdeploy"
+    lock = open("/tmp/pdstack-heavy.lock", "w")  # noqa: SIM115
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        up = playbook(lab, "ansible/deploy.yml", inv, timeout=1200)
+        assert up.rc == 0, up.tail(150)
+        assert up.changed() > 0
+        assert ("TASK [stack : Check that the proxy answers /health (inside the proxy container)]"
+                in up.out)
+        # the proxy answers from the machine too (host network of the daemon's namespace)
+        with urllib.request.urlopen(f"http://127.0.0.1:{PROXY_PORT}/health", timeout=10) as r:
+            assert r.status == 200
+        body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 4}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{PROXY_PORT}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            answer = json.load(r)
+        assert answer["choices"][0]["text"] is not None
+        again = playbook(lab, "ansible/deploy.yml", inv, timeout=900)
+        assert again.rc == 0, again.tail(150)
+        assert again.changed() == 0, again.tail(150)
+        print(f"\ndeploy (compose up --wait) {up.seconds:.1f}s, second run {again.seconds:.1f}s "
+              f"(changed=0); completion: {answer['choices'][0]['text']!r}")
+    finally:
+        env = {**os.environ}
+        subprocess.run(["docker", "compose", "--project-directory", str(project_dir), "down",
+                        "--volumes", "--timeout", "5"], capture_output=True, env=env, timeout=300)
+        shutil.rmtree(stack_root, ignore_errors=True)
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        lock.close()
