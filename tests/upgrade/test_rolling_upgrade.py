@@ -23,6 +23,7 @@ import fcntl
 import json
 import os
 import re
+import resource
 import secrets
 import shutil
 import socket
@@ -174,10 +175,17 @@ def stack(tmp_path: Path) -> Iterator[Path]:
     for name in ("compose.yaml", ".env", "backends.json"):
         shutil.copy(REPO / "compose" / "cpu" / name, stack / name)
     # the admin token reaches the proxy from this process's environment, never a file
-    (stack / "compose.override.yaml").write_text(
+    override = (
         "services:\n  proxy:\n    environment:\n"
         "      PDSTACK_ADMIN_TOKEN: ${PDSTACK_ADMIN_TOKEN:?}\n"
     )
+    # the rendered stack asks for memlock: -1; where this host's hard limit is lower
+    # (sandboxed VMs), runc may not raise it: ask for the host's hard limit instead
+    hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
+    if hard != resource.RLIM_INFINITY:
+        for svc in ("lmcache", *ENGINES):
+            override += f"  {svc}:\n    ulimits:\n      memlock: {hard}\n"
+    (stack / "compose.override.yaml").write_text(override)
     os.environ["PDSTACK_ADMIN_TOKEN"] = secrets.token_hex(16)
     compose(stack, "down", "-v", "--timeout", "5")
     _ports_free()
