@@ -166,7 +166,7 @@ def build_setup(args: argparse.Namespace) -> Setup:
     py = sys.executable
     p_port, d_port = free_port(), free_port()
     engine = [py, "-m", "pdstack.testing.fake_engine", "--no-record",
-              "--output-tokens", str(args.output_tokens)]
+              "--output-tokens", str(2 * args.output_tokens)]
     prefill = Proc("prefill", [*engine, "--port", str(p_port), "--name", "p0",
                                "--ttft-ms", str(args.prefill_ttft_ms)],
                    f"http://127.0.0.1:{p_port}")
@@ -205,6 +205,15 @@ def build_setup(args: argparse.Namespace) -> Setup:
     return setup
 
 
+def output_len(args: argparse.Namespace, streams: int) -> Distribution:
+    """Answer lengths: uniform over [n/2, 3n/2] (varied, so closed-loop streams do not
+    fall into lockstep waves); at one stream ``--single-stream-output-tokens``."""
+    if streams == 1:
+        return Distribution.parse(str(args.single_stream_output_tokens))
+    n = args.output_tokens
+    return Distribution.parse(f"uniform:{max(1, n // 2)}:{max(1, n + n // 2)}")
+
+
 @dataclass
 class Collected:
     """One target at one stream count: its interleaved segments, pooled."""
@@ -230,7 +239,7 @@ async def segment(
         num_system_prompts=4, shared_share=0.8,
         system_len=Distribution.parse(str(args.prompt_words)),
         user_len=Distribution.parse("uniform:16:64"),
-        output_len=Distribution.parse(str(args.output_tokens)),
+        output_len=output_len(args, streams),
         seed=seed,
     ))
     watched = {"load generator": os.getpid(), "prefill engine": setup.prefill.pid,
@@ -381,13 +390,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=6.0,
                    help="seconds before each segment (default 6: longer than one request)")
     p.add_argument("--pause", type=float, default=1.0, help="seconds between points")
-    # Defaults: a ~5.5 s request (1 s prefill, 16 tokens at 300 ms), so 500 streams ask
+    # Defaults: a ~5.5 s request (1 s prefill, ~16 tokens at 300 ms), so 500 streams ask
     # ~90 req/s and ~1,500 SSE events/s: what 2 shared cores can carry with Python
     # engines and load generator beside the proxy. Shorter delays measure CPU saturation.
     p.add_argument("--prefill-ttft-ms", type=float, default=1000.0)
     p.add_argument("--decode-ttft-ms", type=float, default=20.0)
     p.add_argument("--itl-ms", type=float, default=300.0)
     p.add_argument("--output-tokens", type=int, default=16)
+    p.add_argument("--single-stream-output-tokens", type=int, default=1,
+                   help="answer length at 1 stream: with nothing else loading the machine only "
+                   "TTFT matters there, and short answers give more samples (default 1)")
     p.add_argument("--prompt-words", type=int, default=256, help="system prompt length")
     p.add_argument("--router-bin", type=Path, default=REPO / ".venv-router/bin/vllm-router")
     p.add_argument("--pdstack-arg", action="append", default=[],
@@ -460,7 +472,9 @@ def main(argv: list[str] | None = None) -> int:
             "streams": args.streams, "targets": args.targets, "duration_s": args.duration,
             "warmup_s": args.warmup, "rounds": args.rounds, "prefill_ttft_ms": args.prefill_ttft_ms,
             "decode_ttft_ms": args.decode_ttft_ms, "itl_ms": args.itl_ms,
-            "output_tokens": args.output_tokens, "system_prompt_words": args.prompt_words,
+            "output_tokens": f"uniform over [n/2, 3n/2], n = {args.output_tokens}",
+            "single_stream_output_tokens": args.single_stream_output_tokens,
+            "system_prompt_words": args.prompt_words,
             "kv_mode": "nixl", "pdstack_args": args.pdstack_arg,
             "vllm_router": str(args.router_bin),
             "uvloop": args.uvloop_path is not None,

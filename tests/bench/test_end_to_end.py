@@ -148,3 +148,30 @@ def test_bad_input_is_one_clear_error(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "pdstack.cli", "bench", "compare", str(bad)],
                           cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2 and "x.json" in proc.stderr
+
+
+async def test_closed_loop_keeps_n_streams(fake_engine: FakeFactory) -> None:
+    """N closed-loop streams: throughput = N / request time (Little's law), and the
+    measured TTFT/ITL are the injected ones."""
+    from pdstack.bench.client import BenchClient
+    from pdstack.bench.runner import run_closed_loop
+    from pdstack.bench.stats import summarize
+    from pdstack.bench.workload import Distribution, Workload, WorkloadConfig
+
+    url = fake_engine(ttft_ms=50, itl_ms=10, output_tokens=1000)
+    workload = Workload(WorkloadConfig(system_len=Distribution.parse("16"),
+                                       user_len=Distribution.parse("4"),
+                                       output_len=Distribution.parse("6")))
+    async with BenchClient(url, "fake", endpoint="completions") as client:
+        results, start, end = await run_closed_loop(client, workload, 8, duration=3.0,
+                                                    warmup=1.0)
+    m = summarize(results, window_start=start, window_end=end, asked_rate=None)
+    assert m["failed"] == 0
+    assert 50 <= m["median_ttft_ms"] <= 90
+    assert 10 <= m["median_itl_ms"] <= 20
+    expected = 8 / (m["mean_e2el_ms"] / 1000)
+    assert m["request_throughput"] == pytest.approx(expected, rel=0.2)
+    # never more than 8 in flight: at any send, fewer than 8 earlier requests still open
+    spans = sorted((r.send_time, r.end_time or end) for r in results)
+    for i, (t, _) in enumerate(spans):
+        assert sum(1 for s, e in spans[:i] if e > t) < 8
