@@ -381,8 +381,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--streams", default="1,100,500",
                    type=lambda s: [int(x) for x in s.split(",")],
                    help="concurrent streams, comma-separated (default 1,100,500)")
-    p.add_argument("--targets", default="direct,pdstack,vllm-router",
-                   type=lambda s: [x.strip() for x in s.split(",")])
+    p.add_argument("--targets", default=None,
+                   type=lambda s: [x.strip() for x in s.split(",")],
+                   help="of direct, pdstack, pdstack-uvloop, vllm-router (default: all four, "
+                   "pdstack-uvloop only when uvloop is there)")
     p.add_argument("--duration", type=float, default=20.0,
                    help="measured seconds per target and stream count (default 20)")
     p.add_argument("--rounds", type=int, default=2,
@@ -405,9 +407,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pdstack-arg", action="append", default=[],
                    help="extra argument for `pdstack proxy` (repeatable)")
     p.add_argument("--uvloop-path", type=Path, default=None,
-                   help="a folder with uvloop (pip install --target DIR uvloop): the load "
-                   "generator and the fake engines use it, and target pdstack-uvloop runs "
-                   "the pdstack proxy with it")
+                   help="a folder with uvloop (pip install --target DIR uvloop; default "
+                   ".venv-uvloop when present): the load generator and the fake engines use "
+                   "it, and target pdstack-uvloop runs the pdstack proxy with it")
+    p.add_argument("--no-uvloop", action="store_true", help="plain asyncio everywhere")
     p.add_argument("--nice", type=int, default=-10,
                    help="niceness increment for this run and the processes it starts "
                    "(default -10 as root: shields the measurement from unrelated work on a "
@@ -417,6 +420,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--check", action="store_true",
                    help="exit 1 when pdstack misses the target at the largest stream count")
     args = p.parse_args(argv)
+    default_uvloop = REPO / ".venv-uvloop"
+    if args.no_uvloop:
+        args.uvloop_path = None
+    elif args.uvloop_path is None and (default_uvloop / "uvloop").is_dir():
+        args.uvloop_path = default_uvloop
+    if args.targets is None:
+        args.targets = ["direct", "pdstack", "vllm-router"]
+        if args.uvloop_path is not None:
+            args.targets.insert(2, "pdstack-uvloop")
     unknown = set(args.targets) - {"direct", "pdstack", "pdstack-uvloop", "vllm-router"}
     if unknown:
         p.error(f"unknown targets {sorted(unknown)}")

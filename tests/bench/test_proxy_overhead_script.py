@@ -18,7 +18,7 @@ def test_script_writes_ratio_table(tmp_path: Path) -> None:
         [sys.executable, "benchmarks/proxy_overhead.py", "--streams", "1,2",
          "--targets", "direct,pdstack", "--duration", "1", "--rounds", "1", "--warmup", "0.5",
          "--prefill-ttft-ms", "20", "--decode-ttft-ms", "5", "--itl-ms", "5",
-         "--output-tokens", "4", "--nice", "0", "--output", str(out)],
+         "--output-tokens", "4", "--nice", "0", "--no-uvloop", "--output", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=180, check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
