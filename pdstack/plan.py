@@ -320,8 +320,6 @@ def _engine_service(
         env["NIXL_PTHR_DELAY_US"] = "1000"
     if d.kv_mode == "lmcache-pd":
         env |= _lmcache_pd_env(d, eng.role, index, proxy_addr, node.private_address)
-    if d.kv_mode in ("nixl", "shared-l1+nixl") and not node.rdma:
-        env["UCX_TLS"] = "tcp,self,sm"
     service_ports = {"http": http}
     if "VLLM_NIXL_SIDE_CHANNEL_PORT" in env:
         service_ports["nixl_side_channel"] = int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
@@ -349,6 +347,7 @@ def _lmcache_service(d: DeploymentSpec, node: NodeSpec) -> Service:
         "lmcache", "server",
         "--host", node.private_address,
         "--port", str(d.ports.lmcache_zmq),
+        "--http-host", node.private_address,
         "--http-port", str(d.ports.lmcache_http),
         "--l1-size-gb", str(lm.l1_size_gb),
         "--eviction-policy", lm.eviction_policy,
@@ -363,6 +362,8 @@ def _lmcache_service(d: DeploymentSpec, node: NodeSpec) -> Service:
         command=cmd,
         env={"LMCACHE_TRACK_USAGE": "false"},
         ports={"zmq": d.ports.lmcache_zmq, "metrics": d.ports.lmcache_http},
+        # the engines hand it KV over CUDA IPC: it must see every GPU they use
+        gpu_ids=sorted({g for eng in node.engines for g in eng.gpus}),
         bind_address=node.private_address,
         healthcheck_url=f"tcp://{node.private_address}:{d.ports.lmcache_zmq}",
     )

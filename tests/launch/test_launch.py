@@ -163,7 +163,8 @@ def test_start_status_stop_shared_l1(stacks: list[Stack], tmp_path: Path) -> Non
     # GPU ids from the plan; one process group (session) per service
     assert pre["env"]["CUDA_VISIBLE_DEVICES"] == "0"
     assert dec["env"]["CUDA_VISIBLE_DEVICES"] == "1"
-    assert lm["env"]["CUDA_VISIBLE_DEVICES"] == os.environ.get("CUDA_VISIBLE_DEVICES")
+    # the LMCache server takes KV over CUDA IPC: it sees every GPU of the node's engines
+    assert lm["env"]["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert len({r["pgid"] for r in (lm, pre, dec, proxy)}) == 4
     assert all(r["pid"] == r["pgid"] == r["sid"] for r in (lm, pre, dec, proxy))
     # exactly the planned commands (program resolved on PATH), proxy reads our backends.json
@@ -267,16 +268,17 @@ def test_stop_escalates_to_sigkill(stacks: list[Stack], tmp_path: Path) -> None:
 
 def test_env_overrides_and_nixl_env(stacks: list[Stack], tmp_path: Path) -> None:
     st = new_stack(stacks, tmp_path, "nixl")
-    r = st.launch("start", "--env", "UCX_TLS=", "--env", "FAKE_EXTRA=x=1")
+    r = st.launch("start", "--env", "VLLM_NO_USAGE_STATS=", "--env", "FAKE_EXTRA=x=1")
     assert r.returncode == 0, r.stdout + r.stderr
     pre = st.record("vllm", st.ports["engine"])
     assert pre["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(st.ports["nixl"])
-    assert pre["env"]["UCX_TLS"] is None  # the plan sets it; `--env UCX_TLS=` unset it
+    # the plan sets it; `--env VLLM_NO_USAGE_STATS=` unset it
+    assert pre["env"]["VLLM_NO_USAGE_STATS"] is None
     assert pre["env"]["FAKE_EXTRA"] == "x=1"
     st.launch("stop")
     r2 = st.launch("start")
     assert r2.returncode == 0
-    assert st.record("vllm", st.ports["engine"])["env"]["UCX_TLS"] == "tcp,self,sm"
+    assert st.record("vllm", st.ports["engine"])["env"]["VLLM_NO_USAGE_STATS"] == "1"
 
 
 def test_subset_restart_and_already_running(stacks: list[Stack], tmp_path: Path) -> None:
