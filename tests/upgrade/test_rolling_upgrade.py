@@ -191,7 +191,11 @@ def stack(tmp_path: Path) -> Iterator[Path]:
     _ports_free()
     try:
         t0 = time.monotonic()
-        up = compose(stack, "up", "-d", "--wait", "--wait-timeout", "900")
+        # engines first: the proxy's /health is 503 until a pair is routable, and its
+        # healthcheck's start period (30 s) is shorter than a cold engine start
+        up = compose(stack, "up", "-d", "--wait", "--wait-timeout", "900", "lmcache", *ENGINES)
+        if up.returncode == 0:
+            up = compose(stack, "up", "-d", "--wait", "--wait-timeout", "300", "proxy")
         if up.returncode != 0:
             logs = compose(stack, "logs", "--tail", "40").stdout
             pytest.fail(f"stack did not start: {up.stderr[-2000:]}\n{logs[-6000:]}")
