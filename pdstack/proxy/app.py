@@ -38,6 +38,7 @@ from aiohttp import web
 from pdstack.proxy.backends import SHARED_L1_MODES, BackendRegistry, BackendState
 from pdstack.proxy.config import ProxyConfig
 from pdstack.proxy.metrics import ProxyMetrics
+from pdstack.proxy.relay import RelayError, RelayPool, RelayProtocol, build_request, split_url
 from pdstack.proxy.routing import (
     HashRing,
     PrefixIndex,
@@ -51,6 +52,8 @@ log = logging.getLogger("pdstack.proxy")
 
 PROXY_KEY: web.AppKey[Proxy] = web.AppKey("pdstack_proxy", object)  # type: ignore[arg-type]
 SSE_END = b"\n\n"
+_HIGH_WATER = 1 << 20  # client write buffer above which the engine is not read
+_LOW_WATER = 1 << 18
 
 
 def error_body(message: str, err_type: str, code: int | str | None) -> dict[str, Any]:
@@ -100,9 +103,9 @@ class _IdleWatchdog:
     """Closes an upstream response that stays silent for ``idle_s`` (no per-chunk timers:
     the hot path only stores a timestamp)."""
 
-    def __init__(self, upstream: aiohttp.ClientResponse, idle_s: float) -> None:
+    def __init__(self, close: Callable[[], None], idle_s: float) -> None:
         self.loop = asyncio.get_running_loop()
-        self.upstream = upstream
+        self.close = close
         self.idle_s = idle_s
         self.last = self.loop.time()
         self.fired = False
@@ -112,7 +115,7 @@ class _IdleWatchdog:
         now = self.loop.time()
         if now - self.last >= self.idle_s:
             self.fired = True
-            self.upstream.close()
+            self.close()
         else:
             self._handle = self.loop.call_at(self.last + self.idle_s, self._check)
 
@@ -137,6 +140,8 @@ class Proxy:
         registry.on_eject = self._on_eject
         self.index = PrefixIndex(self.config.index_block_chars, self.config.index_capacity)
         self.session: aiohttp.ClientSession | None = None
+        self.relay = RelayPool()
+        self._addresses: dict[str, tuple[str, int, str]] = {}
         self._ring: HashRing | None = None
         self._ring_version = -1
         self._health_task: asyncio.Task[None] | None = None
@@ -185,6 +190,7 @@ class Proxy:
                 await self._health_task
         if self.session is not None:
             await self.session.close()
+        self.relay.close()
 
     def runner(self) -> web.AppRunner:
         # handler_cancellation: a client disconnect cancels the handler -> upstream abort
@@ -669,72 +675,39 @@ class Proxy:
     async def _stream_leg(
         self, request: web.Request, ctx: RequestContext, backend: BackendState, payload: bytes
     ) -> web.StreamResponse:
-        assert self.session is not None
+        if not ctx.stream:
+            return await self._unary_leg(ctx, backend, payload)
         config = self.config
         metrics = self.metrics
         started = time.perf_counter()
+        host, port, prefix = self._address(backend)
+        wire = build_request(host, port, prefix + ctx.path, payload, ctx.upstream_headers)
         backend.in_flight += 1
-        upstream: aiohttp.ClientResponse | None = None
+        proto: RelayProtocol | None = None
         response: web.StreamResponse | None = None
         try:
             # ---------- before the first byte: everything here may be retried elsewhere
-            first = b""
-            pending = b""
             try:
-                deadline = (
-                    config.decode_first_byte_timeout_s if ctx.stream else config.request_timeout_s
-                )
-                async with asyncio.timeout(deadline):
-                    upstream = await self.session.post(
-                        backend.url + ctx.path, data=payload, headers=ctx.upstream_headers
-                    )
-                    if upstream.status != 200:
-                        data = await upstream.read()
-                        status = upstream.status
-                        content_type = upstream.headers.get("Content-Type", "application/json")
-                        upstream.release()
-                        upstream = None
-                        if 400 <= status < 500 and status not in (408, 429):
-                            raise _Passthrough(status, data, content_type)
-                        error = (
-                            f"{backend.role} {backend.name} answered {status}: "
-                            f"{data[:200].decode(errors='replace')}"
+                async with asyncio.timeout(config.decode_first_byte_timeout_s):
+                    for attempt in (0, 1):
+                        proto, reused = await self.relay.acquire(
+                            host, port, config.connect_timeout_s
                         )
-                        if status >= 500:
-                            self._record_failure(backend, error)
-                        raise _Retryable(error)
-                    if not ctx.stream:
-                        data = await upstream.read()
-                        content_type = upstream.headers.get("Content-Type", "application/json")
-                        upstream.release()
-                        upstream = None
-                        _mark_success(backend)
-                        backend.served += 1
-                        now = time.perf_counter()
-                        metrics.ttft_route[ctx.route].observe(now - ctx.started)
-                        metrics.leg_decode.observe(now - started)
-                        return web.Response(
-                            body=data,
-                            status=200,
-                            headers={"Content-Type": content_type, "X-Request-Id": ctx.request_id},
-                        )
-                    content = upstream.content
-                    while True:  # until one complete SSE event (or EOF)
-                        chunk = await content.readany()
-                        if not chunk:
+                        proto.send(wire)
+                        try:
+                            await proto.head_done
                             break
-                        buf = pending + chunk if pending else chunk
-                        cut = buf.rfind(SSE_END)
-                        if cut < 0:
-                            pending = buf
-                            continue
-                        first, pending = buf[: cut + 2], buf[cut + 2 :]
-                        break
-                    if not first:
-                        raise _Retryable(
-                            f"{backend.role} {backend.name} closed before the first event"
-                        )
-            except (aiohttp.ClientError, TimeoutError) as exc:
+                        except RelayError:
+                            if not (reused and attempt == 0):
+                                raise
+                            proto.abort()  # a stale keep-alive connection: once more, fresh
+                    assert proto is not None
+                    if proto.status != 200:
+                        await proto.done
+                        data = proto.take_buffered()
+                        self._upstream_status(backend, proto.status, data, proto.headers)
+                    first, pending = await self._first_event(proto, backend)
+            except (RelayError, OSError, TimeoutError) as exc:
                 error = f"{backend.role} {backend.name}: {_describe(exc)}"
                 self._record_failure(backend, error)
                 raise _Retryable(error) from exc
@@ -743,47 +716,23 @@ class Proxy:
             response = web.StreamResponse(
                 status=200,
                 headers={
-                    "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
+                    "Content-Type": proto.headers.get("content-type", "text/event-stream"),
                     "Cache-Control": "no-cache",
                     "X-Request-Id": ctx.request_id,
                 },
             )
+            chunked = request.version >= aiohttp.HttpVersion11
+            if chunked:
+                response.enable_chunked_encoding()
             await response.prepare(request)
             await response.write(first)
             now = time.perf_counter()
             metrics.ttft_route[ctx.route].observe(now - ctx.started)
             metrics.leg_decode_first.observe(now - started)
-            watchdog = _IdleWatchdog(upstream, config.stream_idle_timeout_s)
-            loop = watchdog.loop
-            failure = ""
-            try:
-                content = upstream.content
-                while True:
-                    try:
-                        chunk = await content.readany()
-                    except (aiohttp.ClientError, TimeoutError) as exc:
-                        failure = _describe(exc)
-                        break
-                    if not chunk:
-                        break
-                    watchdog.last = loop.time()
-                    if pending:
-                        chunk = pending + chunk
-                        pending = b""
-                    if not chunk.endswith(SSE_END):
-                        cut = chunk.rfind(SSE_END)
-                        if cut < 0:
-                            pending = chunk
-                            continue
-                        pending = chunk[cut + 2 :]
-                        chunk = chunk[: cut + 2]
-                    await response.write(chunk)
-            finally:
-                watchdog.cancel()
-            if watchdog.fired:
-                failure = f"no data for {config.stream_idle_timeout_s:g}s"
-            elif not failure and not upstream.content.is_eof():
-                failure = "stream ended early"
+            client = request.transport
+            if client is None or client.is_closing():
+                raise ConnectionResetError("client went away")
+            failure = await self._relay_body(proto, client, chunked, pending)
             if failure:
                 message = f"{backend.role} {backend.name} failed mid-stream: {failure}"
                 log.warning("%s (request %s)", message, ctx.request_id)
@@ -791,12 +740,10 @@ class Proxy:
                 ctx.outcome = "stream_error"
                 await response.write(error_event(message))
             else:
-                if pending:
-                    await response.write(pending)
                 _mark_success(backend)
                 backend.served += 1
-                upstream.release()
-                upstream = None
+                self.relay.release(host, port, proto)
+                proto = None
             metrics.leg_decode.observe(time.perf_counter() - started)
             with contextlib.suppress(ConnectionError):
                 await response.write_eof()
@@ -807,8 +754,150 @@ class Proxy:
             return response if response is not None else web.Response(status=499)
         finally:
             backend.in_flight -= 1
-            if upstream is not None:
-                upstream.close()  # aborts the upstream request (engine sees a disconnect)
+            if proto is not None:
+                proto.abort()  # the engine sees a disconnect and aborts the request
+
+    async def _first_event(
+        self, proto: RelayProtocol, backend: BackendState
+    ) -> tuple[bytes, bytes]:
+        """Wait for the first complete SSE event; returns (it, what follows it)."""
+        loop = asyncio.get_running_loop()
+        acc = b""
+        while True:
+            acc += proto.take_buffered()
+            cut = acc.rfind(SSE_END)
+            if cut >= 0:
+                proto.on_data = None
+                return acc[: cut + 2], acc[cut + 2 :]
+            if proto.done.done():
+                proto.done.result()  # raises the connection error, if any
+                if acc:
+                    return acc, b""
+                raise RelayError(f"{backend.role} {backend.name} closed before the first event")
+            woke: asyncio.Future[None] = loop.create_future()
+            proto.on_data = lambda fut=woke: None if fut.done() else fut.set_result(None)
+            await woke
+
+    async def _relay_body(
+        self, proto: RelayProtocol, client: asyncio.BaseTransport, chunked: bool, pending: bytes
+    ) -> str:
+        """Forward the rest of the body, event-aligned, straight from the upstream
+        protocol's callbacks to the client transport. Returns a failure text or ""."""
+        loop = asyncio.get_running_loop()
+        write = client.write  # type: ignore[attr-defined]
+        buffer_size = client.get_write_buffer_size  # type: ignore[attr-defined]
+        upstream = proto.transport
+        assert upstream is not None
+        watchdog = _IdleWatchdog(proto.abort, self.config.stream_idle_timeout_s)
+        state = {"pending": pending, "paused": False}
+
+        def resume_when_drained() -> None:
+            if client.is_closing() or proto.closed:
+                return
+            if buffer_size() > _LOW_WATER:
+                loop.call_later(0.01, resume_when_drained)
+                return
+            state["paused"] = False
+            upstream.resume_reading()
+
+        def sink(data: bytes) -> None:
+            watchdog.last = loop.time()
+            held = state["pending"]
+            if held:
+                data = held + data
+                state["pending"] = b""
+            if not data.endswith(SSE_END):
+                cut = data.rfind(SSE_END)
+                if cut < 0:
+                    state["pending"] = data
+                    return
+                state["pending"] = data[cut + 2 :]
+                data = data[: cut + 2]
+            if chunked:
+                write(b"%x\r\n%b\r\n" % (len(data), data))
+            else:
+                write(data)
+            if not state["paused"] and buffer_size() > _HIGH_WATER:
+                state["paused"] = True  # a slow client: stop reading the engine for now
+                upstream.pause_reading()
+                loop.call_later(0.01, resume_when_drained)
+
+        rest = proto.take_buffered()
+        proto.sink = sink
+        if rest:
+            sink(rest)
+        failure = ""
+        try:
+            await proto.done
+        except RelayError as exc:
+            failure = str(exc)
+        finally:
+            watchdog.cancel()
+        if watchdog.fired:
+            return f"no data for {self.config.stream_idle_timeout_s:g}s"
+        if not failure and state["pending"]:
+            tail = state["pending"]
+            write(b"%x\r\n%b\r\n" % (len(tail), tail) if chunked else tail)
+        return failure
+
+    def _address(self, backend: BackendState) -> tuple[str, int, str]:
+        cached = self._addresses.get(backend.url)
+        if cached is None:
+            cached = self._addresses[backend.url] = split_url(backend.url)
+        return cached
+
+    def _upstream_status(
+        self, backend: BackendState, status: int, data: bytes, headers: Any
+    ) -> None:
+        """Raise for a non-200 upstream answer: 4xx passes through, the rest retries."""
+        content_type = headers.get("content-type") or headers.get("Content-Type")
+        if 400 <= status < 500 and status not in (408, 429):
+            raise _Passthrough(status, data, content_type or "application/json")
+        error = f"{backend.role} {backend.name} answered {status}: " + data[:200].decode(
+            errors="replace"
+        )
+        if status >= 500:
+            self._record_failure(backend, error)
+        raise _Retryable(error)
+
+    async def _unary_leg(
+        self, ctx: RequestContext, backend: BackendState, payload: bytes
+    ) -> web.StreamResponse:
+        """A non-streaming final leg (aiohttp client): all or nothing, so always retryable."""
+        assert self.session is not None
+        started = time.perf_counter()
+        backend.in_flight += 1
+        try:
+            async with (
+                asyncio.timeout(self.config.request_timeout_s),
+                self.session.post(
+                    backend.url + ctx.path, data=payload, headers=ctx.upstream_headers
+                ) as upstream,
+            ):
+                data = await upstream.read()
+                status = upstream.status
+                headers = upstream.headers
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            error = f"{backend.role} {backend.name}: {_describe(exc)}"
+            self._record_failure(backend, error)
+            raise _Retryable(error) from exc
+        finally:
+            backend.in_flight -= 1
+        if status != 200:
+            self._upstream_status(backend, status, data, headers)
+        _mark_success(backend)
+        backend.served += 1
+        now = time.perf_counter()
+        self.metrics.ttft_route[ctx.route].observe(now - ctx.started)
+        self.metrics.leg_decode.observe(now - started)
+        return web.Response(
+            body=data,
+            status=200,
+            headers={
+                "Content-Type": headers.get("Content-Type", "application/json"),
+                "X-Request-Id": ctx.request_id,
+            },
+        )
 
     def _passthrough(self, exc: _Passthrough, ctx: RequestContext) -> web.Response:
         return web.Response(
