@@ -596,34 +596,19 @@ class Proxy:
         started = time.perf_counter()
         backend.in_flight += 1
         try:
-            timeout = aiohttp.ClientTimeout(
-                total=self.config.prefill_timeout_s, sock_connect=self.config.connect_timeout_s
-            )
-            async with self.session.post(
-                backend.url + ctx.path,
-                data=json.dumps(body).encode(),
-                headers=ctx.upstream_headers,
-                timeout=timeout,
-            ) as resp:
-                data = await resp.read()
-                status = resp.status
-                content_type = resp.headers.get("Content-Type", "application/json")
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            error = f"prefiller {backend.name}: {_describe(exc)}"
+            async with asyncio.timeout(self.config.prefill_timeout_s):
+                data, status, headers = await self._call(
+                    backend, ctx.path, json.dumps(body).encode(), ctx.upstream_headers
+                )
+        except (RelayError, OSError, TimeoutError) as exc:
+            error = f"prefill {backend.name}: {_describe(exc)}"
             self._record_failure(backend, error)
             raise _Retryable(error) from exc
         finally:
             backend.in_flight -= 1
         self.metrics.leg_prefill.observe(time.perf_counter() - started)
         if status != 200:
-            if 400 <= status < 500 and status not in (408, 429):
-                raise _Passthrough(status, data, content_type)
-            error = (
-                f"prefiller {backend.name} answered {status}: {data[:200].decode(errors='replace')}"
-            )
-            if status >= 500:
-                self._record_failure(backend, error)
-            raise _Retryable(error)
+            self._upstream_status(backend, status, data, headers)
         _mark_success(backend)
         try:
             params = json.loads(data).get("kv_transfer_params")
@@ -680,8 +665,7 @@ class Proxy:
         config = self.config
         metrics = self.metrics
         started = time.perf_counter()
-        host, port, prefix = self._address(backend)
-        wire = build_request(host, port, prefix + ctx.path, payload, ctx.upstream_headers)
+        host, port, _ = self._address(backend)
         backend.in_flight += 1
         proto: RelayProtocol | None = None
         response: web.StreamResponse | None = None
@@ -689,19 +673,7 @@ class Proxy:
             # ---------- before the first byte: everything here may be retried elsewhere
             try:
                 async with asyncio.timeout(config.decode_first_byte_timeout_s):
-                    for attempt in (0, 1):
-                        proto, reused = await self.relay.acquire(
-                            host, port, config.connect_timeout_s
-                        )
-                        proto.send(wire)
-                        try:
-                            await proto.head_done
-                            break
-                        except RelayError:
-                            if not (reused and attempt == 0):
-                                raise
-                            proto.abort()  # a stale keep-alive connection: once more, fresh
-                    assert proto is not None
+                    proto = await self._open(backend, ctx.path, payload, ctx.upstream_headers)
                     if proto.status != 200:
                         await proto.done
                         data = proto.take_buffered()
@@ -756,6 +728,44 @@ class Proxy:
             backend.in_flight -= 1
             if proto is not None:
                 proto.abort()  # the engine sees a disconnect and aborts the request
+
+    async def _open(
+        self, backend: BackendState, path: str, payload: bytes, headers: dict[str, str]
+    ) -> RelayProtocol:
+        """Send one request on a kept-alive (or new) connection; returns it with the
+        response head parsed. A reused connection that the engine had closed meanwhile
+        is retried once on a fresh one. The caller owns (releases or aborts) it."""
+        host, port, prefix = self._address(backend)
+        wire = build_request(host, port, prefix + path, payload, headers)
+        for attempt in (0, 1):
+            proto, reused = await self.relay.acquire(host, port, self.config.connect_timeout_s)
+            try:
+                proto.send(wire)
+                await proto.head_done
+                return proto
+            except RelayError:
+                proto.abort()
+                if not (reused and attempt == 0):
+                    raise
+            except BaseException:
+                proto.abort()
+                raise
+        raise AssertionError("unreachable")
+
+    async def _call(
+        self, backend: BackendState, path: str, payload: bytes, headers: dict[str, str]
+    ) -> tuple[bytes, int, dict[str, str]]:
+        """A whole request/response (non-streaming) over the relay."""
+        proto = await self._open(backend, path, payload, headers)
+        try:
+            await proto.done
+        except BaseException:
+            proto.abort()
+            raise
+        data = proto.take_buffered()
+        host, port, _ = self._address(backend)
+        self.relay.release(host, port, proto)
+        return data, proto.status, proto.headers
 
     async def _first_event(
         self, proto: RelayProtocol, backend: BackendState
@@ -863,21 +873,15 @@ class Proxy:
     async def _unary_leg(
         self, ctx: RequestContext, backend: BackendState, payload: bytes
     ) -> web.StreamResponse:
-        """A non-streaming final leg (aiohttp client): all or nothing, so always retryable."""
-        assert self.session is not None
+        """A non-streaming final leg: all or nothing, so always retryable."""
         started = time.perf_counter()
         backend.in_flight += 1
         try:
-            async with (
-                asyncio.timeout(self.config.request_timeout_s),
-                self.session.post(
-                    backend.url + ctx.path, data=payload, headers=ctx.upstream_headers
-                ) as upstream,
-            ):
-                data = await upstream.read()
-                status = upstream.status
-                headers = upstream.headers
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            async with asyncio.timeout(self.config.request_timeout_s):
+                data, status, headers = await self._call(
+                    backend, ctx.path, payload, ctx.upstream_headers
+                )
+        except (RelayError, OSError, TimeoutError) as exc:
             error = f"{backend.role} {backend.name}: {_describe(exc)}"
             self._record_failure(backend, error)
             raise _Retryable(error) from exc
@@ -894,7 +898,7 @@ class Proxy:
             body=data,
             status=200,
             headers={
-                "Content-Type": headers.get("Content-Type", "application/json"),
+                "Content-Type": headers.get("content-type", "application/json"),
                 "X-Request-Id": ctx.request_id,
             },
         )

@@ -51,7 +51,7 @@ async def test_all_prefillers_failing_gives_502_with_reason() -> None:
         async with running_proxy(pd_table(e, ["p0"], ["d0"])) as rp:
             res = await stream_completion(rp.session, rp.url, "hello")
     assert res.status == 502
-    assert "prefiller p0 answered 503" in res.text
+    assert "prefill p0 answered 503" in res.text
     assert not e["d0"].seen()
 
 
