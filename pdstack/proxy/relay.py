@@ -87,6 +87,8 @@ class RelayProtocol(asyncio.Protocol):
             self._deliver(take)
             if self._remaining == 0:
                 self._finish()
+                if len(data) > len(take):
+                    self.keep_alive = False  # bytes beyond the body: do not reuse
         elif self._mode == "close":
             self._deliver(data)
         # mode "done": stray bytes after a complete response -> not reusable
