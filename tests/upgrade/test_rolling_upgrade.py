@@ -44,9 +44,12 @@ pytestmark = pytest.mark.docker
 
 REPO = Path(__file__).resolve().parents[2]
 PROJECT = "pdstack-upgrade-test"
-PROXY = "http://127.0.0.1:8000"
-ENGINES = {"prefill-0": "http://127.0.0.1:8100", "decode-0": "http://127.0.0.1:8101",
-           "decode-1": "http://127.0.0.1:8102"}
+# the test renders inventory/local-cpu with its own ports, so it never meets a default
+# stack (8000/8100-8102/6000) that someone else left running
+PORTS = {"proxy": 18000, "engine_http_base": 18100, "lmcache_zmq": 16000, "lmcache_http": 16001}
+PROXY = "http://127.0.0.1:18000"
+ENGINES = {"prefill-0": "http://127.0.0.1:18100", "decode-0": "http://127.0.0.1:18101",
+           "decode-1": "http://127.0.0.1:18102"}
 IMAGES = ("pdstack/engine-cpu:dev", "pdstack/proxy:dev")
 HEAVY_LOCK = "/tmp/pdstack-heavy.lock"
 FIXED_PROMPT = "the proxy sends the request to the decoder and the cache"
@@ -159,7 +162,7 @@ def _require_docker() -> None:
 
 
 def _ports_free() -> None:
-    for port in (8000, 8100, 8101, 8102, 6000, 6001):
+    for port in (*PORTS.values(), 18101, 18102):
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 pytest.fail(f"127.0.0.1:{port} is taken (another pdstack stack running?)")
@@ -170,10 +173,15 @@ def stack(tmp_path: Path) -> Iterator[Path]:
     _require_docker()
     lock = open(HEAVY_LOCK, "a")  # noqa: SIM115 - held for the fixture's life
     fcntl.flock(lock, fcntl.LOCK_EX)
+    inventory = tmp_path / "inventory" / "local-cpu"
+    shutil.copytree(REPO / "inventory" / "local-cpu", inventory)
+    with (inventory / "group_vars" / "all.yml").open("a") as f:
+        f.write("pdstack_ports: " + json.dumps(PORTS) + "\n")
     stack = tmp_path / "stack"
-    stack.mkdir()
-    for name in ("compose.yaml", ".env", "backends.json"):
-        shutil.copy(REPO / "compose" / "cpu" / name, stack / name)
+    render = subprocess.run(
+        [str(REPO / ".venv" / "bin" / "pdstack"), "render", "-i", str(inventory), "-o", str(stack)],
+        capture_output=True, text=True, check=False)
+    assert render.returncode == 0, render.stderr
     # the admin token reaches the proxy from this process's environment, never a file
     override = (
         "services:\n  proxy:\n    environment:\n"
@@ -292,9 +300,9 @@ def test_rolling_upgrade_rev1_to_rev2_under_traffic(
     assert external_hits_after(ENGINES["decode-0"], y_prompt) > 0
 
     # ---- and back to rev1 with the engine_upgrade Ansible role, under traffic again
+    inventory = stack.parent / "inventory" / "local-cpu"
     plan = json.loads(subprocess.run(
-        [str(REPO / ".venv" / "bin" / "pdstack"), "plan", "-i",
-         str(REPO / "inventory" / "local-cpu"), "--json"],
+        [str(REPO / ".venv" / "bin" / "pdstack"), "plan", "-i", str(inventory), "--json"],
         capture_output=True, text=True, check=True).stdout)
     (stack / "plan.json").write_text(json.dumps(plan))
     secrets_file = stack / "secrets.env"
@@ -314,7 +322,7 @@ def test_rolling_upgrade_rev1_to_rev2_under_traffic(
     t0 = time.monotonic()
     role = subprocess.run(
         [str(REPO / ".venv" / "bin" / "ansible-playbook"),
-         "-i", str(REPO / "inventory" / "local-cpu"),
+         "-i", str(inventory),
          str(REPO / "tests" / "upgrade" / "role_upgrade.yml"), "-e", json.dumps(extra)],
         cwd=REPO, env=role_env, capture_output=True, text=True, timeout=3000, check=False)
     role_s = time.monotonic() - t0
