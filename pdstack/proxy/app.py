@@ -696,6 +696,8 @@ class Proxy:
             chunked = request.version >= aiohttp.HttpVersion11
             if chunked:
                 response.enable_chunked_encoding()
+            else:
+                response.force_close()  # HTTP/1.0: the body ends when the connection does
             await response.prepare(request)
             await response.write(first)
             now = time.perf_counter()

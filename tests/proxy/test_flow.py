@@ -6,6 +6,8 @@ import asyncio
 import json
 from collections import Counter
 
+import aiohttp
+
 from pdstack.testing.proxy_harness import (
     backend,
     completion_text,
@@ -260,3 +262,19 @@ async def test_client_kv_transfer_params_are_dropped() -> None:
     assert res.status == 200
     assert "kv_transfer_params" not in e["p0"].seen()[0].body
     assert "kv_transfer_params" not in e["d0"].seen()[0].body
+
+
+async def test_http10_client_gets_unchunked_stream() -> None:
+    async with engines("p0", "d0", output_tokens=3) as e:
+        t = table("nixl", [backend("p0", "prefill", e["p0"]), backend("d0", "decode", e["d0"])])
+        async with running_proxy(t) as rp:
+            body = {"prompt": "x", "stream": True}
+            async with (
+                aiohttp.ClientSession(version=aiohttp.HttpVersion10) as session,
+                session.post(f"{rp.url}/v1/completions", json=body) as resp,
+            ):
+                assert resp.status == 200
+                assert "chunked" not in resp.headers.get("Transfer-Encoding", "")
+                text = (await resp.read()).decode()
+    events = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(completion_text(events).split()) == 3
