@@ -21,7 +21,7 @@ HTTP API
 - Admin (``Authorization: Bearer $PDSTACK_ADMIN_TOKEN`` or ``X-Admin-Token``; without a
   configured token the admin API answers 403):
   - ``GET /admin/backends``: ``{"kv_mode", "backends": [{"name", "role", "node", "url",
-    "generation", "state" (healthy|drained|ejected|unknown), "in_flight", "served", ...}],
+    "generation", "state" (healthy|drained|ejected|down|unknown), "in_flight", "served", ...}],
     "pairings": [...], "in_flight"}``;
   - ``POST /admin/backends/{name}/drain`` / ``.../undrain``: drained = no new requests,
     in-flight ones finish (poll ``in_flight`` until 0 before stopping the engine);

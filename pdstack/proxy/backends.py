@@ -51,7 +51,9 @@ class BackendState:
         if self.removed:
             return "removed"
         if not self.healthy:
-            return "ejected" if self.probed else "unknown"
+            if self.ejections:
+                return "ejected"  # was healthy, then failed
+            return "down" if self.probed else "unknown"  # never passed a check yet
         return "drained" if self.drained else "healthy"
 
     def to_json(self) -> dict[str, Any]:
