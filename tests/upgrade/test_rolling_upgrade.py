@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from .steady import SteadyClient
 
@@ -175,8 +176,14 @@ def stack(tmp_path: Path) -> Iterator[Path]:
     fcntl.flock(lock, fcntl.LOCK_EX)
     inventory = tmp_path / "inventory" / "local-cpu"
     shutil.copytree(REPO / "inventory" / "local-cpu", inventory)
-    with (inventory / "group_vars" / "all.yml").open("a") as f:
-        f.write("pdstack_ports: " + json.dumps(PORTS) + "\n")
+    gv_file = inventory / "group_vars" / "all.yml"
+    gv = yaml.safe_load(gv_file.read_text())
+    gv["pdstack_ports"] = PORTS
+    # eager mode: no torch.compile (needs a C++ compiler, and minutes per engine start)
+    extra = gv["pdstack_model"].setdefault("extra_args", [])
+    if "--enforce-eager" not in extra:
+        extra.append("--enforce-eager")
+    gv_file.write_text(yaml.safe_dump(gv, sort_keys=False))
     stack = tmp_path / "stack"
     render = subprocess.run(
         [str(REPO / ".venv" / "bin" / "pdstack"), "render", "-i", str(inventory), "-o", str(stack)],
