@@ -31,8 +31,10 @@ from typing import Any
 
 import numpy as np
 
-VOCAB_SIZE = 32000  # embedding rows; the tokenizer itself has fewer (<= TOKENIZER_VOCAB)
 TOKENIZER_VOCAB = 4096
+# Embedding rows = the tokenizer's vocabulary: with random weights every id the model can
+# sample then decodes to text (ids past the tokenizer would stream as empty strings).
+VOCAB_SIZE = TOKENIZER_VOCAB
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
