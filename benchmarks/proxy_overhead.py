@@ -5,7 +5,8 @@
                    P, then the streamed decode leg to D) -- a zero-overhead proxy;
   (b) pdstack:     through ``pdstack proxy --kv-mode nixl``;
   (c) vllm-router: through the Rust ``vllm-router --vllm-pd-disaggregation``;
-  optionally pdstack-uvloop: (b) with uvloop on the path (``--uvloop-path``).
+  pdstack-uvloop: (b) with uvloop importable (``--uvloop-path``);
+  pdstack-gc:     (b) started through benchmarks/gc_tuned.py (collector frozen/tuned).
 
 P and D are ``pdstack.testing.fake_engine`` processes with a fixed TTFT and
 inter-token delay, so every millisecond above the direct path is the proxy's.
@@ -45,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pdstack.bench.client import BenchClient  # noqa: E402
-from pdstack.bench.runner import run_closed_loop  # noqa: E402
+from pdstack.bench.runner import quiet_gc, run_closed_loop  # noqa: E402
 from pdstack.bench.stats import summarize  # noqa: E402
 from pdstack.bench.workload import Distribution, Workload, WorkloadConfig  # noqa: E402
 
@@ -165,7 +166,8 @@ class Setup:
 def build_setup(args: argparse.Namespace) -> Setup:
     py = sys.executable
     p_port, d_port = free_port(), free_port()
-    engine = [py, "-m", "pdstack.testing.fake_engine", "--no-record",
+    gc_tuned = [py, str(REPO / "benchmarks/gc_tuned.py")]
+    engine = [*gc_tuned, "pdstack.testing.fake_engine", "--no-record",
               "--output-tokens", str(2 * args.output_tokens)]
     prefill = Proc("prefill", [*engine, "--port", str(p_port), "--name", "p0",
                                "--ttft-ms", str(args.prefill_ttft_ms)],
@@ -180,13 +182,14 @@ def build_setup(args: argparse.Namespace) -> Setup:
         uv_env = {"PYTHONPATH": os.pathsep.join(
             [str(args.uvloop_path), *filter(None, [os.environ.get("PYTHONPATH")])])}
         prefill.env = decode.env = uv_env  # the fake engines use uvloop when importable
-    for name in ("pdstack", "pdstack-uvloop"):
+    for name in ("pdstack", "pdstack-uvloop", "pdstack-gc"):
         if name not in args.targets:
             continue
         port = free_port()
+        launcher = gc_tuned if name == "pdstack-gc" else [py, "-m"]
         setup.proxies[name] = Proc(
             name,
-            [py, "-m", "pdstack.cli", "proxy", "--prefill", prefill.url, "--decode", decode.url,
+            [*launcher, "pdstack.cli", "proxy", "--prefill", prefill.url, "--decode", decode.url,
              "--kv-mode", "nixl", "--host", "127.0.0.1", "--port", str(port),
              *args.pdstack_arg],
             f"http://127.0.0.1:{port}",
@@ -383,8 +386,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="concurrent streams, comma-separated (default 1,100,500)")
     p.add_argument("--targets", default=None,
                    type=lambda s: [x.strip() for x in s.split(",")],
-                   help="of direct, pdstack, pdstack-uvloop, vllm-router (default: all four, "
-                   "pdstack-uvloop only when uvloop is there)")
+                   help="of direct, pdstack, pdstack-uvloop, pdstack-gc, vllm-router "
+                   "(default: all, pdstack-uvloop only when uvloop is there)")
     p.add_argument("--duration", type=float, default=20.0,
                    help="measured seconds per target and stream count (default 20)")
     p.add_argument("--rounds", type=int, default=2,
@@ -426,10 +429,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     elif args.uvloop_path is None and (default_uvloop / "uvloop").is_dir():
         args.uvloop_path = default_uvloop
     if args.targets is None:
-        args.targets = ["direct", "pdstack", "vllm-router"]
+        args.targets = ["direct", "pdstack", "pdstack-gc", "vllm-router"]
         if args.uvloop_path is not None:
             args.targets.insert(2, "pdstack-uvloop")
-    unknown = set(args.targets) - {"direct", "pdstack", "pdstack-uvloop", "vllm-router"}
+    unknown = set(args.targets) - {"direct", "pdstack", "pdstack-uvloop", "pdstack-gc",
+                                   "vllm-router"}
     if unknown:
         p.error(f"unknown targets {sorted(unknown)}")
     if args.rounds < 1 or args.duration <= 0:
@@ -470,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
             import uvloop  # type: ignore[import-not-found]
 
             loop_factory = uvloop.new_event_loop
-        with asyncio.Runner(loop_factory=loop_factory) as runner:
+        with asyncio.Runner(loop_factory=loop_factory) as runner, quiet_gc():
             runs = runner.run(run_all(args, setup))
     finally:
         for proc in reversed(setup.all()):

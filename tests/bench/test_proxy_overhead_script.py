@@ -1,6 +1,6 @@
-"""benchmarks/proxy_overhead.py runs end to end (tiny: direct vs pdstack proxy at
-2 streams) and writes the ratio table and its JSON. Numbers come from real runs;
-this only checks the script's plumbing and shape."""
+"""benchmarks/proxy_overhead.py runs end to end (tiny: direct vs pdstack proxy, also
+started through benchmarks/gc_tuned.py, at 1 and 2 streams) and writes the ratio table
+and its JSON. Numbers come from real runs; this only checks the plumbing and shape."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ def test_script_writes_ratio_table(tmp_path: Path) -> None:
     out = tmp_path / "po.json"
     proc = subprocess.run(
         [sys.executable, "benchmarks/proxy_overhead.py", "--streams", "1,2",
-         "--targets", "direct,pdstack", "--duration", "1", "--rounds", "1", "--warmup", "0.5",
+         "--targets", "direct,pdstack,pdstack-gc", "--duration", "1", "--rounds", "1",
+         "--warmup", "0.5",
          "--prefill-ttft-ms", "20", "--decode-ttft-ms", "5", "--itl-ms", "5",
          "--output-tokens", "4", "--nice", "0", "--no-uvloop", "--output", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=180, check=False,
@@ -24,15 +25,16 @@ def test_script_writes_ratio_table(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
     runs = {(r["target"], r["streams"]): r for r in doc["runs"]}
-    assert set(runs) == {("direct", 1), ("pdstack", 1), ("direct", 2), ("pdstack", 2)}
+    assert set(runs) == {(t, n) for t in ("direct", "pdstack", "pdstack-gc") for n in (1, 2)}
     for (target, _), r in runs.items():
         assert r["failed"] == 0 and r["completed"] > 0
         assert r["median_ttft_ms"] >= 25  # prefill 20 ms + decode 5 ms
         assert "load generator" in r["cpu_cores_used"]
-        if target == "pdstack":
-            assert r["cpu_cores_used"]["pdstack"] > 0
+        if target != "direct":
+            assert r["cpu_cores_used"][target] > 0
             assert r["delta_p50_ttft_ms"] == r["median_ttft_ms"] - runs[
                 ("direct", r["streams"])]["median_ttft_ms"]
     assert doc["target"]["pdstack"]["streams"] == 2
+    assert set(doc["target"]) == {"pdstack", "pdstack-gc"}
     assert "loadavg_before" in doc["load_conditions"]
     assert "dP50" in proc.stdout and (tmp_path / "po.txt").read_text().startswith("streams")
