@@ -54,7 +54,8 @@ def _inventory(lab, dest: Path, stack_root: Path, dh: str) -> Path:
         "pdstack_kv_mode": "colocated",
         "pdstack_engine_image": IMAGES[0],
         "pdstack_proxy_image": IMAGES[1],
-        "pdstack_model": lab_gv["pdstack_model"],
+        # no C++ compiler in the CPU engine image: no torch.compile
+        "pdstack_model": {**lab_gv["pdstack_model"], "extra_args": ["--enforce-eager"]},
         "pdstack_ports": {"proxy": PROXY_PORT, "engine_http_base": ENGINE_PORT,
                           "nixl_side_channel_base": 28600, "lmcache_zmq": 28700,
                           "lmcache_http": 28701, "lmcache_pd_base": 28300},
