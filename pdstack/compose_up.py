@@ -81,15 +81,34 @@ class ComposeUpError(RuntimeError):
     @property
     def failing(self) -> list[ServiceState]:
         bad = [s for s in self.services if s.failed]
-        return bad or [s for s in self.services if not s.ok and s.state != "created"]
+        bad = bad or [s for s in self.services if not s.ok and s.state != "created"]
+        return bad or self._blamed_by_compose()
+
+    def _blamed_by_compose(self) -> list[ServiceState]:
+        """A container the daemon refused to create/start stays "created": blame the one
+        compose was starting when it printed the error (e.g. an OCI runtime error)."""
+        lines = self.up_output.splitlines()
+        err_at = next((i for i, ln in enumerate(lines) if "Error" in ln or "error" in ln), None)
+        if err_at is None:
+            return []
+        by_container = {s.container: s for s in self.services}
+        for ln in reversed(lines[: err_at + 1]):
+            words = ln.split()
+            if len(words) >= 3 and words[0] == "Container" and words[1] in by_container \
+                    and words[2] in ("Starting", "Error", "Creating", "Recreate"):
+                return [by_container[words[1]]]
+        return []
 
     def __str__(self) -> str:
         names = ", ".join(s.service for s in self.failing) or "(none identified)"
         lines = [f"docker compose up failed in {self.stack_dir}: {self.reason}",
                  f"failing service(s): {names}", "", "services:"]
         for s in self.services:
-            mark = "FAILED " if s in self.failing else "       "
-            lines.append(f"  {mark}{s.service:<14} {s.describe()}")
+            failed = s in self.failing
+            what = s.describe()
+            if failed and s.state == "created":
+                what = "could not be started (see compose's error below)"
+            lines.append(f"  {'FAILED ' if failed else '       '}{s.service:<14} {what}")
         for name, text in self.logs.items():
             lines += ["", f"--- last log lines of {name} ---", text.rstrip() or "(no output)"]
         tail = "\n".join(self.up_output.strip().splitlines()[-8:])

@@ -1,0 +1,179 @@
+"""Shared helpers for the Docker Compose end-to-end tests (marker ``docker``).
+
+Prerequisites come from ``.ci/install.sh`` (which calls ``.ci/install-docker.sh``): a running
+Docker engine, Compose v2 and the images ``pdstack/engine-cpu:dev`` + ``pdstack/proxy:dev``.
+A missing one FAILS the test with that hint; nothing is skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU_STACK = ROOT / "compose" / "cpu"
+IMAGES = ("pdstack/engine-cpu:dev", "pdstack/proxy:dev")
+HINT = "run .ci/install.sh (or .ci/install-docker.sh) first"
+# A heavy-run lock shared with other suites on a 2-core machine (no-op when absent).
+HEAVY_LOCK = os.environ.get("PDSTACK_HEAVY_LOCK", "")
+
+
+def require_docker() -> None:
+    if shutil.which("docker") is None:
+        pytest.fail(f"docker CLI missing: {HINT}")
+    if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
+        pytest.fail(f"Docker engine not running: {HINT}")
+    if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode != 0:
+        pytest.fail(f"docker compose v2 missing: {HINT}")
+    for image in IMAGES:
+        if subprocess.run(["docker", "image", "inspect", image],
+                          capture_output=True).returncode != 0:
+            pytest.fail(f"image {image} missing: {HINT}")
+
+
+def stack_ports(stack_dir: Path) -> list[int]:
+    """Every host port the rendered stack binds (all services use network_mode: host)."""
+    text = (stack_dir / "compose.yaml").read_text()
+    ports = {int(p) for p in re.findall(r'"--(?:port|http-port)", "(\d+)"', text)}
+    return sorted(ports)
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def http_get(url: str, timeout: float = 10.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """``name{labels}`` -> value (labels kept verbatim, sorted as exposed)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?)\s+(\S+)", line)
+        if m:
+            try:
+                out[m.group(1)] = float(m.group(2))
+            except ValueError:
+                continue
+    return out
+
+
+def metric_sum(metrics: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of every series of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for key, value in metrics.items():
+        base, _, rest = key.partition("{")
+        if base != name:
+            continue
+        if all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            total += value
+    return total
+
+
+def container_pids(container_id: str) -> list[int]:
+    """All host PIDs of one container (from its cgroup)."""
+    res = subprocess.run(["docker", "top", container_id, "-eo", "pid"], capture_output=True,
+                         text=True, check=True)
+    return [int(x) for x in res.stdout.split()[1:] if x.isdigit()]
+
+
+def proc_mem_kib(pid: int) -> tuple[int, int]:
+    """(RSS, PSS) of one process in KiB; (0, 0) when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return 0, 0
+    rss = pss = 0
+    for line in text.splitlines():
+        if line.startswith("Rss:"):
+            rss = int(line.split()[1])
+        elif line.startswith("Pss:"):
+            pss = int(line.split()[1])
+    return rss, pss
+
+
+def stack_memory(stack_dir: Path, project: str | None = None) -> dict[str, tuple[int, int]]:
+    """service -> (RSS KiB, PSS KiB) summed over the processes of its container."""
+    from pdstack.compose_up import service_states
+
+    out: dict[str, tuple[int, int]] = {}
+    for s in service_states(stack_dir, project):
+        if s.state != "running":
+            continue
+        rss = pss = 0
+        for pid in container_pids(s.container):
+            r, p = proc_mem_kib(pid)
+            rss += r
+            pss += p
+        out[s.service] = (rss, pss)
+    return out
+
+
+def chat_stream(url: str, model: str, messages: list[dict[str, str]], max_tokens: int = 16,
+                timeout: float = 120.0) -> tuple[str, int, float]:
+    """POST a streaming chat completion; return (text, chunks with content, TTFT seconds)."""
+    body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens,
+                       "stream": True, "temperature": 0}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.monotonic()
+    ttft = -1.0
+    parts: list[str] = []
+    chunks = 0
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        assert r.status == 200, r.status
+        assert "text/event-stream" in r.headers.get("Content-Type", "")
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            assert "error" not in event, event
+            for choice in event.get("choices", []):
+                piece = (choice.get("delta") or {}).get("content") or ""
+                if piece:
+                    if ttft < 0:
+                        ttft = time.monotonic() - t0
+                    parts.append(piece)
+                    chunks += 1
+    return "".join(parts), chunks, ttft
+
+
+@pytest.fixture(scope="session")
+def docker_ready() -> None:
+    require_docker()
+
+
+@contextlib.contextmanager
+def heavy_lock() -> Iterator[None]:
+    """Serialise with other heavy suites when PDSTACK_HEAVY_LOCK names a lock file."""
+    if not HEAVY_LOCK:
+        yield
+        return
+    with open(HEAVY_LOCK, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -1,0 +1,162 @@
+"""The CPU stack end to end: `docker compose up --wait` on compose/cpu, prefix-sharing chat
+traffic through the proxy, and proof from the engines' and LMCache's own metrics that the
+decoders read the shared prefix from the LMCache store (shared L1). Then `down`."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from pdstack.compose_up import compose_down, compose_up, service_states
+
+from .conftest import (
+    CPU_STACK,
+    chat_stream,
+    heavy_lock,
+    http_get,
+    metric_sum,
+    parse_prometheus,
+    port_in_use,
+    stack_memory,
+    stack_ports,
+)
+
+pytestmark = pytest.mark.docker
+
+RSS_LIMIT_GIB = 12.0
+EXTERNAL = "vllm:prompt_tokens_by_source_total"
+
+
+def _backends() -> dict[str, list[str]]:
+    table = json.loads((CPU_STACK / "backends.json").read_text())
+    out: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for b in table["backends"]:
+        out.setdefault(b["role"], []).append(b["url"])
+    out["model"] = [table["served_model_name"]]
+    return out
+
+
+def _proxy_url() -> str:
+    text = (CPU_STACK / "compose.yaml").read_text()
+    # the proxy's command: pdstack proxy ... --host ADDR --port N
+    import re
+
+    m = re.search(r'"pdstack", "proxy",[^\]]*"--host", "([^"]+)", "--port", "(\d+)"', text)
+    assert m, "proxy command not found in compose/cpu/compose.yaml"
+    return f"http://{m.group(1)}:{m.group(2)}"
+
+
+def _lmcache_metrics_url() -> str:
+    import re
+
+    text = (CPU_STACK / "compose.yaml").read_text()
+    m = re.search(r'"lmcache", "server", "--host", "([^"]+)",[^\]]*"--http-port", "(\d+)"', text)
+    assert m, "lmcache server --http-port not found in compose/cpu/compose.yaml"
+    return f"http://{m.group(1)}:{m.group(2)}/metrics"
+
+
+@pytest.fixture(scope="module")
+def cpu_stack(docker_ready: None) -> Iterator[dict[str, float]]:
+    running = {s.service for s in service_states(CPU_STACK) if s.state == "running"}
+    busy = [p for p in stack_ports(CPU_STACK) if port_in_use(p)]
+    if busy and not running:
+        pytest.fail(f"ports {busy} are taken by something other than this stack; free them")
+    with heavy_lock():
+        t0 = time.monotonic()
+        try:
+            took = compose_up(CPU_STACK, timeout=900, echo=print)
+        except Exception:
+            compose_down(CPU_STACK)
+            raise
+        print(f"\n[e2e] compose/cpu up --wait: {took:.0f} s "
+              f"({'already running: ' + ', '.join(sorted(running)) if running else 'cold'})")
+        try:
+            yield {"up_s": took, "t0": t0}
+        finally:
+            t1 = time.monotonic()
+            compose_down(CPU_STACK)
+            print(f"[e2e] compose/cpu down: {time.monotonic() - t1:.0f} s")
+
+
+def test_prefix_sharing_through_proxy_reads_lmcache(cpu_stack: dict[str, float]) -> None:
+    be = _backends()
+    model = be["model"][0]
+    proxy = _proxy_url()
+    lmc_url = _lmcache_metrics_url()
+    sources = ("external_kv_transfer", "local_cache_hit", "local_compute")
+
+    def engine_tokens(urls: list[str]) -> dict[str, float]:
+        out = dict.fromkeys(sources, 0.0)
+        for u in urls:
+            m = parse_prometheus(http_get(u + "/metrics"))
+            for src in sources:
+                out[src] += metric_sum(m, EXTERNAL, source=src)
+        return out
+
+    def lmc() -> dict[str, float]:
+        return parse_prometheus(http_get(lmc_url))
+
+    def delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
+        return metric_sum(after, name) - metric_sum(before, name)
+
+    dec0, pre0, lmc0 = engine_tokens(be["decode"]), engine_tokens(be["prefill"]), lmc()
+
+    # ~1000-token shared system prompt (3 full LMCache chunks of 256 and more), then
+    # different questions: every request shares >= 768 prompt tokens with the others.
+    system = " ".join(
+        f"Rule {i}: the prefill node writes the key value cache of every shared prefix block "
+        f"into the LMCache store, and decoder {i % 2} reads it back instead of computing it."
+        for i in range(30)
+    )
+    questions = ["What does rule 3 say?", "Who reads the cache?", "Name one decoder.",
+                 "Why share a prefix?"]
+    total_chunks = 0
+    for q in questions:
+        text, chunks, ttft = chat_stream(
+            proxy, model, [{"role": "system", "content": system}, {"role": "user", "content": q}],
+            max_tokens=16)
+        total_chunks += chunks
+        print(f"[e2e] chat {q!r}: {chunks} streamed chunks, TTFT {ttft * 1000:.0f} ms, "
+              f"answer {text[:60]!r}")
+        assert chunks >= 1, f"no streamed content for {q!r}"
+    assert total_chunks >= 2 * len(questions), f"only {total_chunks} streamed chunks in all"
+
+    dec = {k: v - dec0[k] for k, v in engine_tokens(be["decode"]).items()}
+    pre = {k: v - pre0[k] for k, v in engine_tokens(be["prefill"]).items()}
+    lmc1 = lmc()
+    writes = delta(lmc1, lmc0, "lmcache_mp_l1_write_chunks_total")
+    reads = delta(lmc1, lmc0, "lmcache_mp_l1_read_chunks_total")
+    hits = delta(lmc1, lmc0, "lmcache_mp_lookup_hit_tokens_total")
+    print(f"[e2e] prefiller prompt tokens: {pre}")
+    print(f"[e2e] decoders  prompt tokens: {dec}")
+    print(f"[e2e] LMCache: +{writes:.0f} L1 chunks written, +{reads:.0f} read, "
+          f"+{hits:.0f} lookup hit tokens")
+
+    shared = 768 * len(questions)
+    # the prefiller computed the prompts and stored them in the LMCache store ...
+    assert pre["local_compute"] >= 768, pre
+    assert writes >= 3, f"prefiller stored only {writes:.0f} chunks in LMCache"
+    # ... and the decoders read them from it instead of computing them:
+    assert dec["external_kv_transfer"] >= 768, (
+        f"decoders loaded {dec['external_kv_transfer']:.0f} prompt tokens from LMCache")
+    assert dec["external_kv_transfer"] + dec["local_cache_hit"] >= shared, dec
+    decoded_prompt = sum(dec.values())
+    assert dec["local_compute"] < 0.25 * decoded_prompt, (
+        f"decoders recomputed {dec['local_compute']:.0f} of {decoded_prompt:.0f} prompt tokens")
+    assert reads >= 3, f"LMCache served only {reads:.0f} chunks"
+    assert hits >= shared, f"LMCache lookups hit only {hits:.0f} tokens (< {shared})"
+
+
+def test_stack_memory_under_limit(cpu_stack: dict[str, float]) -> None:
+    mem = stack_memory(CPU_STACK)
+    assert {"lmcache", "proxy"} <= set(mem), mem
+    total_rss = sum(r for r, _ in mem.values()) / 2**20
+    total_pss = sum(p for _, p in mem.values()) / 2**20
+    for svc, (r, p) in sorted(mem.items()):
+        print(f"[e2e] memory {svc:<10} RSS {r / 2**20:5.2f} GiB  PSS {p / 2**20:5.2f} GiB")
+    print(f"[e2e] memory TOTAL RSS {total_rss:.2f} GiB, PSS {total_pss:.2f} GiB "
+          f"(limit {RSS_LIMIT_GIB} GiB RSS)")
+    assert total_rss < RSS_LIMIT_GIB, f"CPU stack RSS {total_rss:.2f} GiB >= {RSS_LIMIT_GIB}"
