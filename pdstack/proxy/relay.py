@@ -255,6 +255,10 @@ class RelayPool:
         if len(idle) >= self.max_idle_per_host:
             proto.abort()
             return
+        # drop what refers to the finished request (its client, response, closures)
+        proto.sink = None
+        proto.on_data = None
+        proto.buffered = []
         idle.append(proto)
 
     def close(self) -> None:
