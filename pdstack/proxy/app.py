@@ -801,7 +801,7 @@ class Proxy:
         upstream = proto.transport
         assert upstream is not None
         watchdog = _IdleWatchdog(proto.abort, self.config.stream_idle_timeout_s)
-        state = {"pending": pending, "paused": False}
+        state: dict[str, Any] = {"pending": pending, "paused": False}
 
         def resume_when_drained() -> None:
             if client.is_closing() or proto.closed:

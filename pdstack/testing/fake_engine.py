@@ -230,9 +230,9 @@ class FakeEngine:
         server = runner.server
         if server is not None:
             for handler in server.connections:
-                transport = handler.transport
-                if transport is not None:
-                    transport.abort()
+                conn = handler.transport
+                if conn is not None:
+                    conn.abort()
         for transport in list(self._transports):
             with contextlib.suppress(Exception):
                 transport.abort()  # type: ignore[attr-defined]
@@ -474,7 +474,7 @@ class FakeEngine:
                 self.counters["generation_tokens"] += 1
             opts = body.get("stream_options") or {}
             if opts.get("include_usage"):
-                usage_event = {
+                usage_event: dict[str, Any] = {
                     "id": response_id,
                     "object": obj,
                     "created": created,
