@@ -2,8 +2,8 @@
 
 One :class:`BenchClient` holds one connection pool for all streams. Timing uses
 ``time.perf_counter()``; TTFT is the time from sending the request (the prefill
-leg, when the client plays the P/D proxy itself) to the first event that
-carries content (text, or token ids for engines run with ``--skip-tokenizer-init``).
+leg, when the client plays the P/D proxy itself) to the first event that carries a
+generated token (see :func:`content_tokens`; the role announcement does not count).
 """
 
 from __future__ import annotations
@@ -96,17 +96,26 @@ def endpoint_path(endpoint: str, token_ids: bool) -> str:
     raise ValueError(f"unknown endpoint {endpoint!r}")
 
 
-def _content_tokens(choice: dict[str, Any]) -> int:
-    """How many output tokens one streamed choice carries (0: none)."""
+_DELTA_KEYS = ("content", "reasoning_content", "reasoning")
+
+
+def content_tokens(choice: dict[str, Any]) -> int:
+    """How many generated tokens one streamed choice carries (0: none).
+
+    vLLM streams one event per token, and a token's text may be empty (the detokenizer
+    holds back a partial UTF-8 character; a special token is skipped), so an event
+    counts by its shape, not by non-empty text: token ids, a chat delta with content
+    that is not the role announcement, or a completion's ``text`` field.
+    """
     ids = choice.get("token_ids")
     if ids:
         return len(ids)
     delta = choice.get("delta")
     if delta is not None:
-        if delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning"):
-            return 1
-        return 0
-    return 1 if choice.get("text") else 0
+        if "role" in delta and not any(delta.get(k) for k in _DELTA_KEYS):
+            return 0  # the opening {"role": "assistant", "content": ""}
+        return 1 if any(delta.get(k) is not None for k in _DELTA_KEYS) else 0
+    return 1 if choice.get("text") is not None else 0
 
 
 class BenchClient:
@@ -265,7 +274,7 @@ class BenchClient:
                                     result.prompt_tokens = int(usage["prompt_tokens"])
                             n = 0
                             for choice in obj.get("choices") or ():
-                                n += _content_tokens(choice)
+                                n += content_tokens(choice)
                             if n:
                                 if result.first_token_time is None:
                                     result.first_token_time = now

@@ -117,3 +117,17 @@ def test_summarize_pools_several_windows() -> None:
     assert m["max_ttft_ms"] == pytest.approx(300.0)
     with pytest.raises(ValueError):
         summarize(a, windows=[(5.0, 5.0)], asked_rate=None)
+
+
+def test_content_tokens_counts_token_events_not_the_role_chunk() -> None:
+    from pdstack.bench.client import content_tokens
+
+    assert content_tokens({"delta": {"role": "assistant", "content": ""}}) == 0
+    assert content_tokens({"delta": {"role": "assistant", "content": "Hi"}}) == 1
+    assert content_tokens({"delta": {"content": ""}}) == 1  # a token with no text yet
+    assert content_tokens({"delta": {"content": " t1"}}) == 1
+    assert content_tokens({"delta": {"reasoning_content": "hmm"}}) == 1
+    assert content_tokens({"delta": {}, "finish_reason": "stop"}) == 0
+    assert content_tokens({"text": ""}) == 1
+    assert content_tokens({"text": " t1", "token_ids": [5, 6]}) == 2
+    assert content_tokens({"index": 0, "finish_reason": "length"}) == 0
