@@ -481,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
             proc.stop()
     rows = ratio_rows(runs)
     top = max(args.streams)
-    result = {
+    verdicts = {t: verdict(rows, top, t) for t in args.targets if t.startswith("pdstack")}
+    result: dict[str, Any] = {
         "benchmark": "proxy_overhead",
         "date": started,
         "config": {
@@ -505,10 +506,10 @@ def main(argv: list[str] | None = None) -> int:
                     "other_processes_cpu_cores per run)",
         },
         "runs": rows,
-        "target": {t: verdict(rows, top, t) for t in args.targets if t.startswith("pdstack")},
+        "target": verdicts,
     }
     text = table(rows)
-    for t, v in result["target"].items():
+    for t, v in verdicts.items():
         if v["met"] is not None:
             text += (f"\n{t} at {top} streams: {v['delta_p50_ttft_ms']:+.2f} ms P50, "
                      f"{v['delta_p99_ttft_ms']:+.2f} ms P99 TTFT vs direct (target <= "
@@ -519,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     args.output.write_text(json.dumps(result, indent=2) + "\n")
     args.output.with_suffix(".txt").write_text(text + "\n")
     print(f"wrote {args.output} and {args.output.with_suffix('.txt')} (process logs: {log_dir})")
-    missed = any(v["met"] is False for v in result["target"].values())
+    missed = any(v["met"] is False for v in verdicts.values())
     return 1 if args.check and missed else 0
 
 

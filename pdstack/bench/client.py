@@ -208,6 +208,7 @@ class BenchClient:
         return result
 
     async def _prefill(self, body: dict[str, Any], headers: dict[str, str]) -> Any:
+        assert self.prefill_url is not None
         leg = dict(body)
         leg.pop("stream_options", None)
         leg.update(
