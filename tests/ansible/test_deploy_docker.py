@@ -101,8 +101,12 @@ def test_deploy_cpu_stack_through_docker(clean_alab, tmp_path):
         again = playbook(lab, "ansible/deploy.yml", inv, timeout=900)
         assert again.rc == 0, again.tail(150)
         assert again.changed() == 0, again.tail(150)
+        check = playbook(lab, "ansible/deploy.yml", inv, "--check", "--diff", timeout=900)
+        assert check.rc == 0, check.tail(150)
+        assert check.changed() == 0, check.tail(150)
         print(f"\ndeploy (compose up --wait) {up.seconds:.1f}s, second run {again.seconds:.1f}s "
-              f"(changed=0); completion: {answer['choices'][0]['text']!r}")
+              f"(changed=0), check mode {check.seconds:.1f}s (changed=0); "
+              f"completion: {answer['choices'][0]['text']!r}")
     finally:
         env = {**os.environ}
         subprocess.run(["docker", "compose", "--project-directory", str(project_dir), "down",

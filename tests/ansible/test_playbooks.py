@@ -206,6 +206,20 @@ def test_gpu_host_passes_with_the_cpu_profile(clean_alab, tmp_path):
         assert f"{node}: GPU checks off: pdstack_profile is cpu (set in the inventory)" in run.out
 
 
+@pytest.mark.netns
+def test_rdma_expected_but_missing_fails(clean_alab, tmp_path):
+    lab = clean_alab
+    inv = write_lab_inventory(lab, tmp_path / "rdma", node_vars={"node2": {"pdstack_rdma": True}})
+    run = playbook(lab, "ansible/preflight.yml", inv, "--tags", "rdma")
+    assert run.rc != 0, run.tail()
+    flat = " ".join(run.out.split())
+    assert ("node2: the inventory sets pdstack_rdma: true but NIXL would fall back to TCP: "
+            "no /dev/infiniband (no RDMA device or driver)") in flat, run.tail()
+    for node in ("node1", "node3"):  # reported, not failed
+        assert f"{node}: NIXL transport TCP fallback (no /dev/infiniband" in flat
+    assert run.recap()["node2"]["failed"] == 1 and run.recap()["node1"]["failed"] == 0
+
+
 def _edge(plan: dict, purpose_part: str, dst: str) -> dict:
     return next(e for e in plan["edges"] if purpose_part in e["purpose"] and e["dst_node"] == dst)
 
