@@ -29,6 +29,7 @@ class SteadyClient:
     workers: int = 2
     max_tokens: int = 8
     timeout_s: float = 180.0
+    pause_s: float = 0.05  # between one worker's requests
     outcomes: list[Outcome] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
@@ -62,7 +63,7 @@ class SteadyClient:
             outcome = self.one(prompt, stream)
             with self._lock:
                 self.outcomes.append(outcome)
-            time.sleep(0.05)
+            self._stop.wait(self.pause_s)
 
     def one(self, prompt: str, stream: bool) -> Outcome:
         body: dict[str, Any] = {

@@ -54,6 +54,9 @@ ENGINES = {"prefill-0": "http://127.0.0.1:18100", "decode-0": "http://127.0.0.1:
            "decode-1": "http://127.0.0.1:18102"}
 IMAGES = ("pdstack/engine-cpu:dev", "pdstack/proxy:dev")
 HEAVY_LOCK = "/tmp/pdstack-heavy.lock"
+# steady, not saturating: on 2 cores a saturating client starves the restarting engine
+# (its worker shares an OpenMP core with a busy decoder) past its 600 s health window
+STEADY_PAUSE_S = 0.5
 FIXED_PROMPT = "the proxy sends the request to the decoder and the cache"
 REV = {"rev1": "/models/tiny-llama/rev1", "rev2": "/models/tiny-llama/rev2"}
 
@@ -246,7 +249,7 @@ def test_rolling_upgrade_rev1_to_rev2_under_traffic(
     assert rev1_hits > 0, "same-revision LMCache sharing must hit (else the probe is blind)"
 
     # ---- steady traffic + the upgrade
-    client = SteadyClient(PROXY, workers=2)
+    client = SteadyClient(PROXY, workers=2, pause_s=STEADY_PAUSE_S)
     client.start()
     time.sleep(5)
     t0 = time.monotonic()
@@ -325,7 +328,7 @@ def test_rolling_upgrade_rev1_to_rev2_under_traffic(
                 "ANSIBLE_PYTHON_INTERPRETER": "/usr/bin/python3"
                 if Path("/usr/bin/python3").exists() else sys.executable}
     role_env.pop("PDSTACK_ADMIN_TOKEN", None)
-    client = SteadyClient(PROXY, workers=2)
+    client = SteadyClient(PROXY, workers=2, pause_s=STEADY_PAUSE_S)
     client.start()
     time.sleep(3)
     t0 = time.monotonic()
