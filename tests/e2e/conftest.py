@@ -161,8 +161,12 @@ def chat_stream(url: str, model: str, messages: list[dict[str, str]], max_tokens
 
 
 @pytest.fixture(scope="session")
-def docker_ready() -> None:
+def docker_ready() -> Iterator[None]:
+    """Docker prerequisites, then the heavy-run lock held for the whole e2e session (taking
+    it per test would let other suites in between, with their own stacks on these ports)."""
     require_docker()
+    with heavy_lock():
+        yield
 
 
 @contextlib.contextmanager

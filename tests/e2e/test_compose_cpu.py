@@ -15,7 +15,6 @@ from pdstack.compose_up import compose_down, compose_up, service_states
 from .conftest import (
     CPU_STACK,
     chat_stream,
-    heavy_lock,
     http_get,
     metric_sum,
     parse_prometheus,
@@ -64,21 +63,20 @@ def cpu_stack(docker_ready: None) -> Iterator[dict[str, float]]:
     busy = [p for p in stack_ports(CPU_STACK) if port_in_use(p)]
     if busy and not running:
         pytest.fail(f"ports {busy} are taken by something other than this stack; free them")
-    with heavy_lock():
-        t0 = time.monotonic()
-        try:
-            took = compose_up(CPU_STACK, timeout=900, echo=print)
-        except Exception:
-            compose_down(CPU_STACK)
-            raise
-        print(f"\n[e2e] compose/cpu up --wait: {took:.0f} s "
-              f"({'already running: ' + ', '.join(sorted(running)) if running else 'cold'})")
-        try:
-            yield {"up_s": took, "t0": t0}
-        finally:
-            t1 = time.monotonic()
-            compose_down(CPU_STACK)
-            print(f"[e2e] compose/cpu down: {time.monotonic() - t1:.0f} s")
+    t0 = time.monotonic()
+    try:
+        took = compose_up(CPU_STACK, timeout=900, echo=print)
+    except Exception:
+        compose_down(CPU_STACK)
+        raise
+    print(f"\n[e2e] compose/cpu up --wait: {took:.0f} s "
+          f"({'already running: ' + ', '.join(sorted(running)) if running else 'cold'})")
+    try:
+        yield {"up_s": took, "t0": t0}
+    finally:
+        t1 = time.monotonic()
+        compose_down(CPU_STACK)
+        print(f"[e2e] compose/cpu down: {time.monotonic() - t1:.0f} s")
 
 
 def test_prefix_sharing_through_proxy_reads_lmcache(cpu_stack: dict[str, float]) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from pdstack.compose_up import ComposeUpError, compose_down, compose_up
 
-from .conftest import CPU_STACK, heavy_lock, port_in_use, stack_ports
+from .conftest import CPU_STACK, port_in_use, stack_ports
 
 pytestmark = pytest.mark.docker
 
@@ -31,11 +31,10 @@ def stack_copy(docker_ready: None, tmp_path: Path) -> Iterator[Path]:
     d.mkdir()
     for name in ("compose.yaml", ".env", "backends.json"):
         shutil.copy(CPU_STACK / name, d / name)
-    with heavy_lock():
-        try:
-            yield d
-        finally:
-            compose_down(d, project=PROJECT, volumes=True)
+    try:
+        yield d
+    finally:
+        compose_down(d, project=PROJECT, volumes=True)
 
 
 def _set_env(stack: Path, key: str, value: str) -> None:
