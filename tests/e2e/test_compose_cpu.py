@@ -158,3 +158,32 @@ def test_stack_memory_under_limit(cpu_stack: dict[str, float]) -> None:
     print(f"[e2e] memory TOTAL RSS {total_rss:.2f} GiB, PSS {total_pss:.2f} GiB "
           f"(limit {RSS_LIMIT_GIB} GiB RSS)")
     assert total_rss < RSS_LIMIT_GIB, f"CPU stack RSS {total_rss:.2f} GiB >= {RSS_LIMIT_GIB}"
+
+
+def test_bench_three_rate_sweep_against_the_stack(cpu_stack: dict[str, float], tmp_path) -> None:
+    """`pdstack bench` against the running CPU stack: a 3-rate sweep through the proxy writes
+    the JSON and both plots, and every request of it is served."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "cpu-stack.json"
+    proxy = _proxy_url()
+    cmd = [sys.executable, "-m", "pdstack.cli", "bench", "--target", proxy,
+           "--rates", "0.25,0.5,1", "--duration", "8", "--warmup", "2", "--drain-timeout", "120",
+           "--system-prompts", "2", "--system-len", "256", "--user-len", "uniform:16:48",
+           "--output-len", "16", "--metrics-url", f"{proxy}/metrics",
+           "--no-progress", "--output", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+    print(r.stdout[-3000:])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    results = doc["results"]
+    assert [r["request_rate"] for r in results] == [0.25, 0.5, 1.0]
+    for r in results:
+        assert r["completed"] > 0 and r["failed"] == 0, r.get("errors")
+        assert 0 < r["median_ttft_ms"] <= r["p99_ttft_ms"]
+        assert r["request_throughput"] > 0
+    for plot in ("cpu-stack_served.png", "cpu-stack_ttft.png"):
+        png = Path(tmp_path / plot)
+        assert png.is_file() and png.stat().st_size > 1000, plot
