@@ -174,6 +174,20 @@ def write_lab_inventory(lab, dest: Path, node_vars: dict | None = None,
     return lab.write_inventory(dest, node_vars=nv, group_vars=group_vars)
 
 
+def wipe_node_paths(lab, node: str, *paths: str) -> None:
+    """Remove ``paths`` on a node *through its own mount namespace* (over SSH).
+
+    Never delete from the overlay's upper directory on this machine while the overlay is
+    mounted: the kernel keeps the node's cached dentries, so a directory removed underneath
+    still "exists" on the node and files written into it vanish (CI saw exactly that when
+    test_deploy_docker had deployed to the same nodes first).
+    """
+    for path in paths:
+        assert path.startswith(("/etc/", "/opt/")), path
+    done = lab.ssh(node, "rm -rf -- " + " ".join(paths))
+    assert done.returncode == 0, f"{node}: rm -rf {' '.join(paths)}: {done.stderr}"
+
+
 def node_path(lab, node: str, path: str) -> Path:
     """Where a file the node wrote under its overlaid /etc or /opt lands on this machine."""
     top, _, rest = path.lstrip("/").partition("/")

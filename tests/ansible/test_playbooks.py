@@ -29,6 +29,7 @@ from anshelpers import (
     node_path,
     playbook,
     priv_address,
+    wipe_node_paths,
     write_lab_inventory,
 )
 
@@ -130,8 +131,7 @@ def test_converge_idempotent_and_check_mode(clean_alab, tmp_path):
     stack_dir = f"/opt/pdstack/{plan['deployment']}"
     args = ("-e", "stack_compose_up=false")  # containers: see test_deploy_cpu_stack
     for node in lab.nodes:  # a fresh lab (this test runs first on its nodes)
-        shutil.rmtree(node_path(lab, node, "/opt/pdstack"), ignore_errors=True)
-        shutil.rmtree(node_path(lab, node, "/etc/pdstack"), ignore_errors=True)
+        wipe_node_paths(lab, node, "/opt/pdstack", "/etc/pdstack")
 
     check = playbook(lab, "site.yml", inv, "--check", "--diff", *args)
     assert check.rc == 0, check.tail()
