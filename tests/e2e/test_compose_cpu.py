@@ -187,3 +187,42 @@ def test_bench_three_rate_sweep_against_the_stack(cpu_stack: dict[str, float], t
     for plot in ("cpu-stack_served.png", "cpu-stack_ttft.png"):
         png = Path(tmp_path / plot)
         assert png.is_file() and png.stat().st_size > 1000, plot
+
+
+def test_logprobs_requests_keep_every_engine_up(cpu_stack: dict[str, float]) -> None:
+    """`logprobs` through the proxy (completions and chat, streamed and not) returns
+    logprobs, and no engine dies of it (vLLM CPU compiles the logprobs sampler step unless
+    the image sets TORCHDYNAMO_DISABLE: without a C++ compiler that killed the engine)."""
+    import urllib.request
+
+    proxy, model = _proxy_url(), _backends()["model"][0]
+
+    def post(path: str, body: dict) -> bytes:
+        req = urllib.request.Request(proxy + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            assert resp.status == 200, resp.status
+            return resp.read()
+
+    done = json.loads(post("/v1/completions", {
+        "model": model, "prompt": "The decoder reads the prefix", "max_tokens": 4,
+        "logprobs": 2}))
+    lp = done["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == 4 and len(lp["top_logprobs"][0]) >= 2, lp
+    chat = json.loads(post("/v1/chat/completions", {
+        "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+        "logprobs": True, "top_logprobs": 2}))
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4 and all(len(t["top_logprobs"]) == 2 for t in content), content
+    streamed = post("/v1/chat/completions", {
+        "model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
+        "stream": True, "logprobs": True, "top_logprobs": 1}).decode()
+    events = [json.loads(line[6:]) for line in streamed.splitlines()
+              if line.startswith("data: {")]
+    assert any((e["choices"] or [{}])[0].get("logprobs") for e in events), streamed[-500:]
+    assert streamed.rstrip().endswith("data: [DONE]"), streamed[-300:]
+    be = _backends()
+    for url in be["prefill"] + be["decode"]:
+        assert http_get(url + "/health") is not None, f"{url} died after logprobs requests"
+    states = {s.service: s.state for s in service_states(CPU_STACK)}
+    assert all(v == "running" for v in states.values()), states

@@ -88,10 +88,9 @@ def compose(stack: Path, *args: str, timeout: float = 1200) -> subprocess.Comple
 
 def signature(url: str, prompt: str = FIXED_PROMPT) -> list[int]:
     """The greedy (temperature 0) token ids of a fixed prompt: a fingerprint of the
-    weights. (Logprobs would be the finer one, but vLLM CPU computes logprob ranks with
-    torch.compile, which needs a C++ compiler that the engine image lacks: a logprobs
-    request kills the engine. Token ids, not text: the tiny tokenizer decodes most of
-    the 32000-row vocabulary to nothing.)"""
+    weights. (Greedy token ids compare exactly, where logprobs would need a float
+    tolerance. Token ids, not text: the tiny tokenizer decodes most of the vocabulary
+    to nothing.)"""
     answer = http("POST", f"{url}/v1/completions", {
         "model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
         "return_token_ids": True})
