@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from pdstack.topology import DeploymentSpec, NodeSpec, Topology
+from pdstack.topology import DeploymentSpec, EngineSpec, NodeSpec, Topology
 
 KvPath = Literal["shared-l1", "nixl", "lmcache-pd"]
 ServiceKind = Literal["engine", "lmcache", "proxy"]
@@ -61,12 +61,41 @@ class NodePlan(_Model):
         return next(s for s in self.services if s.name == name)
 
 
+class LmcachePdReceiver(_Model):
+    """Where an lmcache-pd decoder receives pushed KV: LMCache's ``disagg_spec`` receiver
+    (one init and one alloc port per TP rank, rank order)."""
+
+    host: str
+    init_ports: list[int]
+    alloc_ports: list[int]
+
+
+class LmcachePdNotify(_Model):
+    """Where the proxy's ZMQ PULL socket listens for LMCache's ``ProxyNotif`` pushes."""
+
+    host: str
+    port: int
+
+
+def _drop_none(data: dict, *keys: str) -> dict:
+    for key in keys:
+        if key in data and data[key] is None:
+            del data[key]
+    return data
+
+
 class Backend(_Model):
     name: str
     role: str
     node: str
     url: str
     generation: str = ""
+    # lmcache-pd decoders only (omitted from the JSON otherwise)
+    lmcache_pd: LmcachePdReceiver | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict:
+        return _drop_none(handler(self), "lmcache_pd")
 
 
 class Pairing(_Model):
@@ -81,6 +110,12 @@ class BackendTable(_Model):
     backends: list[Backend]
     pairings: list[Pairing] = Field(default_factory=list)
     skip_prefill_threshold_tokens: int = 0
+    # lmcache-pd only (omitted from the JSON otherwise)
+    lmcache_pd_notify: LmcachePdNotify | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict:
+        return _drop_none(handler(self), "lmcache_pd_notify")
 
     @classmethod
     def adhoc(
@@ -150,14 +185,43 @@ def make_node_ports(topo: Topology, node: NodeSpec) -> dict[str, int]:
         if _uses_nixl(topo, node, eng.role):
             ports[f"{name} nixl side channel"] = d.ports.nixl_side_channel_base + i
         if d.kv_mode == "lmcache-pd" and eng.role == "decode":
-            ports[f"{name} lmcache-pd init"] = d.ports.lmcache_pd_base + 2 * i
-            ports[f"{name} lmcache-pd alloc"] = d.ports.lmcache_pd_base + 2 * i + 1
+            init, alloc = lmcache_pd_receiver_ports(topo, node, i)
+            for rank, (ip, ap) in enumerate(zip(init, alloc, strict=True)):
+                suffix = f" rank {rank}" if len(init) > 1 else ""
+                ports[f"{name} lmcache-pd init{suffix}"] = ip
+                ports[f"{name} lmcache-pd alloc{suffix}"] = ap
     if _has_lmcache_server(d, node):
         ports["lmcache zmq"] = d.ports.lmcache_zmq
         ports["lmcache http"] = d.ports.lmcache_http
     if node.proxy:
         ports["proxy http"] = d.ports.proxy
+        if d.kv_mode == "lmcache-pd":
+            ports["proxy lmcache-pd notify"] = lmcache_pd_notify_port(d)
     return ports
+
+
+def engine_tp(d: DeploymentSpec, eng: EngineSpec) -> int:
+    """The tensor-parallel size an engine runs with (``--tensor-parallel-size``)."""
+    return (len(eng.gpus) or 1) if d.profile == "gpu" else 1
+
+
+def lmcache_pd_notify_port(d: DeploymentSpec) -> int:
+    """The proxy's ZMQ PULL port for LMCache's ProxyNotif (``LMCACHE_PD_PROXY_PORT``)."""
+    return d.ports.lmcache_pd_base - 1
+
+
+def lmcache_pd_receiver_ports(
+    topo: Topology, node: NodeSpec, index: int
+) -> tuple[list[int], list[int]]:
+    """(init ports, alloc ports) of engine ``index`` on ``node``, one per TP rank.
+
+    Every engine before it on the node reserves a block of ``2 * tp`` ports from
+    ``lmcache_pd_base``; inside its block rank r gets init ``start + 2r`` and alloc
+    ``start + 2r + 1``.  With TP 1 everywhere this is ``base + 2i`` / ``base + 2i + 1``."""
+    d = topo.deployment
+    start = d.ports.lmcache_pd_base + 2 * sum(engine_tp(d, e) for e in node.engines[:index])
+    tp = engine_tp(d, node.engines[index])
+    return [start + 2 * r for r in range(tp)], [start + 2 * r + 1 for r in range(tp)]
 
 
 def _engine_names(node: NodeSpec) -> list[str]:
@@ -249,9 +313,12 @@ def kv_transfer_config(
     }
 
 
-def _lmcache_pd_env(
-    d: DeploymentSpec, role: str, index: int, proxy_addr: str, peer_addr: str
-) -> dict[str, str]:
+def _lmcache_pd_env(topo: Topology, node: NodeSpec, index: int, proxy_addr: str) -> dict[str, str]:
+    """LMCache's PD settings (``LMCACHE_<KEY>`` = config key ``<key>``, LMCache 0.5.x
+    ``lmcache/v1/config.py``); per-rank port lists are comma-separated (its
+    ``_to_int_list`` env converter), indexed by the engine's TP rank."""
+    d = topo.deployment
+    role = node.engines[index].role
     buf = int(d.lmcache.pd_buffer_size_gb * 2**30)
     env = {
         "LMCACHE_ENABLE_PD": "True",
@@ -263,13 +330,14 @@ def _lmcache_pd_env(
     }
     if role == "prefill":
         env |= {"LMCACHE_PD_ROLE": "sender", "LMCACHE_PD_PROXY_HOST": proxy_addr,
-                "LMCACHE_PD_PROXY_PORT": str(d.ports.lmcache_pd_base - 1)}
+                "LMCACHE_PD_PROXY_PORT": str(lmcache_pd_notify_port(d))}
     else:
+        init, alloc = lmcache_pd_receiver_ports(topo, node, index)
         env |= {
             "LMCACHE_PD_ROLE": "receiver",
-            "LMCACHE_PD_PEER_HOST": peer_addr,
-            "LMCACHE_PD_PEER_INIT_PORT": str(d.ports.lmcache_pd_base + 2 * index),
-            "LMCACHE_PD_PEER_ALLOC_PORT": str(d.ports.lmcache_pd_base + 2 * index + 1),
+            "LMCACHE_PD_PEER_HOST": node.private_address,
+            "LMCACHE_PD_PEER_INIT_PORT": ",".join(map(str, init)),
+            "LMCACHE_PD_PEER_ALLOC_PORT": ",".join(map(str, alloc)),
         }
     return env
 
@@ -319,7 +387,7 @@ def _engine_service(
         env["VLLM_CPU_OMP_THREADS_BIND"] = eng.cpu_threads_bind
         env["NIXL_PTHR_DELAY_US"] = "1000"
     if d.kv_mode == "lmcache-pd":
-        env |= _lmcache_pd_env(d, eng.role, index, proxy_addr, node.private_address)
+        env |= _lmcache_pd_env(topo, node, index, proxy_addr)
     service_ports = {"http": http}
     if "VLLM_NIXL_SIDE_CHANNEL_PORT" in env:
         service_ports["nixl_side_channel"] = int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
@@ -378,6 +446,9 @@ def _proxy_service(topo: Topology, node: NodeSpec) -> Service:
         "--host", bind,
         "--port", str(d.ports.proxy),
     ]
+    ports = {"http": d.ports.proxy}
+    if d.kv_mode == "lmcache-pd":
+        ports["lmcache_pd_notify"] = lmcache_pd_notify_port(d)
     return Service(
         name="proxy",
         kind="proxy",
@@ -385,7 +456,7 @@ def _proxy_service(topo: Topology, node: NodeSpec) -> Service:
         image=d.proxy_image,
         command=cmd,
         env={},
-        ports={"http": d.ports.proxy},
+        ports=ports,
         bind_address=bind,
         healthcheck_url=f"http://{bind}:{d.ports.proxy}/health",
         depends_on=_engine_names(node),
@@ -404,6 +475,12 @@ def make_plan(topo: Topology) -> Plan:
         for i, name in enumerate(_engine_names(node)):
             svc = _engine_service(topo, node, i, name, proxy_node.private_address)
             services.append(svc)
+            receiver = None
+            if d.kv_mode == "lmcache-pd" and svc.role == "decode":
+                init, alloc = lmcache_pd_receiver_ports(topo, node, i)
+                receiver = LmcachePdReceiver(
+                    host=node.private_address, init_ports=init, alloc_ports=alloc
+                )
             backends.append(
                 Backend(
                     name=f"{node.name}/{name}",
@@ -411,6 +488,7 @@ def make_plan(topo: Topology) -> Plan:
                     node=node.name,
                     url=f"http://{node.private_address}:{svc.ports['http']}",
                     generation=svc.generation or "",
+                    lmcache_pd=receiver,
                 )
             )
         if node.proxy:
@@ -447,6 +525,11 @@ def make_plan(topo: Topology) -> Plan:
         backends=backends,
         pairings=pairings,
         skip_prefill_threshold_tokens=d.skip_prefill_threshold_tokens,
+        lmcache_pd_notify=(
+            LmcachePdNotify(host=proxy_node.private_address, port=lmcache_pd_notify_port(d))
+            if d.kv_mode == "lmcache-pd"
+            else None
+        ),
     )
     return Plan(
         deployment=d.name,
@@ -454,12 +537,16 @@ def make_plan(topo: Topology) -> Plan:
         profile=d.profile,
         nodes=nodes,
         backend_table=table,
-        edges=_edges(topo, nodes, pairings, proxy_node.name),
+        edges=_edges(topo, nodes, pairings, proxy_node.name, backends),
     )
 
 
 def _edges(
-    topo: Topology, nodes: dict[str, NodePlan], pairings: list[Pairing], proxy_node: str
+    topo: Topology,
+    nodes: dict[str, NodePlan],
+    pairings: list[Pairing],
+    proxy_node: str,
+    backends: list[Backend],
 ) -> list[Edge]:
     """Every src->dst:port the stack uses (deduplicated, stable order)."""
     out: dict[tuple, Edge] = {}
@@ -479,18 +566,19 @@ def _edges(
             if svc.kind == "lmcache":
                 add(proxy_node, node.name, svc.ports["metrics"], "proxy->lmcache metrics")
     by_name = {f"{n.name}/{s.name}": s for n in nodes.values() for s in n.services}
+    receivers = {b.name: b.lmcache_pd for b in backends}
     for pair in pairings:
         p, dec = by_name[pair.prefill], by_name[pair.decode]
         if pair.kv_path == "nixl":
             add(dec.node, p.node, p.ports["nixl_side_channel"],
                 f"{dec.name}->{p.name} nixl side channel")
         if pair.kv_path == "lmcache-pd":
-            port = topo.deployment.ports.lmcache_pd_base + 2 * _index_on_node(nodes, dec)
-            add(p.node, dec.node, port, f"{p.name}->{dec.name} lmcache-pd init")
-            add(p.node, dec.node, port + 1, f"{p.name}->{dec.name} lmcache-pd alloc")
+            rx = receivers[pair.decode]
+            assert rx is not None
+            for rank, (init, alloc) in enumerate(zip(rx.init_ports, rx.alloc_ports, strict=True)):
+                suffix = f" rank {rank}" if len(rx.init_ports) > 1 else ""
+                add(p.node, dec.node, init, f"{p.name}->{dec.name} lmcache-pd init{suffix}")
+                add(p.node, dec.node, alloc, f"{p.name}->{dec.name} lmcache-pd alloc{suffix}")
+            # the prefiller's LMCache PUSHes ProxyNotif to the proxy when the KV is in
+            add(p.node, proxy_node, lmcache_pd_notify_port(topo.deployment), "lmcache-pd notify")
     return list(out.values())
-
-
-def _index_on_node(nodes: dict[str, NodePlan], svc: Service) -> int:
-    engines = [s for s in nodes[svc.node].services if s.kind == "engine"]
-    return engines.index(svc)

@@ -3,7 +3,8 @@
 Modules: ``backends`` (discovery: backend table, health state, pairings, generations),
 ``routing`` (bounded-load consistent hashing, power of two choices, prefix index),
 ``metrics`` (Prometheus), ``app`` (aiohttp server and the two-leg flow), ``config``
-(settings, secrets from env), ``cli`` (``pdstack proxy``).
+(settings, secrets from env), ``cli`` (``pdstack proxy``), ``lmcache_pd`` (LMCache's
+ProxyNotif listener and disagg_spec).
 
 HTTP API
 --------
@@ -30,6 +31,18 @@ HTTP API
     to the kv_mode's rule (shared-l1: same node); the answer carries its first probe;
   - ``DELETE /admin/backends/{name}``.
   Names contain ``/`` (``node1/prefill-0``) and are used as is in the path.
+
+kv_mode ``lmcache-pd`` (LMCache's legacy push, :mod:`pdstack.proxy.lmcache_pd`): the
+proxy picks the decoder first, names it in the prefill leg's
+``kv_transfer_params.disagg_spec`` (its ``lmcache_pd`` receiver host and per-TP-rank
+init/alloc ports from the backend table), waits up to ``--lmcache-pd-notify-timeout``
+(default 5 s) for the prefiller's ZMQ ``ProxyNotif`` on a PULL socket bound at the
+table's ``lmcache_pd_notify`` (the proxy node's private address, port
+``lmcache_pd_base - 1``), then decodes on that decoder; without the notification in time
+it decodes anyway (the decoder recomputes) and counts
+``pdstack_proxy_lmcache_pd_notify_total{outcome="timeout"}``. Ad hoc
+(``--prefill/--decode``) it needs ``--lmcache-pd-receiver`` per decoder and
+``--lmcache-pd-notify-port`` (see :mod:`pdstack.proxy.cli`).
 
 Generations: a prefiller is paired only with decoders of the same ``generation``
 string, and a prefiller without such a healthy decoder is not routed to, so an old

@@ -12,6 +12,14 @@ Request flow (``/v1/completions``, ``/v1/chat/completions``):
    decoder paired with that prefiller (same generation; shared-l1 = same node; p2c),
    carrying the prefill's ``kv_transfer_params`` in NIXL pairings. One ``X-Request-Id``
    on both legs and on the response.
+5. ``lmcache-pd`` (LMCache's legacy push, see :mod:`pdstack.proxy.lmcache_pd`): the
+   decoder is chosen first (paired, usable, p2c); the prefill leg carries
+   ``kv_transfer_params={"disagg_spec": {"req_id", "receiver_host",
+   "receiver_init_port": [..], "receiver_alloc_port": [..]}}`` naming it (``req_id`` =
+   the X-Request-Id, suffixed on a retry or clash); the proxy waits (at most
+   ``lmcache_pd_notify_timeout_s``) for the prefiller's ZMQ ``ProxyNotif(req_id)`` on
+   its PULL socket, then sends the original request to that decoder. No notification
+   in time: logged + counted, the decode leg goes anyway (the decoder recomputes).
 Retries: a failed prefill leg, or a decode leg that has not produced its first byte,
 is retried on another backend; never after bytes reached the client (then the stream
 ends with an OpenAI error event and ``data: [DONE]``). Client disconnect cancels the
@@ -37,6 +45,7 @@ from aiohttp import web
 
 from pdstack.proxy.backends import SHARED_L1_MODES, BackendRegistry, BackendState
 from pdstack.proxy.config import ProxyConfig
+from pdstack.proxy.lmcache_pd import NotifyListener, disagg_spec
 from pdstack.proxy.metrics import ProxyMetrics
 from pdstack.proxy.relay import RelayError, RelayPool, RelayProtocol, build_request, split_url
 from pdstack.proxy.routing import (
@@ -150,6 +159,7 @@ class Proxy:
         if threshold is None:
             threshold = registry.skip_prefill_threshold_tokens
         self.skip_threshold_tokens = threshold
+        self.notifier: NotifyListener | None = None
         self.app = self._make_app()
 
     # ------------------------------------------------------------------ app wiring
@@ -180,10 +190,34 @@ class Proxy:
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
+        if self.registry.kv_mode == "lmcache-pd":
+            await self._start_notifier()
         await self.probe_all()
         self._health_task = asyncio.create_task(self._health_loop())
 
+    async def _start_notifier(self) -> None:
+        table = self.registry.lmcache_pd_notify or {}
+        port = self.config.lmcache_pd_notify_port
+        if port is None:
+            port = table.get("port")
+        if port is None:
+            log.error(
+                "lmcache-pd: no notify port (backend table lmcache_pd_notify or "
+                "--lmcache-pd-notify-port): decode legs will not wait for the KV push"
+            )
+            return
+        host = self.config.lmcache_pd_notify_host or table.get("host") or self.config.host
+        counter = self.metrics.lmcache_pd_notify
+        notifier = NotifyListener(
+            host, int(port), on_unmatched=lambda outcome: counter.labels(outcome).inc()
+        )
+        await notifier.start()
+        self.notifier = notifier
+
     async def _on_cleanup(self, app: web.Application) -> None:
+        if self.notifier is not None:
+            await self.notifier.close()
+            self.notifier = None
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -441,6 +475,9 @@ class Proxy:
                 lambda backend: ctx.raw,
             )
 
+        if registry.kv_mode == "lmcache-pd":
+            return await self._serve_lmcache_pd(request, ctx)
+
         if self.skip_threshold_tokens > 0 and registry.kv_mode in SHARED_L1_MODES:
             skipped = await self._try_skip_prefill(request, ctx)
             if skipped is not None:
@@ -518,6 +555,126 @@ class Proxy:
             request, ctx, pick_decoder, decode_payload, no_backend_hint=chosen_prefill
         )
 
+    async def _serve_lmcache_pd(
+        self, request: web.Request, ctx: RequestContext
+    ) -> web.StreamResponse:
+        """Decoder first, prefill with its disagg_spec, wait for ProxyNotif, decode there."""
+        registry = self.registry
+        notifier = self.notifier
+        key_hash = stable_hash(self._key_text(ctx))
+        tried: set[str] = set()
+        prefill: BackendState | None = None
+        decoder: BackendState | None = None
+        waiter: asyncio.Future[None] | None = None
+        req_id = ""
+        last_error = ""
+        try:
+            for attempt in range(self.config.max_retries + 1):
+                prefill = self._pick_affinity("prefill", key_hash, tried)
+                if prefill is None:
+                    break
+                if attempt:
+                    self.metrics.retries.labels("prefill").inc()
+                tried.add(prefill.name)
+                paired = [d for d, _ in self._paired_decoders(prefill)]
+                if decoder is None or decoder not in paired:
+                    decoder = pick_p2c(paired, self.rng)  # kept across prefill retries
+                kv_request: dict[str, Any] | None = None
+                if decoder is not None and decoder.lmcache_pd is not None:
+                    base = ctx.request_id if attempt == 0 else f"{ctx.request_id}-r{attempt}"
+                    if notifier is not None:
+                        req_id = notifier.unique_id(base)
+                        waiter = notifier.expect(req_id)
+                    else:
+                        req_id = base
+                    kv_request = disagg_spec(req_id, decoder.lmcache_pd)
+                try:
+                    await self._prefill(prefill, ctx, nixl=False, kv_request=kv_request)
+                    break
+                except _Retryable as exc:
+                    last_error = str(exc)
+                    prefill = None
+                    if notifier is not None and waiter is not None:
+                        notifier.forget(req_id)
+                        waiter = None
+                except _Passthrough as exc:
+                    ctx.outcome = "client_error"
+                    return self._passthrough(exc, ctx)
+            if prefill is None:
+                headers = {"X-Request-Id": ctx.request_id}
+                if last_error:
+                    ctx.outcome = "upstream_error"
+                    return error_response(
+                        502, f"prefill failed on every try: {last_error}", headers=headers
+                    )
+                ctx.outcome = "no_backend"
+                return error_response(503, registry.describe_unroutable(), headers=headers)
+
+            # ---- the KV push: wait (bounded) for the prefiller's ProxyNotif
+            if decoder is not None and decoder.lmcache_pd is None:
+                self.metrics.lmcache_pd_notify.labels("no_receiver").inc()
+            elif waiter is not None:
+                await self._await_notify(waiter, req_id, prefill, decoder)
+        finally:
+            if notifier is not None and waiter is not None and not waiter.done():
+                notifier.forget(req_id)
+
+        # ---- leg 2: decode, on the decoder the KV went to (a retry elsewhere recomputes)
+        chosen_prefill = prefill
+        first_choice = decoder
+
+        def pick_decoder(tried_decoders: set[str]) -> BackendState | None:
+            nonlocal first_choice
+            chosen = None
+            if (
+                first_choice is not None
+                and first_choice.usable
+                and first_choice.name not in tried_decoders
+            ):
+                chosen = first_choice
+            else:
+                others = [
+                    d
+                    for d, _ in self._paired_decoders(chosen_prefill)
+                    if d.name not in tried_decoders
+                ]
+                chosen = pick_p2c(others, self.rng)
+            first_choice = None
+            if chosen is not None:
+                self.metrics.pair(chosen_prefill, chosen).inc()
+            return chosen
+
+        return await self._final_leg(
+            request, ctx, pick_decoder, lambda backend: ctx.raw, no_backend_hint=chosen_prefill
+        )
+
+    async def _await_notify(
+        self,
+        waiter: asyncio.Future[None],
+        req_id: str,
+        prefill: BackendState,
+        decoder: BackendState | None,
+    ) -> None:
+        started = time.perf_counter()
+        timeout = self.config.lmcache_pd_notify_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(waiter)
+        except TimeoutError:
+            self.metrics.lmcache_pd_notify.labels("timeout").inc()
+            log.warning(
+                "lmcache-pd: no ProxyNotif for %s from %s within %gs; decoding on %s anyway "
+                "(it recomputes the prompt)",
+                req_id,
+                prefill.name,
+                timeout,
+                decoder.name if decoder is not None else "?",
+            )
+        else:
+            self.metrics.lmcache_pd_notify.labels("received").inc()
+        finally:
+            self.metrics.lmcache_pd_notify_wait.observe(time.perf_counter() - started)
+
     def _key_text(self, ctx: RequestContext) -> str:
         if ctx.text is None:
             ctx.text = prompt_text(ctx.body)
@@ -578,9 +735,14 @@ class Proxy:
 
     # ------------------------------------------------------------------ legs
     async def _prefill(
-        self, backend: BackendState, ctx: RequestContext, nixl: bool
+        self,
+        backend: BackendState,
+        ctx: RequestContext,
+        nixl: bool,
+        kv_request: dict[str, Any] | None = None,
     ) -> dict[str, Any] | None:
-        """Run the prefill leg; returns the response's kv_transfer_params."""
+        """Run the prefill leg; returns the response's kv_transfer_params.
+        ``kv_request``: the leg's kv_transfer_params (lmcache-pd's disagg_spec)."""
         assert self.session is not None
         body = dict(ctx.body)
         body["max_tokens"] = 1
@@ -591,6 +753,8 @@ class Proxy:
         body.pop("min_tokens", None)
         if nixl:
             body["kv_transfer_params"] = {"do_remote_decode": True}
+        elif kv_request is not None:
+            body["kv_transfer_params"] = kv_request
         else:
             body.pop("kv_transfer_params", None)
         started = time.perf_counter()

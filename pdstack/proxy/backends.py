@@ -40,6 +40,8 @@ class BackendState:
     served: int = 0
     last_success: float = 0.0  # time.monotonic() of the last successful leg
     last_error: str = ""
+    # lmcache-pd decoders: {"host", "init_ports": [..], "alloc_ports": [..]} (per TP rank)
+    lmcache_pd: dict[str, Any] | None = None
 
     @property
     def usable(self) -> bool:
@@ -57,7 +59,7 @@ class BackendState:
         return "drained" if self.drained else "healthy"
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "name": self.name,
             "role": self.role,
             "node": self.node,
@@ -72,6 +74,32 @@ class BackendState:
             "ejections": self.ejections,
             "last_error": self.last_error,
         }
+        if self.lmcache_pd is not None:
+            data["lmcache_pd"] = self.lmcache_pd
+        return data
+
+
+def lmcache_pd_receiver(name: str, value: Any) -> dict[str, Any] | None:
+    """Check an lmcache-pd receiver spec ``{"host", "init_ports", "alloc_ports"}``."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("host"), str) or not value["host"]:
+        raise ValueError(f"backend {name}: lmcache_pd needs a host")
+    ports: dict[str, list[int]] = {}
+    for key in ("init_ports", "alloc_ports"):
+        raw = value.get(key)
+        if isinstance(raw, int):
+            raw = [raw]
+        if (
+            not isinstance(raw, list)
+            or not raw
+            or not all(isinstance(x, int) and 0 < x < 65536 for x in raw)
+        ):
+            raise ValueError(f"backend {name}: lmcache_pd.{key} must be a list of ports")
+        ports[key] = list(raw)
+    if len(ports["init_ports"]) != len(ports["alloc_ports"]):
+        raise ValueError(f"backend {name}: lmcache_pd needs one init and one alloc port per rank")
+    return {"host": value["host"], **ports}
 
 
 def derive_kv_path(kv_mode: str, prefill: BackendState, decode: BackendState) -> str | None:
@@ -100,6 +128,8 @@ class BackendRegistry:
     pairings: dict[str, dict[str, str]] = field(default_factory=dict)
     on_eject: Callable[[BackendState], None] | None = None
     version: int = 0  # bumped on membership changes (routers rebuild their rings)
+    # lmcache-pd: where the planner told the prefillers to PUSH ProxyNotif ({"host", "port"})
+    lmcache_pd_notify: dict[str, Any] | None = None
 
     # ------------------------------------------------------------ construction
     @classmethod
@@ -113,6 +143,7 @@ class BackendRegistry:
             kv_mode=kv_mode,
             served_model_name=data.get("served_model_name") or "",
             skip_prefill_threshold_tokens=int(data.get("skip_prefill_threshold_tokens") or 0),
+            lmcache_pd_notify=data.get("lmcache_pd_notify"),
         )
         for b in data["backends"]:
             reg._add(
@@ -122,6 +153,7 @@ class BackendRegistry:
                     node=b.get("node") or "local",
                     url=b["url"].rstrip("/"),
                     generation=b.get("generation") or "",
+                    lmcache_pd=lmcache_pd_receiver(b["name"], b.get("lmcache_pd")),
                 )
             )
         for pair in data.get("pairings") or []:
@@ -230,6 +262,15 @@ class BackendRegistry:
         )
         if old is not None and old.role != role:
             raise ValueError(f"backend {name} exists with role {old.role}; remove it first")
+        if role == "decode" and self.kv_mode == "lmcache-pd":
+            receiver = lmcache_pd_receiver(name, spec.get("lmcache_pd"))
+            if receiver is None:
+                # a replacement keeps its receiver; a stand-in (another name, an existing
+                # engine's URL) is that engine, so it receives where that engine does
+                same = [old] if old is not None else []
+                same += [b for b in self.by_role("decode") if b.url == backend.url]
+                receiver = next((b.lmcache_pd for b in same if b.lmcache_pd), None)
+            backend.lmcache_pd = receiver
         self._add(backend)
         explicit = spec.get("pairs_with")
         if role == "prefill":
@@ -269,7 +310,7 @@ class BackendRegistry:
         return backend
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "kv_mode": self.kv_mode,
             "served_model_name": self.served_model_name,
             "backends": [b.to_json() for b in self.backends.values()],
@@ -279,6 +320,9 @@ class BackendRegistry:
                 for d, path in decs.items()
             ],
         }
+        if self.lmcache_pd_notify is not None:
+            data["lmcache_pd_notify"] = self.lmcache_pd_notify
+        return data
 
 
 def _summary(backends: Iterable[BackendState]) -> str:

@@ -6,6 +6,21 @@ Backends come from one of:
 - ``--prefill URL... --decode URL... --kv-mode MODE``: ad hoc (every prefiller pairs with
   every decoder, all on node ``local``; in ``colocated`` every URL is an engine).
 
+kv_mode ``lmcache-pd`` (LMCache's legacy push) also needs, per decoder, where its LMCache
+receives the KV, and a port for the prefillers' ZMQ ``ProxyNotif`` (their
+``LMCACHE_PD_PROXY_HOST``/``LMCACHE_PD_PROXY_PORT``).  ``-i``/``--backends`` carry both
+(the planner's ``lmcache_pd`` / ``lmcache_pd_notify``); ad hoc, give them as flags::
+
+    pdstack proxy --kv-mode lmcache-pd --prefill http://10.0.0.31:8100 \
+        --decode http://10.0.0.31:8101 http://10.0.0.32:8101 \
+        --lmcache-pd-receiver 10.0.0.31:7302:7303 10.0.0.32:7302,7304:7303,7305 \
+        --lmcache-pd-notify-port 7299 --host 10.0.0.31
+
+(one ``HOST:INIT_PORTS:ALLOC_PORTS`` per ``--decode``, in the same order, comma-separated
+ports in TP-rank order = the decoder's ``LMCACHE_PD_PEER_HOST`` /
+``LMCACHE_PD_PEER_INIT_PORT`` / ``LMCACHE_PD_PEER_ALLOC_PORT``).  The PULL socket binds
+``--lmcache-pd-notify-host`` (default: the table's host, else ``--host``).
+
 Secrets (admin token, client API keys) come from the environment or ``--env-file``,
 never from argv: see :mod:`pdstack.proxy.config`.
 """
@@ -36,6 +51,33 @@ def register(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentPar
     src.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode engine URLs")
     src.add_argument("--kv-mode", choices=KV_MODE_CHOICES, help="KV mode for --prefill/--decode")
     src.add_argument("--served-model-name", default="", help="model name for /v1/models fallback")
+    src.add_argument(
+        "--lmcache-pd-receiver",
+        nargs="+",
+        default=[],
+        metavar="HOST:INIT:ALLOC",
+        help="lmcache-pd, ad hoc: each --decode's LMCache receiver, in order "
+        "(ports comma-separated per TP rank)",
+    )
+    lmc = p.add_argument_group("kv_mode lmcache-pd")
+    lmc.add_argument(
+        "--lmcache-pd-notify-port",
+        type=int,
+        default=None,
+        help="ZMQ PULL port for the prefillers' ProxyNotif (default: the backend table's)",
+    )
+    lmc.add_argument(
+        "--lmcache-pd-notify-host",
+        default=None,
+        help="address the ProxyNotif socket binds (default: the table's, else --host)",
+    )
+    lmc.add_argument(
+        "--lmcache-pd-notify-timeout",
+        type=float,
+        default=ProxyConfig().lmcache_pd_notify_timeout_s,
+        help="seconds the decode leg waits for ProxyNotif; then it goes anyway and the "
+        "decoder recomputes (default %(default)s)",
+    )
 
     d = ProxyConfig()
     p.add_argument("--host", default=d.host, help="bind address (default %(default)s)")
@@ -120,7 +162,55 @@ def backend_table_from_args(args: argparse.Namespace) -> Any:
         raise SystemExit("pdstack proxy: --kv-mode is required with --prefill/--decode")
     if args.kv_mode != "colocated" and not (args.prefill and args.decode):
         raise SystemExit("pdstack proxy: P/D modes need at least one --prefill and one --decode")
-    return BackendTable.adhoc(args.prefill, args.decode, args.kv_mode, args.served_model_name)
+    table = BackendTable.adhoc(args.prefill, args.decode, args.kv_mode, args.served_model_name)
+    if args.kv_mode == "lmcache-pd":
+        return _adhoc_lmcache_pd(table, args)
+    if args.lmcache_pd_receiver:
+        raise SystemExit("pdstack proxy: --lmcache-pd-receiver needs --kv-mode lmcache-pd")
+    return table
+
+
+def parse_receiver(text: str) -> dict[str, Any]:
+    """``HOST:INIT[,INIT..]:ALLOC[,ALLOC..]`` -> ``{"host", "init_ports", "alloc_ports"}``."""
+    host, sep, rest = text.rpartition(":")
+    host, sep2, init = host.rpartition(":")
+    try:
+        if not (sep and sep2 and host):
+            raise ValueError
+        init_ports = [int(x) for x in init.split(",")]
+        alloc_ports = [int(x) for x in rest.split(",")]
+    except ValueError:
+        raise SystemExit(
+            f"pdstack proxy: --lmcache-pd-receiver {text!r}: want HOST:INIT_PORTS:ALLOC_PORTS "
+            "(e.g. 10.0.0.31:7302:7303, or 10.0.0.31:7302,7304:7303,7305 for TP 2)"
+        ) from None
+    if len(init_ports) != len(alloc_ports):
+        raise SystemExit(
+            f"pdstack proxy: --lmcache-pd-receiver {text!r}: one init and one alloc port per rank"
+        )
+    return {"host": host.strip("[]"), "init_ports": init_ports, "alloc_ports": alloc_ports}
+
+
+def _adhoc_lmcache_pd(table: Any, args: argparse.Namespace) -> Any:
+    from pdstack.plan import LmcachePdNotify, LmcachePdReceiver
+
+    if args.lmcache_pd_notify_port is None or len(args.lmcache_pd_receiver) != len(args.decode):
+        raise SystemExit(
+            "pdstack proxy: --kv-mode lmcache-pd with --prefill/--decode needs "
+            "--lmcache-pd-notify-port and one --lmcache-pd-receiver HOST:INIT:ALLOC per "
+            "--decode (or use -i INVENTORY / --backends, which carry them)"
+        )
+    receivers = iter(args.lmcache_pd_receiver)
+    backends = [
+        b.model_copy(update={"lmcache_pd": LmcachePdReceiver(**parse_receiver(next(receivers)))})
+        if b.role == "decode"
+        else b
+        for b in table.backends
+    ]
+    notify = LmcachePdNotify(
+        host=args.lmcache_pd_notify_host or args.host, port=args.lmcache_pd_notify_port
+    )
+    return table.model_copy(update={"backends": backends, "lmcache_pd_notify": notify})
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
@@ -142,6 +232,9 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         decode_first_byte_timeout_s=args.decode_first_byte_timeout,
         stream_idle_timeout_s=args.stream_idle_timeout,
         request_timeout_s=args.request_timeout,
+        lmcache_pd_notify_host=args.lmcache_pd_notify_host,
+        lmcache_pd_notify_port=args.lmcache_pd_notify_port,
+        lmcache_pd_notify_timeout_s=args.lmcache_pd_notify_timeout,
     )
     env_file = args.env_file
     if env_file is None and Path(DEFAULT_ENV_FILE).exists():

@@ -45,6 +45,11 @@ class ProxyConfig:
     decode_first_byte_timeout_s: float = 300.0
     stream_idle_timeout_s: float = 60.0
     request_timeout_s: float = 900.0  # non-streaming decode leg, whole response
+    # lmcache-pd: the ZMQ PULL socket for LMCache's ProxyNotif (None = the backend
+    # table's ``lmcache_pd_notify``; host None there = ``host``) and the bounded wait
+    lmcache_pd_notify_host: str | None = None
+    lmcache_pd_notify_port: int | None = None
+    lmcache_pd_notify_timeout_s: float = 5.0
     # secrets
     admin_token: str | None = field(default=None, repr=False)
     api_keys: frozenset[str] = field(default_factory=frozenset, repr=False)

@@ -17,6 +17,13 @@ Metric names (all prefixed ``pdstack_proxy_``):
 - ``retries_total`` counter {leg}; ``ejections_total`` counter {backend}.
 - ``pairs_total`` counter {prefill, decode, prefill_generation, decode_generation}: which
   prefiller/decoder pairs served requests (proves generations never mix).
+- kv_mode ``lmcache-pd``: ``lmcache_pd_notify_total`` counter {outcome}: ``received`` (the
+  decode leg went after LMCache's ProxyNotif), ``timeout`` (no ProxyNotif within
+  ``--lmcache-pd-notify-timeout``: the decode leg went anyway and the decoder recomputes),
+  ``no_receiver`` (decoder without receiver ports: no push asked), ``unmatched`` (a
+  ProxyNotif nobody waits for: another TP rank's, or late), ``invalid`` (not a
+  ProxyNotif); ``lmcache_pd_notify_wait_seconds`` histogram: how long the decode leg
+  waited for it after the prefill leg answered.
 """
 
 from __future__ import annotations
@@ -108,6 +115,18 @@ class ProxyMetrics:
             "pdstack_proxy_pairs",
             "requests per prefiller/decoder pair",
             ["prefill", "decode", "prefill_generation", "decode_generation"],
+            registry=r,
+        )
+        self.lmcache_pd_notify = Counter(
+            "pdstack_proxy_lmcache_pd_notify",
+            "lmcache-pd ProxyNotif waits and messages by outcome",
+            ["outcome"],
+            registry=r,
+        )
+        self.lmcache_pd_notify_wait = Histogram(
+            "pdstack_proxy_lmcache_pd_notify_wait_seconds",
+            "lmcache-pd: wait for ProxyNotif after the prefill leg answered",
+            buckets=TTFT_BUCKETS,
             registry=r,
         )
         r.register(_BackendCollector(backends, in_flight))

@@ -19,6 +19,13 @@ Endpoints
   "remote_block_ids": [...], "remote_host": <host>, "remote_port": <port>,
   "request_id": <X-Request-Id>}``. A request carrying ``do_remote_prefill`` is a
   decode leg: its prompt tokens count as ``external_kv_transfer`` in /metrics.
+- LMCache's legacy P/D push (kv_mode ``lmcache-pd``): built with
+  ``lmcache_pd_notify="HOST:PORT"`` (a prefiller's ``LMCACHE_PD_PROXY_HOST``/``PORT``),
+  a request carrying ``kv_transfer_params.disagg_spec`` makes the engine "push the KV"
+  and then send LMCache's ``ProxyNotif(req_id)`` (msgspec msgpack, over a ZMQ PUSH
+  socket) ``lmcache_pd_notify_delay_ms`` after the request arrived; sent notifications
+  are listed in ``lmcache_pd_notified`` as ``(req_id, time.time())``. Without the
+  option a ``disagg_spec`` is only recorded (no notification: LMCache's push failed).
 - ``GET /v1/models``: one model, ``model`` (default ``"fake"``).
 - ``GET /health``: 200, or ``faults.health_status``.
 - ``GET /metrics``: Prometheus text with vLLM's names:
@@ -157,6 +164,8 @@ class FakeEngine:
         model: str = "fake",
         record: bool = True,
         max_records: int = 100_000,
+        lmcache_pd_notify: str | None = None,
+        lmcache_pd_notify_delay_ms: float = 0.0,
     ) -> None:
         self.name = name
         self.host = host
@@ -182,6 +191,11 @@ class FakeEngine:
         self._site: web.TCPSite | None = None
         self._transports: set[asyncio.BaseTransport] = set()
         self._block_seq = 0
+        self.lmcache_pd_notify = lmcache_pd_notify
+        self.lmcache_pd_notify_delay_ms = lmcache_pd_notify_delay_ms
+        self.lmcache_pd_notified: list[tuple[str, float]] = []
+        self._zmq: tuple[Any, Any] | None = None  # (context, PUSH socket)
+        self._notify_tasks: set[asyncio.Task[None]] = set()
 
     # ----------------------------------------------------------------- lifecycle
     @property
@@ -241,6 +255,13 @@ class FakeEngine:
 
     async def stop(self) -> None:
         await self.kill()
+        for task in list(self._notify_tasks):
+            task.cancel()
+        if self._zmq is not None:
+            ctx, sock = self._zmq
+            self._zmq = None
+            sock.close(linger=0)
+            ctx.term()
 
     async def __aenter__(self) -> FakeEngine:
         await self.start()
@@ -270,6 +291,29 @@ class FakeEngine:
     def _tokens(self, prompt: str, count: int) -> list[str]:
         seed = int.from_bytes(hashlib.blake2b(prompt.encode(), digest_size=8).digest(), "big")
         return [f" t{(seed + 7919 * i) % 1000}" for i in range(count)]
+
+    def _push_lmcache_pd_notify(self, req_id: str) -> None:
+        """LMCache's sender: after the push, PUSH ProxyNotif(req_id) to the proxy."""
+        from pdstack.proxy.lmcache_pd import encode_notif, zmq_endpoint
+
+        async def send() -> None:
+            if self.lmcache_pd_notify_delay_ms > 0:
+                await asyncio.sleep(self.lmcache_pd_notify_delay_ms / 1000)
+            if self._zmq is None:
+                import zmq
+                import zmq.asyncio
+
+                ctx = zmq.asyncio.Context()
+                sock = ctx.socket(zmq.PUSH)
+                host, _, port = str(self.lmcache_pd_notify).rpartition(":")
+                sock.connect(zmq_endpoint(host.strip("[]"), int(port)))
+                self._zmq = (ctx, sock)
+            await self._zmq[1].send(encode_notif(req_id))
+            self.lmcache_pd_notified.append((req_id, time.time()))
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._notify_tasks.add(task)
+        task.add_done_callback(self._notify_tasks.discard)
 
     # ----------------------------------------------------------------- handlers
     async def _handle_models(self, request: web.Request) -> web.Response:
@@ -384,6 +428,9 @@ class FakeEngine:
                 "request_id": request_id,
                 "tp_size": 1,
             }
+        spec = kv_in.get("disagg_spec")
+        if isinstance(spec, dict) and self.lmcache_pd_notify:
+            self._push_lmcache_pd_notify(str(spec.get("req_id", "")))
         if kv_in.get("do_remote_prefill"):
             self.counters["external_kv_transfer"] += prompt_tokens
         else:
@@ -515,6 +562,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="fake")
     parser.add_argument("--name", default=None, help="engine name (default fake-<port>)")
     parser.add_argument("--no-record", action="store_true", help="do not keep seen requests")
+    parser.add_argument(
+        "--lmcache-pd-notify",
+        metavar="HOST:PORT",
+        default=None,
+        help="send LMCache's ProxyNotif there for prefill legs carrying a disagg_spec",
+    )
+    parser.add_argument("--lmcache-pd-notify-delay-ms", type=float, default=0.0)
     args = parser.parse_args(argv)
     engine = FakeEngine(
         name=args.name or f"fake-{args.port}",
@@ -525,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
         output_tokens=args.output_tokens,
         model=args.model,
         record=not args.no_record,
+        lmcache_pd_notify=args.lmcache_pd_notify,
+        lmcache_pd_notify_delay_ms=args.lmcache_pd_notify_delay_ms,
     )
     try:
         import uvloop  # type: ignore[import-not-found]
