@@ -29,6 +29,8 @@ class SshTarget(_Model):
     port: int
     key_file: str | None = None
     common_args: str | None = None
+    connection: str = "ssh"  # "local": the node is this machine (no SSH)
+    python: str | None = None  # the node's interpreter for the probe (None: python3)
 
 
 class Service(_Model):

@@ -81,6 +81,8 @@ class SshSpec(_Strict):
     port: int = 22
     key_file: str | None = None
     common_args: str | None = None
+    connection: Literal["ssh", "paramiko", "local"] = "ssh"  # ansible_connection
+    python: str | None = None  # ansible_python_interpreter (a path; "auto*" = find one)
 
 
 class NodeSpec(_Strict):
@@ -173,6 +175,26 @@ def _loc(err: ErrorDetails) -> str:
     return ".".join(str(p) for p in err["loc"])
 
 
+# SshSpec field -> the Ansible variable it comes from (errors name the variable)
+SSH_VARS = {
+    "host": "ansible_host",
+    "user": "ansible_user",
+    "port": "ansible_port",
+    "key_file": "ansible_ssh_private_key_file",
+    "common_args": "ansible_ssh_common_args",
+    "connection": "ansible_connection",
+    "python": "ansible_python_interpreter",
+}
+
+
+def _interpreter_path(value: Any) -> str | None:
+    """``ansible_python_interpreter`` as a path, or None for Ansible's ``auto*`` discovery
+    (and for a Jinja expression, which only Ansible can evaluate)."""
+    if not isinstance(value, str) or value.startswith("auto") or "{{" in value:
+        return None
+    return value
+
+
 def load_topology(inventory: str | Path) -> Topology:
     """Read and validate an inventory directory (or its hosts.yml)."""
     inv = Path(inventory)
@@ -250,6 +272,12 @@ def load_topology(inventory: str | Path) -> Topology:
                 "common_args": hv.get(
                     "ansible_ssh_common_args", allvars.get("ansible_ssh_common_args")
                 ),
+                "connection": hv.get("ansible_connection", allvars.get("ansible_connection")),
+                "python": _interpreter_path(
+                    hv.get(
+                        "ansible_python_interpreter", allvars.get("ansible_python_interpreter")
+                    )
+                ),
             },
         }
         if raw["private_address"] is None:
@@ -260,12 +288,19 @@ def load_topology(inventory: str | Path) -> Topology:
             )
             continue
         raw = {k: v for k, v in raw.items() if v is not None}
+        raw["ssh"] = {k: v for k, v in raw["ssh"].items() if v is not None}
         try:
             nodes.append(NodeSpec.model_validate(raw))
         except ValidationError as exc:
             for err in exc.errors():
-                field = f"{name}.pdstack_{_loc(err)}" if err["loc"] else name
-                problems.append(Problem(str(hosts_file), field, err["msg"]))
+                loc = err["loc"]
+                if len(loc) == 2 and loc[0] == "ssh" and loc[1] in SSH_VARS:
+                    field = f"{name}.{SSH_VARS[str(loc[1])]}"
+                    msg = f"{err['msg']} (got {err.get('input')!r})"
+                else:
+                    field = f"{name}.pdstack_{_loc(err)}" if loc else name
+                    msg = err["msg"]
+                problems.append(Problem(str(hosts_file), field, msg))
 
     if problems or deployment is None:
         raise TopologyError(problems)

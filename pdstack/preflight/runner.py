@@ -19,6 +19,7 @@ import hashlib
 import ipaddress
 import json
 import os
+import shlex
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -117,11 +118,14 @@ def run_preflight(
             wanted[e.dst_node].append((e.dst_address, 0))
     listen_seconds = ssh_timeout + 3 * timeout + 30
 
-    # the node's interpreter: the given one, else the system python3 (not a user's shim)
-    pick = (
-        f"PY={python or '/usr/bin/python3'}; [ -x \"$PY\" ] || PY=$(command -v python3) || "
-        "{ echo 'python3 not found on this node' >&2; exit 127; }"
-    )
+    def pick(node: _Node) -> str:
+        """Shell that sets $PY: the given interpreter, else the inventory's
+        ansible_python_interpreter, else the system python3 (not a user's shim)."""
+        chosen = python or node.plan.ssh.python or "/usr/bin/python3"
+        return (
+            f'PY={shlex.quote(chosen)}; [ -x "$PY" ] || PY=$(command -v python3) || '
+            "{ echo 'python3 not found on this node' >&2; exit 127; }"
+        )
 
     # ---- phase 1: connect, upload, facts, listeners
     def setup(node: _Node) -> None:
@@ -147,7 +151,7 @@ def run_preflight(
             f'&& mv -f "$t" {remote_probe} || {{ rm -f "$t"; echo "probe upload failed" >&2; '
             "exit 126; }; }"
         )
-        command = f'{pick}; {install}; "$PY" {remote_probe} info'
+        command = f'{pick(node)}; {install}; "$PY" {remote_probe} info'
         if wanted[node.plan.name]:
             binds = " ".join(f"--bind {_hostport(a, p)}" for a, p in wanted[node.plan.name])
             command += (
@@ -223,7 +227,7 @@ def run_preflight(
             "ping": pings,
             "throughput": tputs,
         }
-        command = f'{pick}; exec "$PY" {node.probe} batch'
+        command = f'{pick(node)}; exec "$PY" {node.probe} batch'
         limit = timeout + 8 + len(tputs) * (throughput_s + timeout + 2)
         try:
             res = node.transport.exec(command, stdin=json.dumps(spec).encode(), timeout=limit)

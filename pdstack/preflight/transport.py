@@ -341,6 +341,6 @@ class LocalTransport:
 
 
 def connect(name: str, target: SshTarget, timeout: float) -> Transport:
-    if target.host in LOCAL_HOSTS:
+    if target.connection == "local" or target.host in LOCAL_HOSTS:
         return LocalTransport(name)
     return SshTransport(name, target, timeout)

@@ -194,3 +194,37 @@ def test_several_problems_reported_together(tmp_path):
 def test_missing_hosts_file(tmp_path, capsys):
     assert main(["validate", "-i", str(tmp_path / "nope")]) == 2
     assert "hosts.yml" in capsys.readouterr().err
+
+
+def test_ansible_connection_and_interpreter_reach_the_plan(tmp_path):
+    """Preflight reaches nodes the way Ansible does: ``ansible_connection: local`` runs the
+    probe on this machine (no SSH), ``ansible_python_interpreter`` picks its interpreter,
+    and Ansible's ``auto`` discovery leaves the choice to the probe (python3)."""
+    from pdstack.plan import make_plan
+    from pdstack.preflight.transport import LocalTransport, SshTransport, connect
+
+    inv = _copy(tmp_path, "b200x2")
+    names: list[str] = []
+
+    def edit(hosts: dict) -> None:
+        names.extend(hosts)
+        hosts[names[0]].update(ansible_connection="local",
+                               ansible_python_interpreter="/opt/py/bin/python3")
+        hosts[names[1]].update(ansible_python_interpreter="auto_silent")
+
+    _edit_hosts(inv, edit)
+    plan = make_plan(load_topology(inv))
+    first, second = plan.nodes[names[0]].ssh, plan.nodes[names[1]].ssh
+    assert (first.connection, first.python) == ("local", "/opt/py/bin/python3")
+    assert (second.connection, second.python) == ("ssh", None)
+    assert isinstance(connect(names[0], first, timeout=1.0), LocalTransport)
+    assert SshTransport is not None  # the other node would go over SSH (not dialled here)
+
+
+def test_unknown_ansible_connection_is_named(tmp_path, capsys):
+    inv = _copy(tmp_path, "b200x2")
+    _edit_hosts(inv, lambda h: next(iter(h.values())).update(ansible_connection="winrm"))
+    assert main(["validate", "-i", str(inv)]) == 2
+    err = capsys.readouterr().err
+    assert "b200-node1.ansible_connection" in err and "winrm" in err, err
+    assert "b200-node2" not in err, err
