@@ -2,15 +2,13 @@
 for the `vllm` tests.
 
 Everything runs from the venv that `.ci/install-vllm-venv.sh` builds; a missing venv is
-a test failure (never a skip). Heavy runs hold /tmp/pdstack-heavy.lock so they never
-overlap another heavy job on this 2-core machine (set PDSTACK_HEAVY_LOCK_HELD=1 when the
-caller already holds it, e.g. under `flock /tmp/pdstack-heavy.lock pytest ...`).
+a test failure (never a skip). Heavy runs hold the heavy-run lock (`pdstack.testing.heavy`)
+so they never overlap another heavy job on this 2-core machine.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import signal
@@ -18,7 +16,6 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +24,6 @@ REPO = Path(__file__).resolve().parents[2]  # the checkout (editable install)
 VENV = Path(os.environ.get("PDSTACK_VLLM_VENV", REPO / ".venv-vllm"))
 MODEL_DIR = REPO / "build" / "models" / "tiny-llama-s1"
 LOG_DIR = REPO / "build" / "vllm-test-logs"
-HEAVY_LOCK = "/tmp/pdstack-heavy.lock"
 KV_BYTES = "268435456"
 SERVED_NAME = "tiny"
 
@@ -56,19 +52,6 @@ def ensure_model() -> Path:
             check=True,
         )
     return MODEL_DIR
-
-
-@contextlib.contextmanager
-def heavy_lock() -> Iterator[None]:
-    if os.environ.get("PDSTACK_HEAVY_LOCK_HELD"):
-        yield
-        return
-    with open(HEAVY_LOCK, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def free_port() -> int:

@@ -8,12 +8,11 @@ Docker daemon through DOCKER_HOST=/proc/<dockerd>/root/run/docker.sock.  Contain
 address is 127.0.0.1 with ports no other test uses, the stack directory lies outside the
 node's overlaid /opt (the daemon resolves bind mounts in its own mount namespace), and the
 role checks /health from inside the proxy container (``stack_health_check_from``).  The
-engines are heavy: the run holds /tmp/pdstack-heavy.lock.
+engines are heavy: the run holds the heavy-run lock (pdstack.testing.heavy).
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -25,9 +24,11 @@ import pytest
 import yaml
 from anshelpers import docker_host, playbook
 
+from pdstack.testing.heavy import CPU_STACK_IMAGES, heavy_lock, require_docker
+
 PROXY_PORT = 28000
 ENGINE_PORT = 28100
-IMAGES = ("pdstack/engine-cpu:dev", "pdstack/proxy:dev")
+IMAGES = CPU_STACK_IMAGES
 
 
 def _inventory(lab, dest: Path, stack_root: Path, dh: str) -> Path:
@@ -75,14 +76,15 @@ def _inventory(lab, dest: Path, stack_root: Path, dh: str) -> Path:
 def test_deploy_cpu_stack_through_docker(clean_alab, tmp_path):
     lab = clean_alab
     dh = docker_host()
-    for image in IMAGES:
-        if subprocess.run(["docker", "image", "inspect", image], capture_output=True).returncode:
-            pytest.fail(f"image {image} missing: run .ci/install-docker.sh", pytrace=False)
+    require_docker(IMAGES)
     stack_root = lab.base / "stacks"
     inv = _inventory(lab, tmp_path / "inv", stack_root, dh)
     project_dir = stack_root / "ansdeploy"
-    lock = open("/tmp/pdstack-heavy.lock", "w")  # noqa: SIM115
-    fcntl.flock(lock, fcntl.LOCK_EX)
+    with heavy_lock():
+        _deploy_and_check(lab, inv, project_dir, stack_root)
+
+
+def _deploy_and_check(lab, inv: Path, project_dir: Path, stack_root: Path) -> None:
     try:
         up = playbook(lab, "ansible/deploy.yml", inv, timeout=1200)
         assert up.rc == 0, up.tail(150)
@@ -112,5 +114,3 @@ def test_deploy_cpu_stack_through_docker(clean_alab, tmp_path):
         subprocess.run(["docker", "compose", "--project-directory", str(project_dir), "down",
                         "--volumes", "--timeout", "5"], capture_output=True, env=env, timeout=300)
         shutil.rmtree(stack_root, ignore_errors=True)
-        fcntl.flock(lock, fcntl.LOCK_UN)
-        lock.close()

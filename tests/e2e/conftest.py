@@ -7,12 +7,8 @@ A missing one FAILS the test with that hint; nothing is skipped.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
-import os
 import re
-import shutil
 import socket
 import subprocess
 import time
@@ -22,25 +18,16 @@ from pathlib import Path
 
 import pytest
 
+from pdstack.testing.heavy import CPU_STACK_IMAGES, heavy_lock
+from pdstack.testing.heavy import require_docker as require_docker_images
+
 ROOT = Path(__file__).resolve().parents[2]
 CPU_STACK = ROOT / "compose" / "cpu"
-IMAGES = ("pdstack/engine-cpu:dev", "pdstack/proxy:dev")
-HINT = "run .ci/install.sh (or .ci/install-docker.sh) first"
-# A heavy-run lock shared with other suites on a 2-core machine (no-op when absent).
-HEAVY_LOCK = os.environ.get("PDSTACK_HEAVY_LOCK", "")
+IMAGES = CPU_STACK_IMAGES
 
 
 def require_docker() -> None:
-    if shutil.which("docker") is None:
-        pytest.fail(f"docker CLI missing: {HINT}")
-    if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
-        pytest.fail(f"Docker engine not running: {HINT}")
-    if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode != 0:
-        pytest.fail(f"docker compose v2 missing: {HINT}")
-    for image in IMAGES:
-        if subprocess.run(["docker", "image", "inspect", image],
-                          capture_output=True).returncode != 0:
-            pytest.fail(f"image {image} missing: {HINT}")
+    require_docker_images(IMAGES)
 
 
 def stack_ports(stack_dir: Path) -> list[int]:
@@ -168,16 +155,3 @@ def docker_ready() -> Iterator[None]:
     with heavy_lock():
         yield
 
-
-@contextlib.contextmanager
-def heavy_lock() -> Iterator[None]:
-    """Serialise with other heavy suites when PDSTACK_HEAVY_LOCK names a lock file."""
-    if not HEAVY_LOCK:
-        yield
-        return
-    with open(HEAVY_LOCK, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from pdstack.testing.heavy import heavy_lock
 from pdstack.testing.proxy_harness import (
     completion_text,
     metric_value,
@@ -22,7 +23,6 @@ from pdstack.testing.proxy_harness import (
 from pdstack.testing.vllm_engines import (
     Proc,
     free_port,
-    heavy_lock,
     prompt_of,
     require_venv,
     scrape,

@@ -15,12 +15,11 @@ another seed). Asserted:
   same probe between two rev2 engines does hit (so the metric can see a hit).
   (LMCache 0.5.6's MP server serves no ``/metrics`` on its HTTP port, so hits are read
   from the engines' ``vllm:external_prefix_cache_hits`` counter.)
-Heavy: holds ``/tmp/pdstack-heavy.lock`` for the whole run.
+Heavy: holds the heavy-run lock (``pdstack.testing.heavy``) for the whole run.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
@@ -40,6 +39,8 @@ from typing import Any
 import pytest
 import yaml
 
+from pdstack.testing.heavy import CPU_STACK_IMAGES, heavy_lock, require_docker
+
 from .steady import SteadyClient
 
 pytestmark = pytest.mark.docker
@@ -52,8 +53,7 @@ PORTS = {"proxy": 18000, "engine_http_base": 18100, "lmcache_zmq": 16000, "lmcac
 PROXY = "http://127.0.0.1:18000"
 ENGINES = {"prefill-0": "http://127.0.0.1:18100", "decode-0": "http://127.0.0.1:18101",
            "decode-1": "http://127.0.0.1:18102"}
-IMAGES = ("pdstack/engine-cpu:dev", "pdstack/proxy:dev")
-HEAVY_LOCK = "/tmp/pdstack-heavy.lock"
+IMAGES = CPU_STACK_IMAGES
 # steady, not saturating: on 2 cores a saturating client starves the restarting engine
 # (its worker shares an OpenMP core with a busy decoder) past its 600 s health window
 STEADY_PAUSE_S = 0.5
@@ -152,19 +152,6 @@ def store_via(url: str, prompt: str) -> None:
 # --------------------------------------------------------------------------- fixtures
 
 
-def _require_docker() -> None:
-    hint = "run .ci/install-docker.sh"
-    if shutil.which("docker") is None:
-        pytest.fail(f"docker CLI missing: {hint}")
-    if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
-        pytest.fail(f"Docker engine not running: {hint}")
-    if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode != 0:
-        pytest.fail(f"docker compose v2 missing: {hint}")
-    for image in IMAGES:
-        if subprocess.run(["docker", "image", "inspect", image],
-                          capture_output=True).returncode != 0:
-            pytest.fail(f"image {image} missing: {hint}")
-
 
 def _ports_free() -> None:
     for port in (*PORTS.values(), 18101, 18102):
@@ -175,9 +162,12 @@ def _ports_free() -> None:
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Path]:
-    _require_docker()
-    lock = open(HEAVY_LOCK, "a")  # noqa: SIM115 - held for the fixture's life
-    fcntl.flock(lock, fcntl.LOCK_EX)
+    require_docker(IMAGES)
+    with heavy_lock():
+        yield from _stack(tmp_path)
+
+
+def _stack(tmp_path: Path) -> Iterator[Path]:
     inventory = tmp_path / "inventory" / "local-cpu"
     shutil.copytree(REPO / "inventory" / "local-cpu", inventory)
     gv_file = inventory / "group_vars" / "all.yml"
@@ -224,8 +214,6 @@ def stack(tmp_path: Path) -> Iterator[Path]:
         if os.environ.get("PDSTACK_KEEP_STACK") != "1":
             compose(stack, "down", "-v", "--timeout", "10")
         os.environ.pop("PDSTACK_ADMIN_TOKEN", None)
-        fcntl.flock(lock, fcntl.LOCK_UN)
-        lock.close()
 
 
 # --------------------------------------------------------------------------- the test

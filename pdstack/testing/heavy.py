@@ -1,0 +1,66 @@
+"""Test support (not a test double): what every heavy suite (real vLLM engines, Docker stacks)
+shares. One place for the heavy-run lock and for the Docker prerequisites check.
+
+The lock serialises heavy runs on a 2-core machine: two pytest processes (or a pytest and a
+hand-started benchmark) must not run engines at the same time. It is re-entrant within one
+process, so a session-wide holder (the e2e suite) and per-module holders (the vLLM and
+upgrade suites) never deadlock in one pytest run. ``PDSTACK_HEAVY_LOCK`` names the lock file
+(default ``/tmp/pdstack-heavy.lock``); ``PDSTACK_HEAVY_LOCK_HELD=1`` says the caller already
+holds it (e.g. ``flock /tmp/pdstack-heavy.lock pytest ...``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import subprocess
+from collections.abc import Iterable, Iterator
+
+HEAVY_LOCK = os.environ.get("PDSTACK_HEAVY_LOCK") or "/tmp/pdstack-heavy.lock"
+# the images .ci/install-docker.sh builds, that the CPU stacks under test run
+CPU_STACK_IMAGES = ("pdstack/engine-cpu:dev", "pdstack/proxy:dev")
+DOCKER_HINT = "run .ci/install.sh (or .ci/install-docker.sh) first"
+
+_held = 0  # how deep this process is inside heavy_lock()
+
+
+@contextlib.contextmanager
+def heavy_lock() -> Iterator[None]:
+    """Hold the heavy-run lock (re-entrant within this process)."""
+    global _held
+    if _held or os.environ.get("PDSTACK_HEAVY_LOCK_HELD"):
+        _held += 1
+        try:
+            yield
+        finally:
+            _held -= 1
+        return
+    with open(HEAVY_LOCK, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        _held = 1
+        try:
+            yield
+        finally:
+            _held = 0
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def require_docker(images: Iterable[str], hint: str = DOCKER_HINT) -> None:
+    """FAIL (never skip) unless the Docker CLI, a running engine, Compose v2 and ``images``
+    are all there, naming what is missing and how to get it."""
+    import pytest  # test support only: keep the package importable without pytest
+
+    if shutil.which("docker") is None:
+        pytest.fail(f"docker CLI missing: {hint}", pytrace=False)
+    if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
+        pytest.fail(f"Docker engine not running: {hint}", pytrace=False)
+    if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode != 0:
+        pytest.fail(f"docker compose v2 missing: {hint}", pytrace=False)
+    for image in images:
+        if (
+            subprocess.run(["docker", "image", "inspect", image], capture_output=True).returncode
+            != 0
+        ):
+            pytest.fail(f"image {image} missing: {hint}", pytrace=False)
