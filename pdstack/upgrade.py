@@ -227,29 +227,60 @@ def generation(revision: str, image: str) -> str:
 # --------------------------------------------------------------------------- compose
 
 
+# Docker daemon answers that mean "try again", not "this stack is broken": seen when a
+# container with GBs mapped exits slower than the daemon's kill wait on a loaded host.
+TRANSIENT_DOCKER_ERRORS = (
+    "did not receive an exit event",
+    "is already in progress",
+    "is restarting, wait until the container is running",
+)
+
+
 @dataclass
 class Compose:
     stack_dir: Path
     project: str | None = None
     wait_timeout_s: int = 900
+    stop_timeout_s: int = 60  # SIGTERM grace before SIGKILL: vLLM shuts down cleanly
+    attempts: int = 3  # tries of one command when the daemon answers a transient error
+    retry_pause_s: float = 10.0
 
-    def up(self, service: str) -> None:
+    def _run(self, service: str, args: list[str], timeout: float) -> None:
         cmd = ["docker", "compose"]
         if self.project:
             cmd += ["-p", self.project]
-        cmd += ["up", "-d", "--no-deps", "--wait", "--wait-timeout", str(self.wait_timeout_s),
-                service]
-        log(f"{service}: {' '.join(cmd)}")
-        proc = subprocess.run(
-            cmd, cwd=self.stack_dir, capture_output=True, text=True,
-            timeout=self.wait_timeout_s + 120, check=False,
-        )
-        if proc.returncode != 0:
-            tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
-            raise UpgradeError(
-                f"{service}: docker compose up failed (exit {proc.returncode}):\n  "
-                + "\n  ".join(tail)
+        cmd += [*args, service]
+        for attempt in range(1, self.attempts + 1):
+            log(f"{service}: {' '.join(cmd)}")
+            proc = subprocess.run(
+                cmd, cwd=self.stack_dir, capture_output=True, text=True,
+                timeout=timeout, check=False,
             )
+            if proc.returncode == 0:
+                return
+            out = (proc.stdout + proc.stderr).strip()
+            tail = out.splitlines()[-15:]
+            transient = next((m for m in TRANSIENT_DOCKER_ERRORS if m in out), None)
+            if transient is None or attempt == self.attempts:
+                raise UpgradeError(
+                    f"{service}: docker compose {args[0]} failed (exit {proc.returncode}):\n  "
+                    + "\n  ".join(tail)
+                )
+            log(f"{service}: docker daemon said {transient!r}; retrying in "
+                f"{self.retry_pause_s:g}s ({attempt}/{self.attempts})")
+            time.sleep(self.retry_pause_s)
+
+    def stop(self, service: str) -> None:
+        """Stop the (drained, idle) service with a grace period, so that the recreate
+        that follows only removes a stopped container."""
+        self._run(service, ["stop", "-t", str(self.stop_timeout_s)], self.stop_timeout_s + 120)
+
+    def up(self, service: str) -> None:
+        self._run(
+            service,
+            ["up", "-d", "--no-deps", "--wait", "--wait-timeout", str(self.wait_timeout_s)],
+            self.wait_timeout_s + 120,
+        )
 
 
 # --------------------------------------------------------------------------- planning
@@ -497,19 +528,20 @@ class Upgrader:
                 self.retire_standins(only_url=engine.url)
         self.ensure_capacity(engine, old_gen)
         self.admin.drain(engine.backend)
-        edited = False
+        touched = False
         try:
             self.wait_idle(engine.backend)
             log(f"{engine.service}: drained and idle")
+            touched = True  # from here on, a rollback recreates the old container
+            self.compose.stop(engine.service)
             self.apply(engine, new_values, new_gen)
-            edited = True
             self.compose.up(engine.service)
             self.verify_and_warm(engine, new_values[f"{env_prefix(engine.service)}_MODEL"])
             self.admin.upsert({**old_spec, "generation": new_gen, "drained": True})
             self.wait_admitted(engine)
             self.admin.undrain(engine.backend)
         except (UpgradeError, OSError, subprocess.SubprocessError) as exc:
-            if self.rollback(engine, old_values, old_spec, edited):
+            if self.rollback(engine, old_values, old_spec, touched):
                 outcome = f"rolled back to {old_gen}"
             else:
                 outcome = f"ROLLBACK FAILED ({engine.service} left drained; .env restored)"
@@ -548,12 +580,13 @@ class Upgrader:
         )
 
     def rollback(
-        self, engine: Engine, old_values: dict[str, str], old_spec: dict[str, Any], edited: bool
+        self, engine: Engine, old_values: dict[str, str], old_spec: dict[str, Any], touched: bool
     ) -> bool:
         log(f"{engine.service}: rolling back")
         try:
-            if edited:
+            if touched:
                 self.apply(engine, old_values, old_spec["generation"])
+                self.compose.stop(engine.service)
                 self.compose.up(engine.service)
                 self.admin.upsert({**old_spec, "drained": True})
                 self.wait_admitted(engine)

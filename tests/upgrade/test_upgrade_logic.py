@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
 from pdstack.upgrade import (
+    Compose,
     Engine,
     StackEnv,
     UpgradeError,
@@ -113,3 +115,55 @@ def test_env_edit_touches_one_engine_only(tmp_path: Path) -> None:
             for b in json.loads((tmp_path / "backends.json").read_text())["backends"]}
     assert gens["local/decode-1"] == "rev2@x"
     assert gens["local/decode-0"] == "rev1@pdstack/engine-cpu:dev"
+
+
+# A test double for the `docker` CLI (fault injection): it logs every call and answers the
+# first `up` with the daemon error CI once hit while a loaded host recreated an engine.
+FAKE_DOCKER = """#!/bin/sh
+echo "$*" >> "$FAKE_DOCKER_LOG"
+case " $* " in
+  *" up "*)
+    if [ "$FAKE_DOCKER_MODE" = broken ]; then
+      echo "Error response from daemon: No such image: pdstack/missing" >&2; exit 1
+    fi
+    if [ ! -f "$FAKE_DOCKER_LOG.failed" ]; then
+      touch "$FAKE_DOCKER_LOG.failed"
+      echo "Error response from daemon: cannot stop container: a4e6: tried to kill" \\
+        "container, but did not receive an exit event" >&2
+      exit 1
+    fi;;
+esac
+exit 0
+"""
+
+
+@pytest.fixture
+def fake_docker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text(FAKE_DOCKER)
+    (bin_dir / "docker").chmod(0o755)
+    log_file = tmp_path / "docker.log"
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_DOCKER_LOG", str(log_file))
+    return log_file
+
+
+def test_compose_stops_with_grace_then_retries_a_transient_daemon_error(
+    fake_docker: Path, tmp_path: Path
+) -> None:
+    compose = Compose(tmp_path, project="p", stop_timeout_s=45, retry_pause_s=0)
+    compose.stop("decode-0")
+    compose.up("decode-0")
+    calls = fake_docker.read_text().splitlines()
+    assert calls[0] == "compose -p p stop -t 45 decode-0"
+    assert [c.split()[3] for c in calls] == ["stop", "up", "up"], calls
+
+
+def test_compose_does_not_retry_a_real_failure(
+    fake_docker: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_DOCKER_MODE", "broken")
+    with pytest.raises(UpgradeError, match=r"docker compose up failed(.|\n)*No such image"):
+        Compose(tmp_path, retry_pause_s=0).up("decode-0")
+    assert len(fake_docker.read_text().splitlines()) == 1
