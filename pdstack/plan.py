@@ -323,9 +323,14 @@ def _lmcache_pd_env(topo: Topology, node: NodeSpec, index: int, proxy_addr: str)
     role = node.engines[index].role
     buf = int(d.lmcache.pd_buffer_size_gb * 2**30)
     env = {
+        # LMCache hashes token chunks with Python's hash(): prefiller and decoder must agree
+        # ("P/D Disaggregation detected but PYTHONHASHSEED not set ... incorrect KV cache
+        # transfer", LMCache 0.5.6 token_database.py)
+        "PYTHONHASHSEED": "0",
         "LMCACHE_ENABLE_PD": "True",
         "LMCACHE_TRANSFER_CHANNEL": "nixl",
         "LMCACHE_LOCAL_CPU": "False",
+        "LMCACHE_SAVE_UNFULL_CHUNK": "True",  # PD needs it (LMCache forces it, with a warning)
         "LMCACHE_CHUNK_SIZE": str(d.lmcache.chunk_size),
         "LMCACHE_PD_BUFFER_SIZE": str(buf),
         "LMCACHE_PD_BUFFER_DEVICE": "cpu" if d.profile == "cpu" else "cuda",

