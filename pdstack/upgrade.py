@@ -142,6 +142,20 @@ def wait_for(
         time.sleep(interval_s)
 
 
+def engine_busy(metrics_text: str) -> float:
+    """Requests the engine itself still runs or queues (vLLM's ``num_requests_running`` +
+    ``num_requests_waiting`` gauges): the proxy's in-flight count misses work that reached
+    the engine under another backend name (an upgrade stand-in) or from another client."""
+    busy = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
+            try:
+                busy += float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                continue
+    return busy
+
+
 # --------------------------------------------------------------------------- stack files
 
 
@@ -265,10 +279,24 @@ class Compose:
                 raise UpgradeError(
                     f"{service}: docker compose {args[0]} failed (exit {proc.returncode}):\n  "
                     + "\n  ".join(tail)
+                    + self._last_logs(cmd[: cmd.index(args[0])], service)
                 )
             log(f"{service}: docker daemon said {transient!r}; retrying in "
                 f"{self.retry_pause_s:g}s ({attempt}/{self.attempts})")
             time.sleep(self.retry_pause_s)
+
+    def _last_logs(self, base: list[str], service: str, lines: int = 40) -> str:
+        """The service's last log lines, for the error (where a start hung or died)."""
+        try:
+            proc = subprocess.run(
+                [*base, "logs", "--no-color", "--tail", str(lines), service],
+                cwd=self.stack_dir, capture_output=True, text=True, timeout=30, check=False,
+            )
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        out = (proc.stdout + proc.stderr).strip()
+        return f"\n  last {lines} log lines of {service}:\n    " + "\n    ".join(
+            out.splitlines()[-lines:]) if out else ""
 
     def stop(self, service: str) -> None:
         """Stop the (drained, idle) service with a grace period, so that the recreate
@@ -511,6 +539,27 @@ class Upgrader:
 
         wait_for(f"{name} to finish its in-flight requests", idle, self.drain_timeout_s)
 
+    def wait_engine_idle(self, engine: Engine) -> None:
+        """Wait until the engine's own metrics show nothing running or queued, twice in a
+        row: stopping an engine mid-request (e.g. a stand-in's last prefill, whose KV store
+        into the node's LMCache server was still under way) is what the proxy-side count
+        cannot rule out. An engine without readable metrics is not waited for."""
+        quiet = 0
+
+        def idle() -> bool:
+            nonlocal quiet
+            try:
+                status, text = _http("GET", f"{engine.url}/metrics", timeout=10)
+            except OSError:
+                return True
+            if status != 200 or not isinstance(text, str):
+                return True
+            quiet = quiet + 1 if engine_busy(text) == 0 else 0
+            return quiet >= 2
+
+        wait_for(f"{engine.service} to finish its own running requests", idle,
+                 self.drain_timeout_s, interval_s=1.0)
+
     def upgrade_one(self, engine: Engine, new_values: dict[str, str], new_gen: str) -> None:
         t0 = time.monotonic()
         old_values = {k: self.env.read()[k] for k in new_values}
@@ -531,6 +580,7 @@ class Upgrader:
         touched = False
         try:
             self.wait_idle(engine.backend)
+            self.wait_engine_idle(engine)
             log(f"{engine.service}: drained and idle")
             touched = True  # from here on, a rollback recreates the old container
             self.compose.stop(engine.service)

@@ -14,6 +14,7 @@ from pdstack.upgrade import (
     Engine,
     StackEnv,
     UpgradeError,
+    engine_busy,
     new_model_arg,
     serving_generations,
     set_backends_json_generation,
@@ -166,4 +167,17 @@ def test_compose_does_not_retry_a_real_failure(
     monkeypatch.setenv("FAKE_DOCKER_MODE", "broken")
     with pytest.raises(UpgradeError, match=r"docker compose up failed(.|\n)*No such image"):
         Compose(tmp_path, retry_pause_s=0).up("decode-0")
-    assert len(fake_docker.read_text().splitlines()) == 1
+    calls = fake_docker.read_text().splitlines()
+    assert [c.split()[1] for c in calls] == ["up", "logs"], calls  # no retry; logs for the error
+
+
+def test_engine_busy_reads_vllms_own_running_and_waiting_gauges() -> None:
+    text = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 1.0
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 2.0
+vllm:prompt_tokens_total{engine="0",model_name="tiny"} 99.0
+"""
+    assert engine_busy(text) == 3.0
+    assert engine_busy(text.replace(" 1.0", " 0.0").replace(" 2.0", " 0.0")) == 0.0
+    assert engine_busy("") == 0.0
