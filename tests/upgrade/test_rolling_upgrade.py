@@ -55,8 +55,9 @@ ENGINES = {"prefill-0": "http://127.0.0.1:18100", "decode-0": "http://127.0.0.1:
            "decode-1": "http://127.0.0.1:18102"}
 IMAGES = CPU_STACK_IMAGES
 # steady, not saturating: on 2 cores a saturating client starves the restarting engine
-# (its worker shares an OpenMP core with a busy decoder) past its 600 s health window
-STEADY_PAUSE_S = 0.5
+# (its worker shares an OpenMP core with a busy decoder) past its 600 s health window.
+# At 0.5 s, engine restarts took 6-7 min and one CI-like run lost decode-0 to that window.
+STEADY_PAUSE_S = 1.0
 FIXED_PROMPT = "the proxy sends the request to the decoder and the cache"
 REV = {"rev1": "/models/tiny-llama/rev1", "rev2": "/models/tiny-llama/rev2"}
 
