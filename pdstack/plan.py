@@ -372,7 +372,7 @@ def _engine_service(
     if "{revision}" not in m.name and not m.name.startswith("/"):
         cmd += ["--revision", m.revision]
     if d.profile == "gpu":
-        cmd += ["--tensor-parallel-size", str(len(eng.gpus) or 1)]
+        cmd += ["--tensor-parallel-size", str(engine_tp(d, eng))]
     if m.quantization:
         cmd += ["--quantization", m.quantization]
     if m.skip_tokenizer_init:

@@ -260,10 +260,8 @@ class Compose:
     retry_pause_s: float = 10.0
 
     def _run(self, service: str, args: list[str], timeout: float) -> None:
-        cmd = ["docker", "compose"]
-        if self.project:
-            cmd += ["-p", self.project]
-        cmd += [*args, service]
+        base = ["docker", "compose", *(["-p", self.project] if self.project else [])]
+        cmd = [*base, *args, service]
         for attempt in range(1, self.attempts + 1):
             log(f"{service}: {' '.join(cmd)}")
             proc = subprocess.run(
@@ -279,7 +277,7 @@ class Compose:
                 raise UpgradeError(
                     f"{service}: docker compose {args[0]} failed (exit {proc.returncode}):\n  "
                     + "\n  ".join(tail)
-                    + self._last_logs(cmd[: cmd.index(args[0])], service)
+                    + self._last_logs(base, service)
                 )
             log(f"{service}: docker daemon said {transient!r}; retrying in "
                 f"{self.retry_pause_s:g}s ({attempt}/{self.attempts})")

@@ -36,7 +36,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -484,42 +484,19 @@ class Proxy:
                 return skipped
 
         # ---- leg 1: prefill
-        key_hash = stable_hash(self._key_text(ctx))
-        tried: set[str] = set()
-        prefill: BackendState | None = None
         kv_params: dict[str, Any] | None = None
         kv_path = ""
-        last_error = ""
-        for attempt in range(self.config.max_retries + 1):
-            prefill = self._pick_affinity("prefill", key_hash, tried)
-            if prefill is None:
-                break
-            if attempt:
-                self.metrics.retries.labels("prefill").inc()
-            tried.add(prefill.name)
+
+        async def prefill_leg(prefill: BackendState, attempt: int) -> None:
+            nonlocal kv_params, kv_path
             decoders = self._paired_decoders(prefill)
             kv_path = decoders[0][1] if decoders else "nixl"
-            try:
-                kv_params = await self._prefill(prefill, ctx, nixl=kv_path == "nixl")
-                break
-            except _Retryable as exc:
-                last_error = str(exc)
-                prefill = None
-            except _Passthrough as exc:
-                ctx.outcome = "client_error"
-                return self._passthrough(exc, ctx)
-        if prefill is None:
-            if last_error:
-                ctx.outcome = "upstream_error"
-                return error_response(
-                    502,
-                    f"prefill failed on every try: {last_error}",
-                    headers={"X-Request-Id": ctx.request_id},
-                )
-            ctx.outcome = "no_backend"
-            return error_response(
-                503, registry.describe_unroutable(), headers={"X-Request-Id": ctx.request_id}
-            )
+            kv_params = await self._prefill(prefill, ctx, nixl=kv_path == "nixl")
+
+        answered = await self._run_prefill_leg(ctx, prefill_leg)
+        if not isinstance(answered, BackendState):
+            return answered
+        prefill = answered
         if self.skip_threshold_tokens > 0 and registry.kv_mode in SHARED_L1_MODES:
             self.index.insert((prefill.node, prefill.generation), self._hashes(ctx))
 
@@ -559,56 +536,38 @@ class Proxy:
         self, request: web.Request, ctx: RequestContext
     ) -> web.StreamResponse:
         """Decoder first, prefill with its disagg_spec, wait for ProxyNotif, decode there."""
-        registry = self.registry
         notifier = self.notifier
-        key_hash = stable_hash(self._key_text(ctx))
-        tried: set[str] = set()
-        prefill: BackendState | None = None
         decoder: BackendState | None = None
         waiter: asyncio.Future[None] | None = None
         req_id = ""
-        last_error = ""
+
+        async def prefill_leg(prefill: BackendState, attempt: int) -> None:
+            nonlocal decoder, waiter, req_id
+            paired = [d for d, _ in self._paired_decoders(prefill)]
+            if decoder is None or decoder not in paired:
+                decoder = pick_p2c(paired, self.rng)  # kept across prefill retries
+            kv_request: dict[str, Any] | None = None
+            if decoder is not None and decoder.lmcache_pd is not None:
+                base = ctx.request_id if attempt == 0 else f"{ctx.request_id}-r{attempt}"
+                if notifier is not None:
+                    req_id = notifier.unique_id(base)
+                    waiter = notifier.expect(req_id)
+                else:
+                    req_id = base
+                kv_request = disagg_spec(req_id, decoder.lmcache_pd)
+            await self._prefill(prefill, ctx, nixl=False, kv_request=kv_request)
+
+        def forget_waiter() -> None:
+            nonlocal waiter
+            if notifier is not None and waiter is not None:
+                notifier.forget(req_id)
+                waiter = None
+
         try:
-            for attempt in range(self.config.max_retries + 1):
-                prefill = self._pick_affinity("prefill", key_hash, tried)
-                if prefill is None:
-                    break
-                if attempt:
-                    self.metrics.retries.labels("prefill").inc()
-                tried.add(prefill.name)
-                paired = [d for d, _ in self._paired_decoders(prefill)]
-                if decoder is None or decoder not in paired:
-                    decoder = pick_p2c(paired, self.rng)  # kept across prefill retries
-                kv_request: dict[str, Any] | None = None
-                if decoder is not None and decoder.lmcache_pd is not None:
-                    base = ctx.request_id if attempt == 0 else f"{ctx.request_id}-r{attempt}"
-                    if notifier is not None:
-                        req_id = notifier.unique_id(base)
-                        waiter = notifier.expect(req_id)
-                    else:
-                        req_id = base
-                    kv_request = disagg_spec(req_id, decoder.lmcache_pd)
-                try:
-                    await self._prefill(prefill, ctx, nixl=False, kv_request=kv_request)
-                    break
-                except _Retryable as exc:
-                    last_error = str(exc)
-                    prefill = None
-                    if notifier is not None and waiter is not None:
-                        notifier.forget(req_id)
-                        waiter = None
-                except _Passthrough as exc:
-                    ctx.outcome = "client_error"
-                    return self._passthrough(exc, ctx)
-            if prefill is None:
-                headers = {"X-Request-Id": ctx.request_id}
-                if last_error:
-                    ctx.outcome = "upstream_error"
-                    return error_response(
-                        502, f"prefill failed on every try: {last_error}", headers=headers
-                    )
-                ctx.outcome = "no_backend"
-                return error_response(503, registry.describe_unroutable(), headers=headers)
+            answered = await self._run_prefill_leg(ctx, prefill_leg, forget_waiter)
+            if not isinstance(answered, BackendState):
+                return answered
+            prefill = answered
 
             # ---- the KV push: wait (bounded) for the prefiller's ProxyNotif
             if decoder is not None and decoder.lmcache_pd is None:
@@ -647,6 +606,44 @@ class Proxy:
         return await self._final_leg(
             request, ctx, pick_decoder, lambda backend: ctx.raw, no_backend_hint=chosen_prefill
         )
+
+    async def _run_prefill_leg(
+        self,
+        ctx: RequestContext,
+        leg: Callable[[BackendState, int], Awaitable[None]],
+        on_retryable: Callable[[], None] | None = None,
+    ) -> BackendState | web.StreamResponse:
+        """Pick a prefiller by prefix affinity and run ``leg(prefiller, attempt)`` on it,
+        on another one after a retryable failure (``on_retryable`` undoes the attempt's
+        side state). Returns the prefiller that answered, or the client's error response."""
+        key_hash = stable_hash(self._key_text(ctx))
+        tried: set[str] = set()
+        last_error = ""
+        for attempt in range(self.config.max_retries + 1):
+            prefill = self._pick_affinity("prefill", key_hash, tried)
+            if prefill is None:
+                break
+            if attempt:
+                self.metrics.retries.labels("prefill").inc()
+            tried.add(prefill.name)
+            try:
+                await leg(prefill, attempt)
+                return prefill
+            except _Retryable as exc:
+                last_error = str(exc)
+                if on_retryable is not None:
+                    on_retryable()
+            except _Passthrough as exc:
+                ctx.outcome = "client_error"
+                return self._passthrough(exc, ctx)
+        headers = {"X-Request-Id": ctx.request_id}
+        if last_error:
+            ctx.outcome = "upstream_error"
+            return error_response(
+                502, f"prefill failed on every try: {last_error}", headers=headers
+            )
+        ctx.outcome = "no_backend"
+        return error_response(503, self.registry.describe_unroutable(), headers=headers)
 
     async def _await_notify(
         self,
