@@ -1,7 +1,9 @@
 """The proxy's aiohttp application: OpenAI front door, P/D two-leg flow, admin API.
 
 Request flow (``/v1/completions``, ``/v1/chat/completions``):
-1. API key (if configured), admission (over ``max_concurrency`` -> 429 + Retry-After).
+1. API key (if configured); the body, read within ``body_timeout_s`` and the byte limits
+   of :mod:`pdstack.proxy.limits`; input checks (400 naming the field, 404 for a model
+   not served); then admission (over ``max_concurrency`` -> 429 + Retry-After).
 2. ``colocated``: one leg to an engine chosen by prefix affinity (bounded load).
 3. Skip-prefill (shared-l1 modes, threshold > 0): when the prefix index says the
    uncached part of the prompt is below the threshold on some node, one leg straight to
@@ -21,7 +23,10 @@ Request flow (``/v1/completions``, ``/v1/chat/completions``):
    its PULL socket, then sends the original request to that decoder. No notification
    in time: logged + counted, the decode leg goes anyway (the decoder recomputes).
 Retries: a failed prefill leg, or a decode leg that has not produced its first byte,
-is retried on another backend; never after bytes reached the client (then the stream
+is retried on another backend (which failures count against a backend, and the circuit
+breaker: :mod:`pdstack.proxy.breaker`); each leg waits at most its budget
+(:class:`pdstack.proxy.limits.LegBudget`, from the prompt length) for the prefill answer
+or the first byte; never after bytes reached the client (then the stream
 ends with an OpenAI error event and ``data: [DONE]``). Client disconnect cancels the
 handler, which closes the upstream connection(s), so the engines abort.
 """
@@ -35,7 +40,6 @@ import json
 import logging
 import random
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +48,17 @@ import aiohttp
 from aiohttp import web
 
 from pdstack.proxy.backends import SHARED_L1_MODES, BackendRegistry, BackendState
+from pdstack.proxy.breaker import Breaker
 from pdstack.proxy.config import ProxyConfig
+from pdstack.proxy.errors import ProxyRunner, error_event, error_response, openai_errors
+from pdstack.proxy.limits import (
+    BodyBudget,
+    FailureLimiter,
+    LegBudget,
+    check_body,
+    read_body,
+)
+from pdstack.proxy.limits import request_id as valid_request_id
 from pdstack.proxy.lmcache_pd import NotifyListener, disagg_spec
 from pdstack.proxy.metrics import ProxyMetrics
 from pdstack.proxy.relay import RelayError, RelayPool, RelayProtocol, build_request, split_url
@@ -65,23 +79,12 @@ _HIGH_WATER = 1 << 20  # client write buffer above which the engine is not read
 _LOW_WATER = 1 << 18
 
 
-def error_body(message: str, err_type: str, code: int | str | None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": err_type, "param": None, "code": code}}
-
-
-def error_response(
-    status: int, message: str, err_type: str = "server_error", headers: dict[str, str] | None = None
-) -> web.Response:
-    return web.json_response(error_body(message, err_type, status), status=status, headers=headers)
-
-
-def error_event(message: str, code: int = 502) -> bytes:
-    payload = json.dumps(error_body(message, "server_error", code))
-    return b"data: " + payload.encode() + b"\n\ndata: [DONE]\n\n"
-
-
 class _Retryable(Exception):
     """A leg failed before any byte reached the client: another backend may try."""
+
+    def __init__(self, message: str, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 class _Passthrough(Exception):
@@ -106,6 +109,10 @@ class RequestContext:
     text: str | None = None
     outcome: str = "ok"
     upstream_headers: dict[str, str] = field(default_factory=dict)
+    budget_s: float = 30.0  # prefill answer / first decode byte
+    # the prefill leg's usage.prompt_tokens_details.cached_tokens (P/D: what the client
+    # is told, the decoder having got the whole prompt's KV from the prefiller)
+    cached_tokens: int | None = None
 
 
 class _IdleWatchdog:
@@ -147,6 +154,13 @@ class Proxy:
         self.in_flight = 0
         self.metrics = ProxyMetrics(lambda: self.registry, lambda: self.in_flight)
         registry.on_eject = self._on_eject
+        cfg = self.config
+        self.breaker = Breaker(registry, self.probe, cfg.eject_after, cfg.close_after)
+        self.body_budget = BodyBudget(cfg.max_body_bytes_held)
+        self.admin_failures = FailureLimiter(cfg.admin_auth_failures_per_min, 60.0)
+        self.leg_budget = LegBudget(
+            cfg.leg_budget_base_s, cfg.leg_budget_per_1k_tokens_s, cfg.chars_per_token
+        )
         self.index = PrefixIndex(self.config.index_block_chars, self.config.index_capacity)
         self.session: aiohttp.ClientSession | None = None
         self.relay = RelayPool()
@@ -160,11 +174,15 @@ class Proxy:
             threshold = registry.skip_prefill_threshold_tokens
         self.skip_threshold_tokens = threshold
         self.notifier: NotifyListener | None = None
+        self._served_for: str | None = None
+        self._served: frozenset[str] = frozenset()
         self.app = self._make_app()
 
     # ------------------------------------------------------------------ app wiring
     def _make_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(
+            client_max_size=self.config.max_body_bytes, middlewares=[openai_errors]
+        )
         app[PROXY_KEY] = self
         app.router.add_post("/v1/completions", self.handle_generate)
         app.router.add_post("/v1/chat/completions", self.handle_generate)
@@ -222,13 +240,22 @@ class Proxy:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
+        self.breaker.close()
         if self.session is not None:
             await self.session.close()
         self.relay.close()
 
     def runner(self) -> web.AppRunner:
-        # handler_cancellation: a client disconnect cancels the handler -> upstream abort
-        return web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        # handler_cancellation: a client disconnect cancels the handler -> upstream abort;
+        # keepalive_timeout: aiohttp closes a connection without a request head that long
+        # after it opened or after its last response (the idle timeout)
+        return ProxyRunner(
+            self.app,
+            header_timeout=self.config.header_timeout_s,
+            handler_cancellation=True,
+            access_log=None,
+            keepalive_timeout=self.config.idle_timeout_s,
+        )
 
     # ------------------------------------------------------------------ health
     async def _health_loop(self) -> None:
@@ -243,7 +270,8 @@ class Proxy:
         backends = [b for b in self.registry.backends.values() if b.name not in self._probing]
         await asyncio.gather(*(self.probe(b) for b in backends))
 
-    async def probe(self, backend: BackendState) -> None:
+    async def probe(self, backend: BackendState) -> bool:
+        """Check the engine's /health now (and record it); True when it passed."""
         assert self.session is not None
         self._probing.add(backend.name)
         ok, error = False, ""
@@ -259,18 +287,24 @@ class Proxy:
             if backend.last_success >= started:
                 # it answered real requests meanwhile: a slow probe (busy event loop or
                 # busy engine) is no evidence of death
-                return
+                return True
         except aiohttp.ClientError as exc:
             error = f"/health failed: {exc.__class__.__name__} {exc}".strip()
         finally:
             self._probing.discard(backend.name)
         self.registry.record_probe(backend, ok, error, self.config)
+        return ok
 
     def _on_eject(self, backend: BackendState) -> None:
         self.metrics.ejections.labels(backend.name).inc()
+        # its legs that have sent nothing to a client: abort now, so they are re-routed
+        pending, backend.pending = backend.pending, set()
+        for proto in pending:
+            proto.abort()
 
     def _record_failure(self, backend: BackendState, error: str) -> None:
-        self.registry.record_failure(backend, error, self.config.eject_after)
+        """A connection error or timeout of ``backend`` (see pdstack.proxy.breaker)."""
+        self.breaker.failure(backend, error)
 
     # ------------------------------------------------------------------ auth helpers
     def _client_authorized(self, request: web.Request) -> bool:
@@ -287,23 +321,44 @@ class Proxy:
             return error_response(
                 403, "admin API disabled: set PDSTACK_ADMIN_TOKEN", "permission_error"
             )
-        auth = request.headers.get("Authorization", "")
-        given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        given = given or request.headers.get("X-Admin-Token", "")
-        if not hmac.compare_digest(given, token):
+        remote = request.remote or "?"
+        wait = self.admin_failures.blocked_for(remote)
+        if wait > 0:
+            return error_response(
+                429,
+                "too many failed admin authentications; retry later",
+                headers={"Retry-After": str(max(1, int(wait + 0.999)))},
+            )
+        if not self._admin_authorized(request):
+            self.admin_failures.failed(remote)
             return error_response(401, "admin token missing or wrong", "authentication_error")
         return None
 
+    def _admin_authorized(self, request: web.Request) -> bool:
+        token = self.config.admin_token
+        if not token:
+            return False
+        auth = request.headers.get("Authorization", "")
+        given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        given = given or request.headers.get("X-Admin-Token", "")
+        return hmac.compare_digest(given.encode(errors="replace"), token.encode())
+
     # ------------------------------------------------------------------ simple endpoints
     async def handle_health(self, request: web.Request) -> web.Response:
+        """200 ``{"status": "ok"}`` when every backend is healthy, 200 ``degraded`` when
+        some route is usable, 503 ``degraded`` when none is. Backend names, states and
+        the reason only with the admin token (an unauthorized caller learns nothing more;
+        a wrong token counts as a failed admin authentication)."""
         routable = self._routable()
-        body = {
-            "status": "ok" if routable else "unavailable",
-            "kv_mode": self.registry.kv_mode,
-            "backends": {b.name: b.state for b in self.registry.backends.values()},
-        }
-        if not routable:
-            body["reason"] = self.registry.describe_unroutable()
+        backends = [b for b in self.registry.backends.values() if not b.removed]
+        all_ok = routable and all(b.usable or b.drained for b in backends)
+        body: dict[str, Any] = {"status": "ok" if all_ok else "degraded"}
+        given = request.headers.get("Authorization") or request.headers.get("X-Admin-Token")
+        if given and self.config.admin_token and self._admin_error(request) is None:
+            body["kv_mode"] = self.registry.kv_mode
+            body["backends"] = {b.name: b.state for b in backends}
+            if not routable:
+                body["reason"] = self.registry.describe_unroutable()
         return web.json_response(body, status=200 if routable else 503)
 
     def _routable(self) -> bool:
@@ -411,47 +466,69 @@ class Proxy:
     # ------------------------------------------------------------------ generation
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
         metrics = self.metrics
+        config = self.config
         if not self._client_authorized(request):
             metrics.outcome["unauthorized"].inc()
             return error_response(401, "invalid or missing API key", "authentication_error")
+        rid = valid_request_id(request.headers.get("X-Request-Id"))
+        rid_header = {"X-Request-Id": rid}
+        # the body first (bounded in size, bytes held at once, and time), admission after:
+        # a slow client holds a connection, never a slot
+        raw, taken = await read_body(
+            request, self.body_budget, config.max_body_bytes, config.body_timeout_s
+        )
+        try:
+            if isinstance(raw, web.Response):
+                metrics.outcome["bad_request"].inc()
+                raw.headers.update(rid_header)
+                return raw
+            return await self._generate(request, raw, rid)
+        finally:
+            self.body_budget.give(taken)
+
+    async def _generate(self, request: web.Request, raw: bytes, rid: str) -> web.StreamResponse:
+        metrics = self.metrics
+        rid_header = {"X-Request-Id": rid}
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            metrics.outcome["bad_request"].inc()
+            return error_response(400, f"body is not valid JSON: {exc}", headers=rid_header)
+        if not isinstance(body, dict):
+            metrics.outcome["bad_request"].inc()
+            return error_response(400, "body must be a JSON object", headers=rid_header)
+        served = self._served_names()
+        invalid = check_body(body, request.path.endswith("/chat/completions"), served)
+        if invalid is not None:
+            metrics.outcome["bad_request"].inc()
+            invalid.headers.update(rid_header)
+            return invalid
         if self.in_flight >= self.config.max_concurrency:
             metrics.outcome["rejected"].inc()
             return error_response(
                 429,
                 f"proxy at its concurrency limit ({self.config.max_concurrency}); retry later",
-                "rate_limit_error",
-                headers={"Retry-After": str(self.config.retry_after_s)},
+                headers={"Retry-After": str(self.config.retry_after_s), **rid_header},
             )
         self.in_flight += 1
-        ctx: RequestContext | None = None
         try:
-            raw = await request.read()
-            try:
-                body = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                metrics.outcome["bad_request"].inc()
-                return error_response(
-                    400, f"body is not valid JSON: {exc}", "invalid_request_error"
-                )
-            if not isinstance(body, dict):
-                metrics.outcome["bad_request"].inc()
-                return error_response(400, "body must be a JSON object", "invalid_request_error")
             if "kv_transfer_params" in body:
                 # only the proxy decides where KV comes from: never a client
                 del body["kv_transfer_params"]
                 raw = json.dumps(body).encode()
-            request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
             ctx = RequestContext(
-                request_id=request_id,
+                request_id=rid,
                 path=request.path,
                 body=body,
                 raw=raw,
-                stream=bool(body.get("stream")),
+                stream=body.get("stream") is True,
                 started=time.perf_counter(),
             )
+            ctx.text = prompt_text(body)
+            ctx.budget_s = self.leg_budget.for_chars(len(ctx.text))
             ctx.upstream_headers = {
                 "Content-Type": "application/json",
-                "X-Request-Id": request_id,
+                "X-Request-Id": rid,
                 **self._auth_headers(),
             }
             response = await self._serve(request, ctx)
@@ -462,6 +539,13 @@ class Proxy:
             raise
         finally:
             self.in_flight -= 1
+
+    def _served_names(self) -> frozenset[str]:
+        name = self.registry.served_model_name
+        if name != self._served_for:
+            self._served_for = name
+            self._served = frozenset(n.strip() for n in name.split(",") if n.strip())
+        return self._served
 
     async def _serve(self, request: web.Request, ctx: RequestContext) -> web.StreamResponse:
         registry = self.registry
@@ -619,6 +703,7 @@ class Proxy:
         key_hash = stable_hash(self._key_text(ctx))
         tried: set[str] = set()
         last_error = ""
+        timed_out = False
         for attempt in range(self.config.max_retries + 1):
             prefill = self._pick_affinity("prefill", key_hash, tried)
             if prefill is None:
@@ -631,19 +716,13 @@ class Proxy:
                 return prefill
             except _Retryable as exc:
                 last_error = str(exc)
+                timed_out = exc.timed_out
                 if on_retryable is not None:
                     on_retryable()
             except _Passthrough as exc:
                 ctx.outcome = "client_error"
                 return self._passthrough(exc, ctx)
-        headers = {"X-Request-Id": ctx.request_id}
-        if last_error:
-            ctx.outcome = "upstream_error"
-            return error_response(
-                502, f"prefill failed on every try: {last_error}", headers=headers
-            )
-        ctx.outcome = "no_backend"
-        return error_response(503, self.registry.describe_unroutable(), headers=headers)
+        return self._no_answer(ctx, last_error, timed_out, leg="prefill ")
 
     async def _await_notify(
         self,
@@ -755,24 +834,28 @@ class Proxy:
         else:
             body.pop("kv_transfer_params", None)
         started = time.perf_counter()
+        timeout = self.config.prefill_timeout_s or ctx.budget_s
         backend.in_flight += 1
         try:
-            async with asyncio.timeout(self.config.prefill_timeout_s):
+            async with asyncio.timeout(timeout):
                 data, status, headers = await self._call(
                     backend, ctx.path, json.dumps(body).encode(), ctx.upstream_headers
                 )
         except (RelayError, OSError, TimeoutError) as exc:
-            error = f"prefill {backend.name}: {_describe(exc)}"
+            error = f"prefill {backend.name}: {_describe(exc, timeout)}"
             self._record_failure(backend, error)
-            raise _Retryable(error) from exc
+            raise _Retryable(error, isinstance(exc, TimeoutError)) from exc
         finally:
             backend.in_flight -= 1
         self.metrics.leg_prefill.observe(time.perf_counter() - started)
         if status != 200:
-            self._upstream_status(backend, status, data, headers)
-        _mark_success(backend)
+            await self._upstream_status(backend, status, data, headers)
+        self.breaker.success(backend)
+        backend.last_success = time.monotonic()
         try:
-            params = json.loads(data).get("kv_transfer_params")
+            answer = json.loads(data)
+            params = answer.get("kv_transfer_params")
+            ctx.cached_tokens = _cached_tokens(answer.get("usage"))
         except (json.JSONDecodeError, AttributeError):
             params = None
         if nixl and not params:
@@ -792,6 +875,7 @@ class Proxy:
         """The leg whose bytes go to the client; retried until its first byte."""
         tried: set[str] = set()
         last_error = ""
+        timed_out = False
         for attempt in range(self.config.max_retries + 1):
             backend = pick(tried)
             if backend is None:
@@ -803,13 +887,27 @@ class Proxy:
                 return await self._stream_leg(request, ctx, backend, payload(backend))
             except _Retryable as exc:
                 last_error = str(exc)
+                timed_out = exc.timed_out
             except _Passthrough as exc:
                 ctx.outcome = "client_error"
                 return self._passthrough(exc, ctx)
+        return self._no_answer(ctx, last_error, timed_out, no_backend_hint)
+
+    def _no_answer(
+        self,
+        ctx: RequestContext,
+        last_error: str,
+        timed_out: bool,
+        no_backend_hint: BackendState | None = None,
+        leg: str = "",
+    ) -> web.Response:
+        """502 (504 when the last try timed out) after failed tries, 503 with none."""
         headers = {"X-Request-Id": ctx.request_id}
         if last_error:
             ctx.outcome = "upstream_error"
-            return error_response(502, f"failed on every try: {last_error}", headers=headers)
+            status = 504 if timed_out else 502
+            message = f"{leg}failed on every try: {last_error}"
+            return error_response(status, message, headers=headers)
         ctx.outcome = "no_backend"
         if no_backend_hint is not None:
             p = no_backend_hint
@@ -830,20 +928,27 @@ class Proxy:
         backend.in_flight += 1
         proto: RelayProtocol | None = None
         response: web.StreamResponse | None = None
+        timeout = config.decode_first_byte_timeout_s or ctx.budget_s
         try:
             # ---------- before the first byte: everything here may be retried elsewhere
             try:
-                async with asyncio.timeout(config.decode_first_byte_timeout_s):
+                async with asyncio.timeout(timeout):
                     proto = await self._open(backend, ctx.path, payload, ctx.upstream_headers)
-                    if proto.status != 200:
+                    if proto.status == 200:
+                        first, pending = await self._first_event(proto, backend)
+                    else:
                         await proto.done
-                        data = proto.take_buffered()
-                        self._upstream_status(backend, proto.status, data, proto.headers)
-                    first, pending = await self._first_event(proto, backend)
             except (RelayError, OSError, TimeoutError) as exc:
-                error = f"{backend.role} {backend.name}: {_describe(exc)}"
+                error = f"{backend.role} {backend.name}: {_describe(exc, timeout)}"
                 self._record_failure(backend, error)
-                raise _Retryable(error) from exc
+                raise _Retryable(error, isinstance(exc, TimeoutError)) from exc
+            finally:
+                if proto is not None:
+                    backend.pending.discard(proto)
+            if proto.status != 200:
+                await self._upstream_status(
+                    backend, proto.status, proto.take_buffered(), proto.headers
+                )
 
             # ---------- first byte: from here on, never retry
             response = web.StreamResponse(
@@ -860,6 +965,9 @@ class Proxy:
             else:
                 response.force_close()  # HTTP/1.0: the body ends when the connection does
             await response.prepare(request)
+            rewrite = _usage_rewriter(ctx.cached_tokens)
+            if rewrite is not None:
+                first, pending = rewrite(first), rewrite(pending) if pending else pending
             await response.write(first)
             now = time.perf_counter()
             metrics.ttft_route[ctx.route].observe(now - ctx.started)
@@ -867,7 +975,7 @@ class Proxy:
             client = request.transport
             if client is None or client.is_closing():
                 raise ConnectionResetError("client went away")
-            failure = await self._relay_body(proto, client, chunked, pending)
+            failure = await self._relay_body(proto, client, chunked, pending, rewrite)
             if failure:
                 message = f"{backend.role} {backend.name} failed mid-stream: {failure}"
                 log.warning("%s (request %s)", message, ctx.request_id)
@@ -875,7 +983,8 @@ class Proxy:
                 ctx.outcome = "stream_error"
                 await response.write(error_event(message))
             else:
-                _mark_success(backend)
+                self.breaker.success(backend)
+                backend.last_success = time.monotonic()
                 backend.served += 1
                 self.relay.release(host, port, proto)
                 proto = None
@@ -897,21 +1006,29 @@ class Proxy:
     ) -> RelayProtocol:
         """Send one request on a kept-alive (or new) connection; returns it with the
         response head parsed. A reused connection that the engine had closed meanwhile
-        is retried once on a fresh one. The caller owns (releases or aborts) it."""
+        is retried once on a fresh one. The caller owns (releases or aborts) it, and
+        discards it from ``backend.pending`` (where it is until it sends to a client:
+        ejecting the backend aborts it)."""
         host, port, prefix = self._address(backend)
         wire = build_request(host, port, prefix + path, payload, headers)
         for attempt in (0, 1):
             proto, reused = await self.relay.acquire(host, port, self.config.connect_timeout_s)
+            if not backend.healthy and backend.ejections:
+                proto.abort()  # ejected while we connected
+                raise RelayError(f"{backend.name} was ejected")
+            backend.pending.add(proto)
             try:
                 proto.send(wire)
                 await proto.head_done
                 return proto
             except RelayError:
                 proto.abort()
-                if not (reused and attempt == 0):
+                backend.pending.discard(proto)
+                if not (reused and attempt == 0) or not backend.healthy:
                     raise
             except BaseException:
                 proto.abort()
+                backend.pending.discard(proto)
                 raise
         raise AssertionError("unreachable")
 
@@ -925,6 +1042,8 @@ class Proxy:
         except BaseException:
             proto.abort()
             raise
+        finally:
+            backend.pending.discard(proto)
         data = proto.take_buffered()
         host, port, _ = self._address(backend)
         self.relay.release(host, port, proto)
@@ -952,7 +1071,12 @@ class Proxy:
             await woke
 
     async def _relay_body(
-        self, proto: RelayProtocol, client: asyncio.BaseTransport, chunked: bool, pending: bytes
+        self,
+        proto: RelayProtocol,
+        client: asyncio.BaseTransport,
+        chunked: bool,
+        pending: bytes,
+        rewrite: Callable[[bytes], bytes] | None = None,
     ) -> str:
         """Forward the rest of the body, event-aligned, straight from the upstream
         protocol's callbacks to the client transport. Returns a failure text or ""."""
@@ -986,6 +1110,8 @@ class Proxy:
                     return
                 state["pending"] = data[cut + 2 :]
                 data = data[: cut + 2]
+            if rewrite is not None:
+                data = rewrite(data)
             if chunked:
                 write(b"%x\r\n%b\r\n" % (len(data), data))
             else:
@@ -1010,6 +1136,8 @@ class Proxy:
             return f"no data for {self.config.stream_idle_timeout_s:g}s"
         if not failure and state["pending"]:
             tail = state["pending"]
+            if rewrite is not None:
+                tail = rewrite(tail)
             write(b"%x\r\n%b\r\n" % (len(tail), tail) if chunked else tail)
         return failure
 
@@ -1019,44 +1147,58 @@ class Proxy:
             cached = self._addresses[backend.url] = split_url(backend.url)
         return cached
 
-    def _upstream_status(
+    async def _upstream_status(
         self, backend: BackendState, status: int, data: bytes, headers: Any
     ) -> None:
-        """Raise for a non-200 upstream answer: 4xx passes through, the rest retries."""
+        """Raise for a non-200 upstream answer. A 4xx, and a 5xx from an engine whose
+        /health still passes, go back to the client as is (the request was the
+        problem); a 5xx that /health confirms ejects the backend and retries."""
         content_type = headers.get("content-type") or headers.get("Content-Type")
-        if 400 <= status < 500 and status not in (408, 429):
-            raise _Passthrough(status, data, content_type or "application/json")
+        passthrough = _Passthrough(status, data, content_type or "application/json")
+        if status < 500:
+            raise passthrough
         error = f"{backend.role} {backend.name} answered {status}: " + data[:200].decode(
             errors="replace"
         )
-        if status >= 500:
-            self._record_failure(backend, error)
-        raise _Retryable(error)
+        if await self.breaker.confirm_5xx(backend, error):
+            raise _Retryable(error)
+        log.info("%s; its /health passes: answering the client as is", error)
+        raise passthrough
 
     async def _unary_leg(
         self, ctx: RequestContext, backend: BackendState, payload: bytes
     ) -> web.StreamResponse:
         """A non-streaming final leg: all or nothing, so always retryable."""
         started = time.perf_counter()
+        config = self.config
+        timeout = config.request_timeout_s
+        max_tokens = ctx.body.get("max_tokens") or ctx.body.get("max_completion_tokens")
+        if isinstance(max_tokens, int):
+            first = config.decode_first_byte_timeout_s or ctx.budget_s
+            timeout = min(timeout, first + config.unary_per_token_s * max_tokens)
         backend.in_flight += 1
         try:
-            async with asyncio.timeout(self.config.request_timeout_s):
+            async with asyncio.timeout(timeout):
                 data, status, headers = await self._call(
                     backend, ctx.path, payload, ctx.upstream_headers
                 )
         except (RelayError, OSError, TimeoutError) as exc:
-            error = f"{backend.role} {backend.name}: {_describe(exc)}"
+            error = f"{backend.role} {backend.name}: {_describe(exc, timeout)}"
             self._record_failure(backend, error)
-            raise _Retryable(error) from exc
+            raise _Retryable(error, isinstance(exc, TimeoutError)) from exc
         finally:
             backend.in_flight -= 1
         if status != 200:
-            self._upstream_status(backend, status, data, headers)
-        _mark_success(backend)
+            await self._upstream_status(backend, status, data, headers)
+        self.breaker.success(backend)
+        backend.last_success = time.monotonic()
         backend.served += 1
         now = time.perf_counter()
         self.metrics.ttft_route[ctx.route].observe(now - ctx.started)
         self.metrics.leg_decode.observe(now - started)
+        rewrite = _usage_rewriter(ctx.cached_tokens)
+        if rewrite is not None:
+            data = rewrite(data)
         return web.Response(
             body=data,
             status=200,
@@ -1074,13 +1216,66 @@ class Proxy:
         )
 
 
-def _mark_success(backend: BackendState) -> None:
-    backend.consecutive_failures = 0
-    backend.last_success = time.monotonic()
-
-
-def _describe(exc: BaseException) -> str:
+def _describe(exc: BaseException, timeout: float | None = None) -> str:
     if isinstance(exc, TimeoutError):
-        return "timed out"
+        return f"timed out after {timeout:g}s" if timeout is not None else "timed out"
     text = str(exc)
     return f"{exc.__class__.__name__}: {text}" if text else exc.__class__.__name__
+
+
+def _cached_tokens(usage: Any) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of an engine answer (None: absent)."""
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    if not isinstance(details, dict):
+        return 0 if "prompt_tokens" in usage else None
+    value = details.get("cached_tokens")
+    return value if isinstance(value, int) else None
+
+
+_USAGE_MARK = b'"usage":{'
+
+
+def _set_cached(obj: Any, cached: int) -> bool:
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    if not isinstance(usage, dict):
+        return False
+    details = usage.get("prompt_tokens_details")
+    if not isinstance(details, dict):
+        details = usage["prompt_tokens_details"] = {}
+    details["cached_tokens"] = cached
+    return True
+
+
+def _usage_rewriter(cached: int | None) -> Callable[[bytes], bytes] | None:
+    """P/D: the decoder got the whole prompt's KV from the prefiller, so the client is
+    told the prefill leg's ``cached_tokens`` (its prefix-cache hit). Rewrites the usage
+    of a JSON answer or of the SSE events that carry one; everything else is untouched
+    (one substring test per piece on the hot path)."""
+    if cached is None:
+        return None
+
+    def rewrite(data: bytes) -> bytes:
+        compact = data.replace(b'"usage": {', _USAGE_MARK) if b'"usage": {' in data else data
+        if _USAGE_MARK not in compact:
+            return data
+        if not data.startswith(b"data:"):  # a whole JSON answer
+            try:
+                obj = json.loads(data)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                return data
+            return json.dumps(obj).encode() if _set_cached(obj, cached) else data
+        out = []
+        for event in data.split(SSE_END):
+            if event.startswith(b"data: {") and (b'"usage"' in event):
+                try:
+                    obj = json.loads(event[6:])
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    obj = None
+                if obj is not None and _set_cached(obj, cached):
+                    event = b"data: " + json.dumps(obj, separators=(",", ":")).encode()
+            out.append(event)
+        return SSE_END.join(out)
+
+    return rewrite

@@ -42,6 +42,12 @@ class BackendState:
     last_error: str = ""
     # lmcache-pd decoders: {"host", "init_ports": [..], "alloc_ports": [..]} (per TP rank)
     lmcache_pd: dict[str, Any] | None = None
+    # circuit breaker (pdstack.proxy.breaker): re-admitted, on trial until it has served
+    half_open: bool = False
+    half_open_successes: int = 0
+    # upstream connections of legs that have sent nothing to a client yet (aborted,
+    # and so re-routed, when the backend is ejected)
+    pending: set[Any] = field(default_factory=set, repr=False)
 
     @property
     def usable(self) -> bool:
@@ -72,6 +78,7 @@ class BackendState:
             "served": self.served,
             "consecutive_failures": self.consecutive_failures,
             "ejections": self.ejections,
+            "half_open": self.half_open,
             "last_error": self.last_error,
         }
         if self.lmcache_pd is not None:
@@ -240,6 +247,8 @@ class BackendRegistry:
                 backend.consecutive_successes += 1
                 if backend.consecutive_successes >= cfg.readmit_after:
                     backend.healthy = True
+                    backend.half_open = True  # on trial: one failure ejects it again
+                    backend.half_open_successes = 0
                     backend.consecutive_successes = 0
                     backend.last_error = ""
                     log.warning("re-admitted backend %s (%s)", backend.name, backend.url)

@@ -36,7 +36,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from pdstack.proxy.config import ProxyConfig, load_secrets
+from pdstack.proxy.config import MIB, ProxyConfig, load_secrets
 
 DEFAULT_ENV_FILE = "/etc/pdstack/secrets.env"
 KV_MODE_CHOICES = ("nixl", "shared-l1", "shared-l1+nixl", "colocated", "lmcache-pd")
@@ -128,16 +128,64 @@ def register(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentPar
         default=d.readmit_after,
         help="consecutive passing health checks before re-admission",
     )
+    p.add_argument(
+        "--close-after",
+        type=int,
+        default=d.close_after,
+        help="successful legs before a re-admitted (half-open) backend is closed again",
+    )
     p.add_argument("--max-retries", type=int, default=d.max_retries)
     p.add_argument("--connect-timeout", type=float, default=d.connect_timeout_s)
-    p.add_argument("--prefill-timeout", type=float, default=d.prefill_timeout_s)
-    p.add_argument("--decode-first-byte-timeout", type=float, default=d.decode_first_byte_timeout_s)
+    p.add_argument(
+        "--leg-budget-base",
+        type=float,
+        default=d.leg_budget_base_s,
+        help="seconds a leg may wait for the prefill answer / first decode byte, plus "
+        "--leg-budget-per-1k-tokens per 1000 prompt tokens (default %(default)s)",
+    )
+    p.add_argument(
+        "--leg-budget-per-1k-tokens", type=float, default=d.leg_budget_per_1k_tokens_s
+    )
+    p.add_argument(
+        "--prefill-timeout",
+        type=float,
+        default=d.prefill_timeout_s,
+        help="a fixed prefill-leg timeout instead of the budget",
+    )
+    p.add_argument(
+        "--decode-first-byte-timeout",
+        type=float,
+        default=d.decode_first_byte_timeout_s,
+        help="a fixed decoder first-byte timeout instead of the budget",
+    )
     p.add_argument("--stream-idle-timeout", type=float, default=d.stream_idle_timeout_s)
     p.add_argument(
         "--request-timeout",
         type=float,
         default=d.request_timeout_s,
         help="whole non-streaming decode leg",
+    )
+    lim = p.add_argument_group("client limits")
+    lim.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=d.max_body_bytes / MIB,
+        help="largest request body, MiB (413 above; default %(default)s)",
+    )
+    lim.add_argument(
+        "--max-body-held-mb",
+        type=float,
+        default=d.max_body_bytes_held / MIB,
+        help="request-body bytes held at once, MiB (503 + Retry-After above; "
+        "default %(default)s)",
+    )
+    lim.add_argument("--header-timeout", type=float, default=d.header_timeout_s)
+    lim.add_argument("--body-timeout", type=float, default=d.body_timeout_s)
+    lim.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=d.idle_timeout_s,
+        help="close a connection without a request this long (default %(default)s)",
     )
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run)
@@ -228,6 +276,14 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         readmit_after=args.readmit_after,
         max_retries=args.max_retries,
         connect_timeout_s=args.connect_timeout,
+        close_after=args.close_after,
+        max_body_bytes=int(args.max_body_mb * MIB),
+        max_body_bytes_held=int(args.max_body_held_mb * MIB),
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        idle_timeout_s=args.idle_timeout,
+        leg_budget_base_s=args.leg_budget_base,
+        leg_budget_per_1k_tokens_s=args.leg_budget_per_1k_tokens,
         prefill_timeout_s=args.prefill_timeout,
         decode_first_byte_timeout_s=args.decode_first_byte_timeout,
         stream_idle_timeout_s=args.stream_idle_timeout,

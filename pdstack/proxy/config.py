@@ -5,7 +5,11 @@ environment, which an env file (``KEY=VALUE`` lines, ``#`` comments) may fill in
 - ``PDSTACK_ADMIN_TOKEN``: required for ``/admin/*`` (without it the admin API answers 403).
 - ``PDSTACK_API_KEYS``: comma-separated client keys; when set, ``/v1/*`` needs
   ``Authorization: Bearer <key>``.
-- ``PDSTACK_ENGINE_API_KEY``: sent to the engines as ``Authorization: Bearer`` (optional).
+- ``VLLM_API_KEY``: the engines' key. vLLM reads it from the environment (the node's
+  secrets file is every service's ``env_file``), so with it set there every engine refuses
+  requests without it, and the proxy sends it to the engines (both legs, ``/v1/models``)
+  as ``Authorization: Bearer``. ``PDSTACK_ENGINE_API_KEY`` is the older name (used when
+  ``VLLM_API_KEY`` is not set).
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from pathlib import Path
 
 ADMIN_TOKEN_ENV = "PDSTACK_ADMIN_TOKEN"
 API_KEYS_ENV = "PDSTACK_API_KEYS"
-ENGINE_API_KEY_ENV = "PDSTACK_ENGINE_API_KEY"
+ENGINE_API_KEY_ENV = "VLLM_API_KEY"
+LEGACY_ENGINE_API_KEY_ENV = "PDSTACK_ENGINE_API_KEY"
+MIB = 1 << 20
 
 
 @dataclass
@@ -24,8 +30,15 @@ class ProxyConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     # admission
-    max_concurrency: int = 2048
+    max_concurrency: int = 2048  # counted once the body is read
     retry_after_s: int = 1
+    # clients (pdstack.proxy.limits): body size, bytes held at once, read timeouts
+    max_body_bytes: int = 8 * MIB
+    max_body_bytes_held: int = 64 * MIB
+    header_timeout_s: float = 10.0  # request line + headers, from their first byte
+    body_timeout_s: float = 30.0  # the whole body, from the end of the head
+    idle_timeout_s: float = 60.0  # a kept-alive connection with no request
+    admin_auth_failures_per_min: int = 10  # per client address, then 429
     # routing
     prefix_chars: int = 1024  # leading characters hashed for prefill affinity
     load_factor: float = 1.25  # bounded-load factor c (>= 1)
@@ -37,14 +50,22 @@ class ProxyConfig:
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
     eject_after: int = 3
-    readmit_after: int = 2
+    readmit_after: int = 2  # passing probes: ejected -> half-open
+    close_after: int = 2  # successful legs: half-open -> closed
     # retries and timeouts (per leg)
     max_retries: int = 2
     connect_timeout_s: float = 10.0
-    prefill_timeout_s: float = 300.0
-    decode_first_byte_timeout_s: float = 300.0
+    # the prefill answer and the decoder's first byte: a budget from the prompt length
+    # (pdstack.proxy.limits.LegBudget), unless fixed here
+    leg_budget_base_s: float = 15.0
+    leg_budget_per_1k_tokens_s: float = 2.5
+    prefill_timeout_s: float | None = None
+    decode_first_byte_timeout_s: float | None = None
     stream_idle_timeout_s: float = 60.0
-    request_timeout_s: float = 900.0  # non-streaming decode leg, whole response
+    # non-streaming decode leg (the whole response): the budget + this per max_tokens,
+    # at most request_timeout_s
+    unary_per_token_s: float = 0.25
+    request_timeout_s: float = 900.0
     # lmcache-pd: the ZMQ PULL socket for LMCache's ProxyNotif (None = the backend
     # table's ``lmcache_pd_notify``; host None there = ``host``) and the bounded wait
     lmcache_pd_notify_host: str | None = None
@@ -83,5 +104,7 @@ def load_secrets(
     config.api_keys = frozenset(
         k.strip() for k in env.get(API_KEYS_ENV, "").split(",") if k.strip()
     )
-    config.engine_api_key = env.get(ENGINE_API_KEY_ENV) or None
+    config.engine_api_key = (
+        env.get(ENGINE_API_KEY_ENV) or env.get(LEGACY_ENGINE_API_KEY_ENV) or None
+    )
     return config

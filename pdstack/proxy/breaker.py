@@ -1,0 +1,91 @@
+"""Fault classification and a circuit breaker per backend (like vllm-router's).
+
+What counts against a backend, and what does not:
+- an engine's 4xx is the client's fault: answered as is, never retried, never counted;
+- an engine's 5xx counts only when the engine's own ``/health`` fails right after
+  (it is confirmed): then the backend is ejected and the request retried elsewhere;
+  with a passing ``/health`` the request was the problem, and its 5xx goes back to the
+  client as is (so no client input can eject a healthy backend);
+- a connection error or a timeout counts at once, and the backend is *suspected*: its
+  ``/health`` is probed right away, and a failing probe ejects it then (a frozen engine
+  is out after one timeout, not after three);
+- ``eject_after`` consecutive counted failures eject it too.
+
+States: closed (healthy) -> open (ejected: no traffic; ``/health`` probed every
+``health_interval_s``) -> half-open after ``readmit_after`` passing probes (traffic
+again; one counted failure re-opens it at once) -> closed after ``close_after``
+successful legs. Ejection aborts the backend's legs that have sent nothing to the
+client, so their requests are re-routed at once instead of waiting out a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from pdstack.proxy.backends import BackendRegistry, BackendState
+
+log = logging.getLogger("pdstack.proxy")
+
+Probe = Callable[[BackendState], Awaitable[bool]]
+
+
+class Breaker:
+    def __init__(
+        self, registry: BackendRegistry, probe: Probe, eject_after: int, close_after: int = 2
+    ) -> None:
+        self.registry = registry
+        self.probe = probe
+        self.eject_after = eject_after
+        self.close_after = close_after
+        self._suspicions: dict[str, asyncio.Task[None]] = {}
+
+    def failure(self, backend: BackendState, error: str) -> None:
+        """A connection error or timeout: count it, and probe the backend now."""
+        if backend.half_open and backend.healthy:
+            backend.last_error = error
+            backend.consecutive_failures += 1
+            self.registry.eject(backend, f"failed while half-open: {error}")
+            return
+        self.registry.record_failure(backend, error, self.eject_after)
+        if backend.healthy:
+            self.suspect(backend)
+
+    def suspect(self, backend: BackendState) -> None:
+        if backend.name in self._suspicions:
+            return
+
+        async def check() -> None:
+            try:
+                ok = await self.probe(backend)
+                if not ok and backend.healthy:
+                    reason = f"suspected, then /health failed: {backend.last_error}"
+                    self.registry.eject(backend, reason)
+            finally:
+                self._suspicions.pop(backend.name, None)
+
+        self._suspicions[backend.name] = asyncio.get_running_loop().create_task(check())
+
+    async def confirm_5xx(self, backend: BackendState, error: str) -> bool:
+        """Probe the engine after a 5xx; True (and ejected) when its /health fails too."""
+        if await self.probe(backend):
+            return False
+        backend.last_error = error
+        backend.consecutive_failures += 1
+        if backend.healthy:
+            self.registry.eject(backend, f"{error} (and /health failed)")
+        return True
+
+    def success(self, backend: BackendState) -> None:
+        backend.consecutive_failures = 0
+        if backend.half_open:
+            backend.half_open_successes += 1
+            if backend.half_open_successes >= self.close_after:
+                backend.half_open = False
+                backend.half_open_successes = 0
+
+    def close(self) -> None:
+        for task in self._suspicions.values():
+            task.cancel()
+        self._suspicions.clear()

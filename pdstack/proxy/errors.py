@@ -1,0 +1,164 @@
+"""OpenAI error JSON for every reply the proxy itself makes.
+
+Shape: ``{"error": {"message", "type", "param", "code"}}`` (``code`` = the HTTP status).
+Three places produce replies without a handler of ours: aiohttp's router (404, 405),
+its body-size check (413) and its HTTP parser (400 for a bad request line or header, 500
+for an unhandled exception). :func:`openai_errors` (a middleware) covers the first two;
+:class:`JsonErrorHandler` (the connection protocol) the parser's, and it also times out
+request heads that arrive too slowly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
+
+log = logging.getLogger("pdstack.proxy")
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+def error_type(status: int) -> str:
+    return ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+
+def error_body(
+    message: str, err_type: str, code: int | str | None, param: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def error_response(
+    status: int,
+    message: str,
+    err_type: str | None = None,
+    headers: dict[str, str] | None = None,
+    param: str | None = None,
+) -> web.Response:
+    body = error_body(message, err_type or error_type(status), status, param)
+    return web.json_response(body, status=status, headers=headers)
+
+
+def error_event(message: str, code: int = 502) -> bytes:
+    payload = json.dumps(error_body(message, "server_error", code))
+    return b"data: " + payload.encode() + b"\n\ndata: [DONE]\n\n"
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own HTTP errors (no route, wrong method, body too large) as OpenAI JSON."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
+        message = exc.text or exc.reason
+        if exc.status == 404:
+            message = f"no route {request.method} {request.path}"
+        elif exc.status == 405:
+            message = f"method {request.method} not allowed on {request.path}"
+        return error_response(exc.status, message, headers=headers)
+
+
+class JsonErrorHandler(RequestHandler):
+    """aiohttp's connection protocol with OpenAI JSON error replies and a head timeout:
+    a request head (line + headers) must be complete within ``header_timeout`` of its
+    first byte, else the connection is closed."""
+
+    header_timeout: float = 10.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def data_received(self, data: bytes) -> None:
+        waiting_head = self._payload_parser is None and not self._upgraded
+        if waiting_head and self._head_timer is None and self.header_timeout > 0:
+            self._head_timer = self._loop.call_later(self.header_timeout, self._head_expired)
+        super().data_received(data)
+        if self._head_timer is not None and (self._messages or self._payload_parser is not None):
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_expired(self) -> None:
+        self._head_timer = None
+        if not self._messages and self._payload_parser is None and self.transport is not None:
+            log.info("closing a connection whose request head took over %gs", self.header_timeout)
+            self.force_close()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if status >= 500:
+            self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
+        if request.writer.output_size > 0:
+            raise ConnectionError("response already started; cannot send an error reply")
+        if status >= 500:
+            text = "internal proxy error"
+        else:
+            text = message or (str(exc) if exc is not None else "") or "bad request"
+        resp = error_response(status, text)
+        resp.force_close()
+        return resp
+
+
+class JsonErrorServer(web.Server):
+    """``web.Server`` whose connections are :class:`JsonErrorHandler`."""
+
+    def __init__(self, *args: Any, header_timeout: float = 10.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.header_timeout = header_timeout
+
+    def __call__(self) -> RequestHandler:
+        try:
+            handler = JsonErrorHandler(self, loop=self._loop, **self._kwargs)
+        except TypeError:  # aiohttp signature drift: fall back to plain errors
+            return super().__call__()
+        handler.header_timeout = self.header_timeout
+        return handler
+
+
+class ProxyRunner(web.AppRunner):
+    """An AppRunner serving through :class:`JsonErrorServer`."""
+
+    def __init__(self, app: web.Application, header_timeout: float, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self._header_timeout = header_timeout
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        # rebuild it as our subclass with the same handler, factory and settings
+        ours = JsonErrorServer.__new__(JsonErrorServer)
+        ours.__dict__.update(server.__dict__)
+        ours.header_timeout = self._header_timeout
+        return ours
