@@ -34,7 +34,8 @@ class BackendState:
     drained: bool = False
     removed: bool = False
     in_flight: int = 0
-    consecutive_failures: int = 0
+    consecutive_failures: int = 0  # failed requests (legs) in a row
+    probe_failures: int = 0  # failed /health probes in a row
     consecutive_successes: int = 0
     ejections: int = 0
     served: int = 0
@@ -240,7 +241,11 @@ class BackendRegistry:
         first = not backend.probed
         backend.probed = True
         if ok:
-            backend.consecutive_failures = 0
+            # a passing /health clears failed probes, not failed requests (a hung engine
+            # may well answer /health)
+            backend.probe_failures = 0
+            if not backend.healthy:
+                backend.consecutive_failures = 0
             if first:
                 backend.healthy = True
             elif not backend.healthy:
@@ -253,7 +258,11 @@ class BackendRegistry:
                     backend.last_error = ""
                     log.warning("re-admitted backend %s (%s)", backend.name, backend.url)
         else:
-            self.record_failure(backend, error, cfg.eject_after)
+            backend.probe_failures += 1
+            backend.consecutive_successes = 0
+            backend.last_error = error
+            if backend.healthy and backend.probe_failures >= cfg.eject_after:
+                self.eject(backend, error)
 
     # ------------------------------------------------------------ admin
     def upsert(self, spec: dict[str, Any]) -> BackendState:

@@ -32,10 +32,11 @@ def pd_table(e: dict, prefill: list[str], decode: list[str], kv_mode: str = "nix
 
 
 async def test_prefill_500_retried_on_other_prefiller() -> None:
+    """A 5xx that the engine's /health confirms: ejected at once, retried elsewhere."""
     async with engines("p0", "p1", "d0") as e:
-        e["p0"].faults = Faults(status=500)
-        cfg = {"eject_after": 100}  # keep p0 in rotation: every prompt hashed to it retries
+        cfg = {"eject_after": 100}  # only the confirmation ejects it, not probe counting
         async with running_proxy(pd_table(e, ["p0", "p1"], ["d0"]), **cfg) as rp:
+            e["p0"].faults = Faults(status=500, health_status=503)
             results = [await stream_completion(rp.session, rp.url, f"p{i}") for i in range(12)]
             text = await rp.metrics()
     assert all(r.status == 200 and r.events[-1] == "[DONE]" for r in results)
@@ -43,12 +44,13 @@ async def test_prefill_500_retried_on_other_prefiller() -> None:
     assert failed_first > 0
     assert len(e["p1"].seen()) == 12 and len(e["d0"].seen()) == 12
     assert metric_value(text, "pdstack_proxy_retries_total", leg="prefill") == failed_first
+    assert metric_value(text, "pdstack_proxy_ejections_total", backend="p0") == 1
 
 
 async def test_all_prefillers_failing_gives_502_with_reason() -> None:
     async with engines("p0", "d0") as e:
-        e["p0"].faults = Faults(status=503)
-        async with running_proxy(pd_table(e, ["p0"], ["d0"])) as rp:
+        async with running_proxy(pd_table(e, ["p0"], ["d0"]), eject_after=100) as rp:
+            e["p0"].faults = Faults(status=503, health_status=503)
             res = await stream_completion(rp.session, rp.url, "hello")
     assert res.status == 502
     assert "prefill p0 answered 503" in res.text
@@ -60,7 +62,7 @@ async def test_decode_failure_before_first_byte_retried_elsewhere() -> None:
         engines("p0", "d0", "d1", output_tokens=5) as e,
         running_proxy(pd_table(e, ["p0"], ["d0", "d1"])) as rp,
     ):
-        for fault in (Faults(status=500), Faults(close_after_chunks=0), Faults(hang=True)):
+        for fault in (Faults(close_after_chunks=0), Faults(hang=True)):
             e["d0"].faults = fault
             e["d1"].faults = fault
             e["d0"].requests.clear()
@@ -75,7 +77,7 @@ async def test_decode_failure_before_first_byte_retried_elsewhere() -> None:
             assert len(completion_text(res.events).split()) == 5
             assert len(e["d0"].seen()) == len(e["d1"].seen()) == 1, fault
         text = await rp.metrics()
-    assert metric_value(text, "pdstack_proxy_retries_total", leg="decode") == 3
+    assert metric_value(text, "pdstack_proxy_retries_total", leg="decode") == 2
 
 
 async def test_no_retry_after_first_byte_error_event_instead() -> None:
@@ -139,7 +141,7 @@ async def test_passive_ejection_from_request_failures() -> None:
     async with engines("p0", "d0", "d1") as e:
         cfg = {"eject_after": 2, "health_interval_s": 60}
         async with running_proxy(pd_table(e, ["p0"], ["d0", "d1"]), **cfg) as rp:
-            e["d0"].faults = Faults(status=500)
+            e["d0"].faults = Faults(close_after_chunks=0)  # dies before its first byte
             for i in range(8):
                 res = await stream_completion(rp.session, rp.url, f"q{i}")
                 assert res.status == 200

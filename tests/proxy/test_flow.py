@@ -208,6 +208,9 @@ async def test_models_health_metrics_endpoints() -> None:
             await asyncio.sleep(1.0)
             async with rp.session.get(f"{rp.url}/health") as resp:
                 assert resp.status == 503
+                assert await resp.json() == {"status": "degraded"}  # no names without a token
+            async with rp.session.get(f"{rp.url}/health", headers=rp.admin_headers()) as resp:
+                assert resp.status == 503
                 body = await resp.json()
     assert "no healthy decoder for prefiller p0 on node n1" in body["reason"]
     assert metric_value(text, "pdstack_proxy_requests_total", outcome="ok") == 1

@@ -280,7 +280,8 @@ async def test_decode_failure_before_first_byte_retried_on_other_decoder() -> No
     async with engines("p0", "d0", "d1", output_tokens=3) as e:
         e["d0"].faults = Faults(status=503, times=1)
         t = lmpd_table(e, ["p0"], {"d0": RX0, "d1": RX1})
-        async with running_proxy(t) as rp:
+        async with running_proxy(t, eject_after=100) as rp:
+            e["d0"].faults.health_status = 503  # the 5xx is confirmed: d0 is really sick
             rp.proxy.rng = FirstChoice()  # p2c picks d0 (first paired decoder)
             point_prefillers_at_proxy(e, rp, "p0")
             res = await stream_completion(rp.session, rp.url, "q " * 10,
