@@ -83,6 +83,9 @@ async def read_body(
         response = error_response(408, f"request body not received within {timeout_s:g}s")
         response.force_close()
         return response, taken
+    except BaseException:  # the client went away (or we were cancelled) mid-body
+        budget.give(taken)
+        raise
     data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     return data, taken
 

@@ -12,7 +12,12 @@ Endpoints
   decoding of one model). Prompt tokens are counted as whitespace-separated words.
   Headers are sent at once (like vLLM), the first token after ``ttft_ms``, then
   one SSE event per token every ``itl_ms``. ``stream_options.include_usage``
-  adds a usage event; the stream ends with ``data: [DONE]``.
+  adds a usage event; the stream ends with ``data: [DONE]``. Usage carries
+  ``prompt_tokens_details.cached_tokens`` (vLLM's ``--enable-prompt-tokens-details``):
+  all prompt tokens for a prompt this engine has seen before, and for a decode leg
+  carrying ``do_remote_prefill`` (its KV came from the prefiller), else 0.
+- ``api_key``: when set, generation requests without ``Authorization: Bearer <it>``
+  get 401 (vLLM's ``--api-key`` / ``VLLM_API_KEY``).
 - ``kv_transfer_params`` (the vLLM NIXL P/D protocol): a request with
   ``{"do_remote_decode": true}`` is a prefill leg: the response carries
   ``kv_transfer_params = {"do_remote_prefill": true, "remote_engine_id": <name>,
@@ -50,6 +55,10 @@ Faults (``FakeEngine.faults``, a :class:`Faults`; applies to generation requests
   non-streaming request: abort before answering.
 - ``times``: apply the fault to that many more requests, then clear it
   (``None`` = every request).
+- ``poison`` (a string) with ``poison_status``: a request whose prompt contains it is
+  answered ``poison_status`` (default 500) with an OpenAI error JSON, while ``/health``
+  stays 200: a "bad request" that makes an engine fail without the engine being sick.
+  Independent of the other faults and of ``times``.
 - ``health_status``: what ``/health`` answers (e.g. 503).
 
 In-process use (tests)
@@ -81,6 +90,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import os
 import time
 import uuid
 from collections import deque
@@ -103,6 +113,8 @@ class Faults:
     close_after_chunks: int | None = None
     times: int | None = None
     health_status: int = 200
+    poison: str | None = None
+    poison_status: int = 500
 
     def active(self) -> bool:
         return (
@@ -166,6 +178,7 @@ class FakeEngine:
         max_records: int = 100_000,
         lmcache_pd_notify: str | None = None,
         lmcache_pd_notify_delay_ms: float = 0.0,
+        api_key: str | None = None,
     ) -> None:
         self.name = name
         self.host = host
@@ -176,6 +189,8 @@ class FakeEngine:
         self.model = model
         self.record = record
         self.faults = Faults()
+        self.api_key = api_key
+        self._seen_prompts: set[bytes] = set()
         self.requests: deque[SeenRequest] = deque(maxlen=max_records)
         self.running = 0
         self.counters: dict[str, int] = {
@@ -284,7 +299,11 @@ class FakeEngine:
             faults.times -= 1
             taken = dataclasses.replace(faults)
             if faults.times == 0:
-                self.faults = Faults(health_status=faults.health_status)
+                self.faults = Faults(
+                    health_status=faults.health_status,
+                    poison=faults.poison,
+                    poison_status=faults.poison_status,
+                )
             return taken
         return faults
 
@@ -392,6 +411,14 @@ class FakeEngine:
             self.requests.append(
                 SeenRequest(request.path, {k.lower(): v for k, v in request.headers.items()}, body)
             )
+        if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        poison = self.faults.poison
+        if poison and poison in _prompt_text(body):
+            status = self.faults.poison_status
+            return web.json_response(
+                _error_json(status, f"poisoned request at {self.name}"), status=status
+            )
         fault = self._take_fault()
         if fault is not None:
             if fault.delay_ms > 0:
@@ -431,8 +458,13 @@ class FakeEngine:
         spec = kv_in.get("disagg_spec")
         if isinstance(spec, dict) and self.lmcache_pd_notify:
             self._push_lmcache_pd_notify(str(spec.get("req_id", "")))
+        prompt_key = hashlib.blake2b(prompt.encode(), digest_size=16).digest()
+        cached = prompt_tokens if prompt_key in self._seen_prompts else 0
+        if len(self._seen_prompts) < 100_000:
+            self._seen_prompts.add(prompt_key)
         if kv_in.get("do_remote_prefill"):
             self.counters["external_kv_transfer"] += prompt_tokens
+            cached = prompt_tokens
         else:
             self.counters["local_compute"] += prompt_tokens
         self.counters["prompt_tokens"] += prompt_tokens
@@ -440,6 +472,7 @@ class FakeEngine:
             "prompt_tokens": prompt_tokens,
             "completion_tokens": count,
             "total_tokens": prompt_tokens + count,
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
         model = body.get("model") or self.model
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
@@ -569,6 +602,12 @@ def main(argv: list[str] | None = None) -> int:
         help="send LMCache's ProxyNotif there for prefill legs carrying a disagg_spec",
     )
     parser.add_argument("--lmcache-pd-notify-delay-ms", type=float, default=0.0)
+    parser.add_argument(
+        "--api-key-env",
+        default=None,
+        metavar="NAME",
+        help="require the API key in this environment variable (e.g. VLLM_API_KEY)",
+    )
     args = parser.parse_args(argv)
     engine = FakeEngine(
         name=args.name or f"fake-{args.port}",
@@ -581,6 +620,7 @@ def main(argv: list[str] | None = None) -> int:
         record=not args.no_record,
         lmcache_pd_notify=args.lmcache_pd_notify,
         lmcache_pd_notify_delay_ms=args.lmcache_pd_notify_delay_ms,
+        api_key=os.environ.get(args.api_key_env) if args.api_key_env else None,
     )
     try:
         import uvloop  # type: ignore[import-not-found]
