@@ -368,6 +368,10 @@ def _engine_service(
         "--max-model-len", str(m.max_model_len),
         "--dtype", m.dtype,
         "--load-format", m.load_format,
+        # usage.prompt_tokens_details.cached_tokens: the proxy tells clients the prefill
+        # leg's prefix-cache hit (pdstack.proxy.app); VLLM_API_KEY, when the node's
+        # secrets file sets it, makes vLLM refuse requests without it (never in argv)
+        "--enable-prompt-tokens-details",
     ]
     if "{revision}" not in m.name and not m.name.startswith("/"):
         cmd += ["--revision", m.revision]

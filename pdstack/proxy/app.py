@@ -1229,7 +1229,7 @@ def _cached_tokens(usage: Any) -> int | None:
         return None
     details = usage.get("prompt_tokens_details")
     if not isinstance(details, dict):
-        return 0 if "prompt_tokens" in usage else None
+        return None  # the engine does not report it (no --enable-prompt-tokens-details)
     value = details.get("cached_tokens")
     return value if isinstance(value, int) else None
 

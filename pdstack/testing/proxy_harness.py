@@ -47,6 +47,7 @@ def table(
     backends: list[dict],
     pairings: list[tuple[str, str, str]] | None = None,
     threshold: int = 0,
+    served_model_name: str = "fake",
 ) -> dict[str, Any]:
     """A backend table dict; pairings default to every P x D allowed by ``kv_mode``."""
     if pairings is None:
@@ -60,7 +61,7 @@ def table(
                 pairings.append((p["name"], d["name"], path))
     return {
         "kv_mode": kv_mode,
-        "served_model_name": "fake",
+        "served_model_name": served_model_name,
         "backends": backends,
         "pairings": [{"prefill": p, "decode": d, "kv_path": k} for p, d, k in pairings],
         "skip_prefill_threshold_tokens": threshold,

@@ -119,6 +119,7 @@ def start_engine(
     cpu: str,
     kv_transfer_config: dict[str, Any] | None,
     extra_env: dict[str, str] | None = None,
+    extra_args: list[str] | None = None,
 ) -> Proc:
     cmd = [
         str(VENV / "bin" / "vllm"),
@@ -139,6 +140,7 @@ def start_engine(
     ]
     if kv_transfer_config is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+    cmd += extra_args or []
     env = base_env(cpu) | (extra_env or {})
     proc = spawn(name, cmd, env)
     proc.url = f"http://127.0.0.1:{port}"

@@ -334,8 +334,7 @@ def test_real_proxy_behind_launch(stacks: list[Stack], tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{st.ports['proxy']}/health"
     with urllib.request.urlopen(url, timeout=5) as resp:
         body = json.loads(resp.read())
-    assert body["kv_mode"] == "nixl" and body["status"] == "ok"
-    assert set(body["backends"]) == {"n1/prefill-0", "n1/decode-0"}
+    assert body == {"status": "ok"}  # every backend healthy; no names without the admin token
     assert "-m pdstack.cli proxy --backends" in (st.logs / "proxy.log").read_text()
 
 

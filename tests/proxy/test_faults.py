@@ -48,10 +48,12 @@ async def test_prefill_500_retried_on_other_prefiller() -> None:
 
 
 async def test_all_prefillers_failing_gives_502_with_reason() -> None:
-    async with engines("p0", "d0") as e:
-        async with running_proxy(pd_table(e, ["p0"], ["d0"]), eject_after=100) as rp:
-            e["p0"].faults = Faults(status=503, health_status=503)
-            res = await stream_completion(rp.session, rp.url, "hello")
+    async with (
+        engines("p0", "d0") as e,
+        running_proxy(pd_table(e, ["p0"], ["d0"]), eject_after=100) as rp,
+    ):
+        e["p0"].faults = Faults(status=503, health_status=503)
+        res = await stream_completion(rp.session, rp.url, "hello")
     assert res.status == 502
     assert "prefill p0 answered 503" in res.text
     assert not e["d0"].seen()

@@ -3,6 +3,9 @@
 Asserts from the engines' own /metrics that the KV really moved (the decoder's prompt
 tokens come from `external_kv_transfer`, NIXL bytes were transferred) and that greedy
 tokens through the proxy equal a non-disaggregated run of the same engine build.
+The engines run as the stacks do: with ``VLLM_API_KEY`` in their environment (they
+refuse requests without it; the proxy sends it on both legs) and
+``--enable-prompt-tokens-details`` (the proxy reports the prefill leg's cached tokens).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ pytestmark = pytest.mark.vllm
 EXT = {"source": "external_kv_transfer"}
 LOCAL = {"source": "local_compute"}
 SOURCE = "vllm:prompt_tokens_by_source_total"
+ENGINE_KEY = "nixl-test-engine-key"
+KEYED = {"Authorization": f"Bearer {ENGINE_KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +55,18 @@ def nixl_engines() -> Iterator[tuple[Proc, Proc]]:
                 side = {
                     "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                     "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+                    "VLLM_API_KEY": ENGINE_KEY,
                 }
                 config = {
                     "kv_connector": "NixlConnector",
                     "kv_role": role,
                     "kv_buffer_device": "cpu",
                 }
-                procs.append(start_engine(name, free_port(), cpu, config, side))
+                procs.append(
+                    start_engine(
+                        name, free_port(), cpu, config, side, ["--enable-prompt-tokens-details"]
+                    )
+                )
             wait_ready(procs)
             yield procs[0], procs[1]
         finally:
@@ -83,6 +93,7 @@ def pd_table(prefill: Proc, decode: Proc) -> dict:
                 "generation": "tiny-s1@cpu",
             },
         ],
+        served_model_name="tiny",
     )
 
 
@@ -101,7 +112,7 @@ async def test_nixl_kv_moves_and_tokens_match_single_engine(
     prefill, decode = nixl_engines
     prompt = prompt_of(450, seed=1)
     sampling = {"model": "tiny", "max_tokens": 16, "temperature": 0}
-    async with running_proxy(pd_table(prefill, decode)) as rp:
+    async with running_proxy(pd_table(prefill, decode), engine_api_key=ENGINE_KEY) as rp:
         before = scrape(decode.url)
         res = await stream_completion(
             rp.session,
@@ -117,7 +128,7 @@ async def test_nixl_kv_moves_and_tokens_match_single_engine(
         assert not res.error_events and res.events[-1] == "[DONE]"
         # non-disaggregated reference: the same request straight to one engine, no KV params
         async with rp.session.post(
-            f"{prefill.url}/v1/completions", json={**sampling, "prompt": prompt}
+            f"{prefill.url}/v1/completions", json={**sampling, "prompt": prompt}, headers=KEYED
         ) as resp:
             reference = (await resp.json())["choices"][0]["text"]
         # the non-streaming path through the proxy too
@@ -152,7 +163,7 @@ async def test_nixl_kv_moves_and_tokens_match_single_engine(
 async def test_nixl_chat_through_proxy(nixl_engines: tuple[Proc, Proc]) -> None:
     prefill, decode = nixl_engines
     system = prompt_of(300, seed=2)
-    async with running_proxy(pd_table(prefill, decode)) as rp:
+    async with running_proxy(pd_table(prefill, decode), engine_api_key=ENGINE_KEY) as rp:
         before = scrape(decode.url)
         res = await stream_completion(
             rp.session, rp.url, system, chat=True, model="tiny", max_tokens=8, temperature=0
@@ -161,3 +172,46 @@ async def test_nixl_chat_through_proxy(nixl_engines: tuple[Proc, Proc]) -> None:
     assert res.status == 200 and not res.error_events, res.text
     assert completion_text(res.events)
     assert metric_value(after, SOURCE, **EXT) - metric_value(before, SOURCE, **EXT) > 200
+
+
+async def test_engine_key_refused_without_served_with_and_cached_tokens(
+    nixl_engines: tuple[Proc, Proc],
+) -> None:
+    """An engine started with VLLM_API_KEY refuses a request without it (the private
+    network alone does not reach it); a proxy without the key gets that 401 back to the
+    client as is (no retry, no ejection); the proxy with the key is served, and tells
+    the client the prefill leg's cached tokens (0, then the prompt's cached blocks)."""
+    prefill, decode = nixl_engines
+    prompt = prompt_of(200, seed=14)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    async with running_proxy(pd_table(prefill, decode)) as unkeyed:
+        for engine in (prefill, decode):
+            async with unkeyed.session.post(f"{engine.url}/v1/completions", json=body) as resp:
+                assert resp.status == 401, await resp.text()
+        async with unkeyed.session.post(f"{unkeyed.url}/v1/completions", json=body) as resp:
+            assert resp.status == 401  # the engine's answer, passed through
+        assert all(b.healthy for b in unkeyed.registry.backends.values())
+        text = await unkeyed.metrics()
+        assert metric_value(text, "pdstack_proxy_retries_total") == 0
+    async with running_proxy(pd_table(prefill, decode), engine_api_key=ENGINE_KEY) as rp:
+        usages = []
+        for _ in range(2):
+            res = await stream_completion(
+                rp.session,
+                rp.url,
+                prompt,
+                model="tiny",
+                max_tokens=4,
+                temperature=0,
+                stream_options={"include_usage": True},
+            )
+            assert res.status == 200 and not res.error_events, res.text
+            usages.append(usage_of(res.events))
+        async with rp.session.post(f"{rp.url}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            unary = (await resp.json())["usage"]
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usages]
+    print(f"\nprompt_tokens={usages[0]['prompt_tokens']} cached={cached} unary={unary}")
+    assert cached[0] == 0  # a new prompt: nothing in the prefiller's cache
+    assert 16 <= cached[1] <= usages[1]["prompt_tokens"]  # its blocks, the second time
+    assert unary["prompt_tokens_details"]["cached_tokens"] == cached[1]

@@ -86,6 +86,7 @@ def l1_table(prefill: Proc, decode: Proc, threshold: int = 0) -> dict:
             },
         ],
         threshold=threshold,
+        served_model_name="tiny",
     )
 
 
