@@ -76,6 +76,8 @@ class EngineSpec(_Strict):
     gpus: list[int] = Field(default_factory=list)
     cpu_threads_bind: str = "nobind"
     kv_cache_bytes: int | None = Field(default=None, gt=0)
+    # several engines on one GPU (measurement rigs with one GPU): each must fix its KV size
+    share_gpu: bool = False
     extra_args: list[str] = Field(default_factory=list)
 
 
@@ -384,6 +386,12 @@ def check_topology(topo: Topology, hosts_file: str, vars_file: str) -> list[Prob
                     Problem(hosts_file, f"{field}.role",
                             f"role colocated needs a colocated kv_mode (kv_mode is {d.kv_mode})")
                 )
+            if eng.share_gpu and not eng.kv_cache_bytes:
+                problems.append(
+                    Problem(hosts_file, f"{field}.kv_cache_bytes",
+                            "share_gpu: true needs a fixed kv_cache_bytes (engines on one GPU "
+                            "cannot each size their KV from free memory)")
+                )
             if d.profile == "gpu":
                 if not eng.gpus:
                     problems.append(Problem(hosts_file, f"{field}.gpus", "no GPUs given"))
@@ -393,10 +401,14 @@ def check_topology(topo: Topology, hosts_file: str, vars_file: str) -> list[Prob
                             Problem(hosts_file, f"{field}.gpus",
                                     f"GPU index {g} out of range (node has {node.gpu_count} GPUs)")
                         )
-                    elif g in used:
+                    elif g in used and not (
+                        eng.share_gpu and node.engines[used[g]].share_gpu
+                    ):
                         problems.append(
                             Problem(hosts_file, f"{field}.gpus",
-                                    f"GPU {g} already used by pdstack_engines[{used[g]}]")
+                                    f"GPU {g} already used by pdstack_engines[{used[g]}] "
+                                    "(engines share a GPU only when both set share_gpu: true "
+                                    "and kv_cache_bytes)")
                         )
                     else:
                         used[g] = i
