@@ -35,6 +35,7 @@ from typing import Any
 
 import yaml
 
+from pdstack.bench.stats import cost_per_million_output_tokens
 from pdstack.plan import make_plan
 from pdstack.topology import (
     KV_MODES,
@@ -438,6 +439,14 @@ class Option:
             return f"{self.prefill}P+{self.decode}D"
         return f"{self.colocated}x engine"
 
+    def cross_node_pairs(self) -> int:
+        """P/D pairs the proxy may route across nodes (shared-l1 keeps every pair in one)."""
+        if not self.curve.shape.pd or self.curve.shape.kv_mode == "shared-l1":
+            return 0
+        per = [(sum(r == "prefill" for r, _ in n), sum(r == "decode" for r, _ in n))
+               for n in self.nodes]
+        return self.prefill * self.decode - sum(p * d for p, d in per)
+
     def units(self) -> str:
         s = self.curve.shape
         if s.pd:
@@ -729,11 +738,11 @@ class Advice:
         return None if self.price is None else o.gpus * self.price
 
     def cost_1m(self, o: Option) -> float | None:
-        ch = self.cost_h(o)
+        """At the target rate, with the knee's output tokens per request."""
         tok = o.knee.out_tokens_per_req
-        if ch is None or not tok:
+        if self.price is None or not tok:
             return None
-        return ch / (self.target * tok * 3600 / 1e6)
+        return cost_per_million_output_tokens(self.target * tok, self.price, o.gpus)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -747,6 +756,8 @@ class Advice:
                  "knee_gpus": o.curve.gpus, "rps_per_gpu_at_knee": o.knee.rate / o.curve.gpus,
                  "prefill": o.prefill, "decode": o.decode, "colocated": o.colocated,
                  "gpus": o.gpus, "nodes": len(o.nodes), "capacity_rps": o.capacity,
+                 "cross_node_pairs": o.cross_node_pairs(),
+                 "placement": [[r for r, _ in nd] for nd in o.nodes],
                  "headroom": o.capacity / self.target - 1,
                  "est_ttft_p50_ms": o.est_p50, "est_ttft_p99_ms": o.est_p99,
                  "cost_per_hour": self.cost_h(o), "cost_per_1m_output_tokens": self.cost_1m(o),
@@ -777,7 +788,10 @@ def advise(
     source = "a --results file"
     if pdoc is None and proxy_overhead_file is not None and proxy_overhead_file.is_file():
         pdoc = json.loads(proxy_overhead_file.read_text())
-        source = str(proxy_overhead_file)
+        try:
+            source = str(proxy_overhead_file.resolve().relative_to(Path.cwd()))
+        except ValueError:
+            source = str(proxy_overhead_file)
     ovh = proxy_overhead(pdoc, source)
     curves = check_coverage(curves, model, scenario)
     options, skipped = [], []
@@ -793,6 +807,12 @@ def advise(
     if ovh.max_rate is not None and target > ovh.max_rate:
         warnings.append(f"one proxy was measured up to {ovh.max_rate:.1f} req/s ({ovh.source}); "
                         f"{target:g} req/s through one proxy is past that measurement")
+    best = options[0]
+    if best.cross_node_pairs():
+        warnings.append(
+            f"{best.cross_node_pairs()} of the best option's {best.prefill * best.decode} P/D "
+            f"pairs cross nodes (KV over NIXL on the network); its measured unit ran on one node"
+        )
     return Advice(target, slo, options, skipped, warnings, price, ovh)
 
 

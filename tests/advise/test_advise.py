@@ -333,5 +333,10 @@ def test_headroom_and_node_size(tmp_path: Path, capsys: pytest.CaptureFixture[st
     o = doc["options"][0]
     assert (o["prefill"], o["decode"], o["nodes"]) == (4, 4, 4)  # 75 req/s -> 4 units
     assert o["headroom"] == pytest.approx(96 / 60 - 1, abs=1e-6)
+    assert o["placement"] == [["prefill", "decode"]] * 4 and o["cross_node_pairs"] == 12
+    assert "12 of the best option's 16 P/D pairs cross nodes" in doc["warnings"][0]
+    # past the rate one proxy was measured at: said, not hidden
+    doc = advice_json(["--results", nixl, "--target-rps", "100"], capsys)
+    assert any("one proxy was measured up to 92.5 req/s" in w for w in doc["warnings"])
     rc, _, err = run(["--results", nixl, "--target-rps", "60", "--topology", "nixl"], capsys)
     assert rc == 2 and "LABEL=INVENTORY_DIR" in err
