@@ -407,8 +407,12 @@ def sides(curve: Curve, kp: Point) -> tuple[Side, Side] | None:
             pre.ms.append(p.leg_ms("prefill") or 0.0)
         else:
             pre_open = False
-        if dec_open and handed and p.served >= SERVED_SHARE * min(handed, p.sent):
-            dec.xs.append(p.rate * min(1.0, handed / p.sent) / s.decode)
+        # what the decoders were handed, in asked req/s per decoder (less than asked when
+        # the prefillers queued); a curve whose hand-over shrinks stops there
+        x_d = p.rate * min(1.0, handed / p.sent) / s.decode if p.sent else 0.0
+        if (dec_open and handed and p.served >= SERVED_SHARE * min(handed, p.sent)
+                and x_d > dec.xs[-1]):
+            dec.xs.append(x_d)
             dec.ms.append(p.leg_ms("decode_first_byte") or 0.0)
         else:
             dec_open = False

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from pdstack.advise import AdviseError, Slo, advise, knee, read_curves
+from pdstack.advise import AdviseError, Slo, advise, knee, read_curves, sides
 from pdstack.cli import main
 
 from . import synth
@@ -340,3 +340,25 @@ def test_headroom_and_node_size(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert any("one proxy was measured up to 92.5 req/s" in w for w in doc["warnings"])
     rc, _, err = run(["--results", nixl, "--target-rps", "60", "--topology", "nixl"], capsys)
     assert rc == 2 and "LABEL=INVENTORY_DIR" in err
+
+
+def test_sides_stop_where_a_side_stopped_keeping_up(tmp_path: Path) -> None:
+    """Past the knee a side counts only up to its first point that did not keep up, and a
+    leg's growth is interpolated between measured points, never past the last."""
+    doc = synth.bench_doc("nixl", 2, [
+        synth.point(10, 10, 300, 600, prefill=(10, 100), first_byte=(10, 40)),
+        synth.point(20, 15, 2500, 4000, prefill=(15, 2000), first_byte=(15, 50)),
+        synth.point(30, 12, 6000, 9000, prefill=(12, 5000), first_byte=(12, 60)),
+    ])
+    doc["config"]["topology"] = {"kv_mode": "nixl", "prefill": 1, "decode": 1}
+    f = synth.write(tmp_path / "n.json", doc)
+    (curve,), _ = read_curves([f], {}, [tmp_path])
+    kp = knee(curve, SLO)
+    assert kp is not None and kp.rate == 10
+    got = sides(curve, kp)
+    assert got is not None
+    pre, dec = got
+    assert pre.xs == [10]  # the prefiller queued at 20 (15 of 20/s handed over)
+    assert dec.xs == [10, 15]  # decoders delivered the 15/s; at 30 they were handed less
+    assert dec.delta(10) == 0 and dec.delta(12.5) == pytest.approx(5)
+    assert dec.delta(15.01) is None and pre.delta(10.5) is None
