@@ -29,6 +29,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -478,7 +479,7 @@ def _estimate(
     return kp.p50 + dp + dd + add[0], kp.p99 + dp + dd + add[1]
 
 
-def _capacity(ok: Any, target: float) -> float:
+def _capacity(ok: Callable[[float], bool], target: float) -> float:
     """The highest rate >= target for which ok(rate) holds (ok is monotone)."""
     lo, hi = target, target * 2
     while ok(hi) and hi < target * 1e6:
