@@ -36,6 +36,7 @@ from typing import Any
 
 import yaml
 
+from pdstack import kvmodes
 from pdstack.bench.stats import cost_per_million_output_tokens
 from pdstack.plan import make_plan
 from pdstack.topology import (
@@ -446,7 +447,7 @@ class Option:
 
     def cross_node_pairs(self) -> int:
         """P/D pairs the proxy may route across nodes (shared-l1 keeps every pair in one)."""
-        if not self.curve.shape.pd or self.curve.shape.kv_mode == "shared-l1":
+        if not self.curve.shape.pd or same_node_only(self.curve.shape.kv_mode):
             return 0
         per = [(sum(r == "prefill" for r, _ in n), sum(r == "decode" for r, _ in n))
                for n in self.nodes]
@@ -490,11 +491,20 @@ def _capacity(ok: Callable[[float], bool], target: float) -> float:
     return lo
 
 
+def same_node_only(kv_mode: str | None) -> bool:
+    """Must every prefiller's decoders be on its node (shared-l1: the store is per node)?"""
+    if kv_mode not in kvmodes.MODES:
+        return False
+    mode = kvmodes.get(kv_mode)
+    return mode.disaggregated and not mode.cross_node
+
+
 def place(
     engines: list[tuple[str, int]], gpus_per_node: int, kv_mode: str | None
 ) -> list[list[tuple[str, int]]] | None:
     """Engines (role, GPUs) onto the fewest nodes; prefillers and decoders spread evenly so that
-    pairs stay local, and in shared-l1 every node gets both (its LMCache store is per node)."""
+    pairs stay local, and where the KV mode pairs only within a node (shared-l1) every node gets
+    both."""
     total = sum(g for _, g in engines)
     if any(g > gpus_per_node for _, g in engines):
         return None
@@ -511,7 +521,7 @@ def place(
             free[i] -= g
         else:
             used = [nd for nd in nodes if nd]
-            if kv_mode == "shared-l1" and any(
+            if same_node_only(kv_mode) and any(
                 {r for r, _ in nd} != {"prefill", "decode"} for nd in used
             ):
                 continue
