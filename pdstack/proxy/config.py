@@ -18,6 +18,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdstack.proxy.admission import AdmissionConfig
+
 ADMIN_TOKEN_ENV = "PDSTACK_ADMIN_TOKEN"
 API_KEYS_ENV = "PDSTACK_API_KEYS"
 ENGINE_API_KEY_ENV = "VLLM_API_KEY"
@@ -39,6 +41,8 @@ class ProxyConfig:
     body_timeout_s: float = 30.0  # the whole body, from the end of the head
     idle_timeout_s: float = 60.0  # a kept-alive connection with no request
     admin_auth_failures_per_min: int = 10  # per client address, then 429
+    # KV-aware admission (off unless enabled: ``--admission kv``)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     # routing
     prefix_chars: int = 1024  # leading characters hashed for prefill affinity
     load_factor: float = 1.25  # bounded-load factor c (>= 1)
