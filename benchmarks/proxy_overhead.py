@@ -6,7 +6,9 @@
   (b) pdstack:     through ``pdstack proxy --kv-mode nixl``;
   (c) vllm-router: through the Rust ``vllm-router --vllm-pd-disaggregation``;
   pdstack-uvloop: (b) with uvloop importable (``--uvloop-path``);
-  pdstack-gc:     (b) started through benchmarks/gc_tuned.py (collector frozen/tuned).
+  pdstack-gc:     (b) started through benchmarks/gc_tuned.py (collector frozen/tuned);
+  pdstack-base:   (b) from another source tree (``--baseline-src DIR``, e.g. ``git worktree
+                  add DIR main``): old and new code in the same run, on the same engines.
 
 P and D are ``pdstack.testing.fake_engine`` processes with a fixed TTFT and
 inter-token delay, so every millisecond above the direct path is the proxy's.
@@ -123,6 +125,7 @@ class Proc:
     cmd: list[str]
     url: str
     env: dict[str, str] | None = None
+    cwd: Path = REPO
     popen: subprocess.Popen[bytes] | None = None
     log: Path | None = None
 
@@ -130,7 +133,7 @@ class Proc:
         self.log = log_dir / f"{self.name}.log"
         with self.log.open("wb") as fh:
             self.popen = subprocess.Popen(
-                self.cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                self.cmd, cwd=self.cwd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, **self.env} if self.env else None,
             )
         wait_http(self.url + ready_path, timeout, self.popen)
@@ -194,6 +197,17 @@ def build_setup(args: argparse.Namespace) -> Setup:
              *args.pdstack_arg],
             f"http://127.0.0.1:{port}",
             env=uv_env if name == "pdstack-uvloop" else None,
+        )
+    if "pdstack-base" in args.targets:
+        port = free_port()
+        src = args.baseline_src.resolve()
+        setup.proxies["pdstack-base"] = Proc(
+            "pdstack-base",
+            [py, "-m", "pdstack.cli", "proxy", "--prefill", prefill.url, "--decode", decode.url,
+             "--kv-mode", "nixl", "--host", "127.0.0.1", "--port", str(port)],
+            f"http://127.0.0.1:{port}",
+            env={"PYTHONPATH": str(src)},
+            cwd=src,
         )
     if "vllm-router" in args.targets:
         port = free_port()
@@ -386,7 +400,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="concurrent streams, comma-separated (default 1,100,500)")
     p.add_argument("--targets", default=None,
                    type=lambda s: [x.strip() for x in s.split(",")],
-                   help="of direct, pdstack, pdstack-uvloop, pdstack-gc, vllm-router "
+                   help="of direct, pdstack, pdstack-uvloop, pdstack-gc, pdstack-base, "
+                   "vllm-router "
                    "(default: all, pdstack-uvloop only when uvloop is there)")
     p.add_argument("--duration", type=float, default=20.0,
                    help="measured seconds per target and stream count (default 20)")
@@ -414,6 +429,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    ".venv-uvloop when present): the load generator and the fake engines use "
                    "it, and target pdstack-uvloop runs the pdstack proxy with it")
     p.add_argument("--no-uvloop", action="store_true", help="plain asyncio everywhere")
+    p.add_argument("--baseline-src", type=Path, default=None,
+                   help="pdstack source tree for target pdstack-base (old code, same run)")
     p.add_argument("--nice", type=int, default=-10,
                    help="niceness increment for this run and the processes it starts "
                    "(default -10 as root: shields the measurement from unrelated work on a "
@@ -433,11 +450,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.uvloop_path is not None:
             args.targets.insert(2, "pdstack-uvloop")
     unknown = set(args.targets) - {"direct", "pdstack", "pdstack-uvloop", "pdstack-gc",
-                                   "vllm-router"}
+                                   "pdstack-base", "vllm-router"}
     if unknown:
         p.error(f"unknown targets {sorted(unknown)}")
     if args.rounds < 1 or args.duration <= 0:
         p.error("need --rounds >= 1 and --duration > 0")
+    if "pdstack-base" in args.targets and (
+        args.baseline_src is None or not (args.baseline_src / "pdstack" / "cli.py").is_file()
+    ):
+        p.error("target pdstack-base needs --baseline-src DIR (a pdstack source tree)")
     if "pdstack-uvloop" in args.targets and args.uvloop_path is None:
         p.error("target pdstack-uvloop needs --uvloop-path")
     if args.uvloop_path is not None and not (args.uvloop_path / "uvloop").is_dir():
@@ -495,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
             "kv_mode": "nixl", "pdstack_args": args.pdstack_arg,
             "vllm_router": str(args.router_bin),
             "uvloop": args.uvloop_path is not None,
+            "baseline_src": str(args.baseline_src) if args.baseline_src else None,
         },
         "load_conditions": {
             "cpu_count": os.cpu_count(),

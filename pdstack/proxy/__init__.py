@@ -2,7 +2,11 @@
 
 Modules: ``backends`` (discovery: backend table, health state, pairings, generations),
 ``routing`` (bounded-load consistent hashing, power of two choices, prefix index),
-``metrics`` (Prometheus), ``app`` (aiohttp server and the two-leg flow), ``config``
+``metrics`` (Prometheus), ``app`` (aiohttp server and the two-leg flow), ``errors``
+(OpenAI error JSON for every reply of the proxy's own, the connection protocol with a
+request-head timeout), ``limits`` (body size / bytes held / read timeouts, input checks,
+request ids, leg budgets, admin auth-failure limiting), ``breaker`` (fault
+classification, circuit breaker), ``config``
 (settings, secrets from env), ``cli`` (``pdstack proxy``), ``lmcache_pd`` (LMCache's
 ProxyNotif listener and disagg_spec).
 
@@ -10,17 +14,31 @@ HTTP API
 --------
 - ``POST /v1/completions``, ``POST /v1/chat/completions`` (stream or not), ``GET /v1/models``:
   OpenAI-compatible; ``Authorization: Bearer <key>`` when ``PDSTACK_API_KEYS`` is set.
-  Every response carries ``X-Request-Id`` (the client's, or a new one), also sent on both
-  upstream legs. Errors use OpenAI's shape ``{"error": {"message", "type", "param",
-  "code"}}``; over ``--max-concurrency``: 429 with ``Retry-After``; nothing routable: 503
-  with the reason (e.g. "no healthy decoder for prefiller n1/prefill-0 on node n1").
+  Every response carries ``X-Request-Id`` (the client's when it is printable ASCII of at
+  most 128 characters, else a new one), also sent on both upstream legs. Every error the
+  proxy itself answers (400/401/403/404/405/408/413/429/502/503/504) has OpenAI's shape
+  ``{"error": {"message", "type", "param", "code"}}``: a wrong ``stream`` /
+  ``max_tokens`` / ``messages`` / ``prompt`` / ``model`` type is a 400 naming the field
+  (``param``), a ``model`` not served a 404 as vLLM answers it; a body over
+  ``--max-body-mb`` 413, one that does not arrive within ``--body-timeout`` 408, over
+  ``--max-body-held-mb`` held at once 503 + ``Retry-After``; over ``--max-concurrency``
+  (counted only once the body is read): 429 with ``Retry-After``; nothing routable: 503
+  with the reason (e.g. "no healthy decoder for prefiller n1/prefill-0 on node n1"); every
+  try failed: 502, or 504 when the last one ran out of its leg budget. An engine's 4xx,
+  and its 5xx when its /health still passes, reach the client as the engine answered.
+  In P/D, ``usage.prompt_tokens_details.cached_tokens`` is the prefill leg's (its prefix
+  cache hit; the engines run with ``--enable-prompt-tokens-details``).
   A stream whose upstream dies after its first byte ends with
   ``data: {"error": {...}}`` then ``data: [DONE]``.
-- ``GET /health``: 200 when at least one route (prefiller with a same-generation healthy
-  decoder, or a colocated engine) is usable, else 503 with ``reason``.
+- ``GET /health``: ``{"status": "ok"}`` (every backend healthy) or ``"degraded"``; 200
+  when at least one route (prefiller with a same-generation healthy decoder, or a
+  colocated engine) is usable, else 503. Backend names and states, ``kv_mode`` and the
+  ``reason`` only with the admin token.
 - ``GET /metrics``: Prometheus text (see :mod:`pdstack.proxy.metrics`).
 - Admin (``Authorization: Bearer $PDSTACK_ADMIN_TOKEN`` or ``X-Admin-Token``; without a
-  configured token the admin API answers 403):
+  configured token the admin API answers 403; more than
+  ``admin_auth_failures_per_min`` failed authentications from one address: 429 with
+  ``Retry-After`` until the minute has passed):
   - ``GET /admin/backends``: ``{"kv_mode", "backends": [{"name", "role", "node", "url",
     "generation", "state" (healthy|drained|ejected|down|unknown), "in_flight", "served", ...}],
     "pairings": [...], "in_flight"}``;
