@@ -40,6 +40,22 @@ class Breaker:
         self.eject_after = eject_after
         self.close_after = close_after
         self._suspicions: dict[str, asyncio.Task[None]] = {}
+        self._probes: dict[str, asyncio.Future[bool]] = {}
+
+    async def _probe(self, backend: BackendState) -> bool:
+        """One /health probe at a time per backend: concurrent callers (say, fifty
+        requests answered 5xx at once) share it."""
+        task = self._probes.get(backend.name)
+        if task is None:
+            task = asyncio.ensure_future(self.probe(backend))
+            self._probes[backend.name] = task
+            name = backend.name
+
+            def forget(_: asyncio.Future[bool]) -> None:
+                self._probes.pop(name, None)
+
+            task.add_done_callback(forget)
+        return await asyncio.shield(task)
 
     def failure(self, backend: BackendState, error: str) -> None:
         """A connection error or timeout: count it, and probe the backend now."""
@@ -58,7 +74,7 @@ class Breaker:
 
         async def check() -> None:
             try:
-                ok = await self.probe(backend)
+                ok = await self._probe(backend)
                 if not ok and backend.healthy:
                     reason = f"suspected, then /health failed: {backend.last_error}"
                     self.registry.eject(backend, reason)
@@ -69,7 +85,7 @@ class Breaker:
 
     async def confirm_5xx(self, backend: BackendState, error: str) -> bool:
         """Probe the engine after a 5xx; True (and ejected) when its /health fails too."""
-        if await self.probe(backend):
+        if await self._probe(backend):
             return False
         backend.last_error = error
         backend.consecutive_failures += 1
@@ -88,4 +104,7 @@ class Breaker:
     def close(self) -> None:
         for task in self._suspicions.values():
             task.cancel()
+        for probe in self._probes.values():
+            probe.cancel()
         self._suspicions.clear()
+        self._probes.clear()
