@@ -54,6 +54,10 @@ from typing import Any
 from pdstack import kvmodes
 
 ADMIN_TOKEN_ENV = "PDSTACK_ADMIN_TOKEN"
+ENGINE_KEY_ENV = "VLLM_API_KEY"
+# the node's secrets file (pdstack.plan.SECRETS_ENV_FILE; not imported: the engine_upgrade
+# role runs this file on the node without the planner's dependencies)
+SECRETS_ENV_FILE = "/etc/pdstack/secrets.env"
 STANDIN_TAG = "-standin-"
 
 
@@ -409,6 +413,7 @@ class Upgrader:
     health_timeout_s: float = 120.0
     allow_capacity_gap: bool = False
     standins: list[str] = field(default_factory=list)
+    engine_key: str | None = field(default=None, repr=False)  # the engines' VLLM_API_KEY
 
     @property
     def env(self) -> StackEnv:
@@ -613,7 +618,8 @@ class Upgrader:
         set_backends_json_generation(self.stack_dir / "backends.json", engine.backend, gen)
 
     def verify_and_warm(self, engine: Engine, model: str) -> None:
-        status, models = _http("GET", f"{engine.url}/v1/models", timeout=30)
+        auth = {"Authorization": f"Bearer {self.engine_key}"} if self.engine_key else {}
+        status, models = _http("GET", f"{engine.url}/v1/models", headers=auth, timeout=30)
         if status != 200 or not isinstance(models, dict) or not models.get("data"):
             raise UpgradeError(f"{engine.service}: /v1/models answered {status}: {models}")
         entry = models["data"][0]
@@ -622,7 +628,9 @@ class Upgrader:
             raise UpgradeError(f"{engine.service}: serves {root!r}, expected {model!r}")
         body = {"model": entry["id"], "prompt": "pdstack warm-up", "max_tokens": 2,
                 "temperature": 0}
-        status, answer = _http("POST", f"{engine.url}/v1/completions", body, timeout=300)
+        status, answer = _http(
+            "POST", f"{engine.url}/v1/completions", body, headers=auth, timeout=300
+        )
         if status != 200:
             raise UpgradeError(f"{engine.service}: warm-up request answered {status}: {answer}")
         log(f"{engine.service}: serves {model}, warm")
@@ -675,6 +683,22 @@ def read_admin_token(token_file: str | None) -> str:
     return token
 
 
+def read_engine_key(secrets_file: str | None) -> str | None:
+    """The engines' ``VLLM_API_KEY``: the environment's, else the node's secrets file's
+    (the engines read it from there; without one they take requests without a key)."""
+    key = os.environ.get(ENGINE_KEY_ENV)
+    if key:
+        return key
+    path = Path(secrets_file) if secrets_file else None
+    if path is None or not path.is_file() or not os.access(path, os.R_OK):
+        return None
+    for line in path.read_text().splitlines():
+        line = line.strip().removeprefix("export ").strip()
+        if line.startswith(f"{ENGINE_KEY_ENV}="):
+            return line.split("=", 1)[1].strip().strip("'\"") or None
+    return None
+
+
 def register(subparsers: Any, name: str, help_text: str) -> None:
     p = subparsers.add_parser(name, help=help_text, description=__doc__.splitlines()[0])
     add_arguments(p)
@@ -696,6 +720,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="upgrade only this service (repeatable)")
     p.add_argument("--admin-token-file",
                    help=f"file with {ADMIN_TOKEN_ENV}=... (default: the environment)")
+    p.add_argument("--secrets-env", default=SECRETS_ENV_FILE,
+                   help=f"the node's secrets file, for the engines' {ENGINE_KEY_ENV} when the "
+                        "environment has none (default %(default)s)")
     p.add_argument("--drain-timeout", type=float, default=600.0)
     p.add_argument("--health-timeout", type=float, default=120.0)
     p.add_argument("--wait-timeout", type=int, default=900,
@@ -724,6 +751,7 @@ def main(args: argparse.Namespace) -> int:
             drain_timeout_s=args.drain_timeout,
             health_timeout_s=args.health_timeout,
             allow_capacity_gap=args.allow_capacity_gap,
+            engine_key=read_engine_key(args.secrets_env),
         )
         t0 = time.monotonic()
         done = upgrader.run()

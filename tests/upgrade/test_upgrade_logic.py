@@ -181,3 +181,49 @@ vllm:prompt_tokens_total{engine="0",model_name="tiny"} 99.0
     assert engine_busy(text) == 3.0
     assert engine_busy(text.replace(" 1.0", " 0.0").replace(" 2.0", " 0.0")) == 0.0
     assert engine_busy("") == 0.0
+
+
+def test_verify_and_warm_sends_the_engines_key(tmp_path: Path) -> None:
+    """Engines with VLLM_API_KEY refuse the warm-up without it; the upgrade reads the key
+    from the environment or the node's secrets file and sends it."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from pdstack.testing.vllm_engines import free_port
+    from pdstack.upgrade import Upgrader, read_engine_key
+
+    secrets = tmp_path / "secrets.env"
+    secrets.write_text("# secrets\nHF_TOKEN=x\nVLLM_API_KEY='engine-key-1'\n")
+    env_key = os.environ.pop("VLLM_API_KEY", None)
+    try:
+        assert read_engine_key(str(secrets)) == "engine-key-1"
+        assert read_engine_key(str(tmp_path / "absent")) is None
+    finally:
+        if env_key is not None:
+            os.environ["VLLM_API_KEY"] = env_key
+    port = free_port()
+    proc = subprocess.Popen(  # a FakeEngine TEST DOUBLE that requires the key
+        [sys.executable, "-m", "pdstack.testing.fake_engine", "--port", str(port),
+         "--api-key-env", "VLLM_API_KEY"],
+        env={**os.environ, "VLLM_API_KEY": "engine-key-1"}, cwd=REPO,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.1)
+        engine = Engine("decode-0", "local/decode-0", "decode", "local",
+                        f"http://127.0.0.1:{port}")
+        keyless = Upgrader(None, None, tmp_path, None)  # type: ignore[arg-type]
+        with pytest.raises(UpgradeError, match="warm-up request answered 401"):
+            keyless.verify_and_warm(engine, "fake")
+        keyed = Upgrader(None, None, tmp_path, None, engine_key="engine-key-1")  # type: ignore[arg-type]
+        keyed.verify_and_warm(engine, "fake")
+    finally:
+        proc.terminate()
+        proc.wait(10)
