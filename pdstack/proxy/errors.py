@@ -91,18 +91,22 @@ class JsonErrorHandler(RequestHandler):
         super().__init__(*args, **kwargs)
         self._head_timer: asyncio.TimerHandle | None = None
 
+    def _waiting_for_head(self) -> bool:
+        # no handler running (it reads its body and writes its answer meanwhile), no
+        # parsed request queued: bytes arriving now belong to the next request head
+        return not (self._request_in_progress or self._messages or self._upgraded)
+
     def data_received(self, data: bytes) -> None:
-        waiting_head = self._payload_parser is None and not self._upgraded
-        if waiting_head and self._head_timer is None and self.header_timeout > 0:
+        if self._head_timer is None and self.header_timeout > 0 and self._waiting_for_head():
             self._head_timer = self._loop.call_later(self.header_timeout, self._head_expired)
         super().data_received(data)
-        if self._head_timer is not None and (self._messages or self._payload_parser is not None):
+        if self._head_timer is not None and not self._waiting_for_head():
             self._head_timer.cancel()
             self._head_timer = None
 
     def _head_expired(self) -> None:
         self._head_timer = None
-        if not self._messages and self._payload_parser is None and self.transport is not None:
+        if self._waiting_for_head() and self.transport is not None:
             log.info("closing a connection whose request head took over %gs", self.header_timeout)
             self.force_close()
 

@@ -159,6 +159,38 @@ async def test_slow_request_heads_are_closed_at_the_header_timeout() -> None:
             assert res.status == 200
 
 
+async def test_head_timeout_spares_bodies_streams_and_kept_alive_connections() -> None:
+    """The head timeout covers the head only: a body sent in pieces, a stream that
+    outlasts the timeout and a kept-alive connection between requests are untouched."""
+    async with engines("p0", "d0", output_tokens=8, itl_ms=200) as e:
+        cfg = {"header_timeout_s": 0.5, "idle_timeout_s": 30.0}
+        async with running_proxy(pd_table(e, ["p0"], ["d0"]), **cfg) as rp:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port_of(rp.url))
+            body = json.dumps(
+                {"model": "fake", "prompt": "p " * 50_000, "stream": True, "max_tokens": 8}
+            ).encode()
+            for _ in range(2):  # two requests on one connection
+                writer.write(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Content-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n" % len(body)
+                )
+                for i in range(0, len(body), 20_000):  # the body in pieces, 0.1 s apart
+                    writer.write(body[i : i + 20_000])
+                    await writer.drain()
+                    await asyncio.sleep(0.1)
+                async with asyncio.timeout(20):
+                    assert (await reader.readline()).startswith(b"HTTP/1.1 200")
+                    text = b""
+                    while not text.endswith(b"0\r\n\r\n"):  # ~1.6 s of stream, > 0.5 s
+                        chunk = await reader.read(65536)
+                        assert chunk, "connection closed mid-stream"
+                        text += chunk
+                    assert b"data: [DONE]" in text
+                await asyncio.sleep(1.0)  # idle between requests: longer than the head timeout
+            writer.close()
+
+
 async def test_idle_keepalive_connection_closed() -> None:
     async with (
         engines("p0", "d0") as e,
