@@ -2,7 +2,10 @@
 
 Modules: ``backends`` (discovery: backend table, health state, pairings, generations),
 ``routing`` (bounded-load consistent hashing, power of two choices, prefix index),
-``metrics`` (Prometheus), ``app`` (aiohttp server and the two-leg flow), ``errors``
+``metrics`` (Prometheus), ``app`` (the aiohttp server: routes, the generation entry
+point, health, models), ``flows`` (one request flow per KV mode), ``legs`` (the prefill
+and final legs, their retry loop, upstream calls), ``sse`` (the SSE relay, the usage
+rewrite), ``admin`` (auth and the admin API), ``errors``
 (OpenAI error JSON for every reply of the proxy's own, the connection protocol with a
 request-head timeout), ``limits`` (body size / bytes held / read timeouts, input checks,
 request ids, leg budgets, admin auth-failure limiting), ``breaker`` (fault

@@ -1,0 +1,404 @@
+"""The request flows, by KV mode; each picks backends and runs the legs
+(:mod:`pdstack.proxy.legs`).
+
+Request flow (``/v1/completions``, ``/v1/chat/completions``):
+1. API key (if configured); the body, read within ``body_timeout_s`` and the byte limits
+   of :mod:`pdstack.proxy.limits`; input checks (400 naming the field, 404 for a model
+   not served); then admission (over ``max_concurrency`` -> 429 + Retry-After).
+2. ``colocated``: one leg to an engine chosen by prefix affinity (bounded load).
+3. Skip-prefill (shared-l1 modes, threshold > 0): when the prefix index says the
+   uncached part of the prompt is below the threshold on some node, one leg straight to
+   a decoder on that node (p2c), which reads the prefix from the node's LMCache store.
+4. Otherwise two legs: prefill (prefix affinity, bounded load) with ``max_tokens=1``,
+   ``stream=false``, no ``stream_options`` / ``min_tokens``, and in NIXL pairings
+   ``kv_transfer_params={"do_remote_decode": true}``; then the original request to a
+   decoder paired with that prefiller (same generation; shared-l1 = same node; p2c),
+   carrying the prefill's ``kv_transfer_params`` in NIXL pairings. One ``X-Request-Id``
+   on both legs and on the response.
+5. ``lmcache-pd`` (LMCache's legacy push, see :mod:`pdstack.proxy.lmcache_pd`): the
+   decoder is chosen first (paired, usable, p2c); the prefill leg carries
+   ``kv_transfer_params={"disagg_spec": {"req_id", "receiver_host",
+   "receiver_init_port": [..], "receiver_alloc_port": [..]}}`` naming it (``req_id`` =
+   the X-Request-Id, suffixed on a retry or clash); the proxy waits (at most
+   ``lmcache_pd_notify_timeout_s``) for the prefiller's ZMQ ``ProxyNotif(req_id)`` on
+   its PULL socket, then sends the original request to that decoder. No notification
+   in time: logged + counted, the decode leg goes anyway (the decoder recomputes).
+Retries: a failed prefill leg, or a decode leg that has not produced its first byte,
+is retried on another backend (which failures count against a backend, and the circuit
+breaker: :mod:`pdstack.proxy.breaker`); each leg waits at most its budget
+(:class:`pdstack.proxy.limits.LegBudget`, from the prompt length) for the prefill answer
+or the first byte; never after bytes reached the client (then the stream
+ends with an OpenAI error event and ``data: [DONE]``). Client disconnect cancels the
+handler, which closes the upstream connection(s), so the engines abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from pdstack.proxy.admission import AdmissionRejected, prompt_tokens
+from pdstack.proxy.backends import BackendState
+from pdstack.proxy.errors import error_response
+from pdstack.proxy.legs import Legs, Passthrough, RequestContext, Retryable
+from pdstack.proxy.lmcache_pd import NotifyListener, disagg_spec
+from pdstack.proxy.routing import (
+    HashRing,
+    PrefixIndex,
+    pick_bounded_load,
+    pick_p2c,
+    prompt_text,
+    stable_hash,
+)
+
+log = logging.getLogger("pdstack.proxy")
+
+
+class Flows(Legs):
+    """Mixin of :class:`pdstack.proxy.app.Proxy`: one flow per KV mode."""
+
+    rng: random.Random
+    index: PrefixIndex
+    notifier: NotifyListener | None
+    skip_threshold_tokens: int
+    _rings: dict[str, tuple[int, HashRing]]  # role -> (registry version, ring)
+
+    async def _serve(self, request: web.Request, ctx: RequestContext) -> web.StreamResponse:
+        registry = self.registry
+        ctx.tokens = prompt_tokens(ctx.body, len(self._key_text_full(ctx)),
+                                   self.config.chars_per_token)
+        if not registry.mode.disaggregated:
+            ctx.route = "colocated"
+            key_hash = self._affinity_hash(ctx)
+            rejected = await self._admit(ctx, lambda: registry.by_role("colocated"))
+            if rejected is not None:
+                return rejected
+            return await self._final_leg(
+                request,
+                ctx,
+                lambda tried: self._pick_affinity("colocated", key_hash, tried, ctx.tokens),
+                lambda backend: ctx.raw,
+            )
+
+        if registry.mode.lmcache_push:
+            return await self._serve_lmcache_pd(request, ctx)
+
+        if self.skip_threshold_tokens > 0 and registry.mode.skip_prefill:
+            skipped = await self._try_skip_prefill(request, ctx)
+            if skipped is not None:
+                return skipped
+
+        # ---- admission: the decoders' KV, before any prefill work is spent
+        rejected = await self._admit(ctx, lambda: registry.by_role("decode"))
+        if rejected is not None:
+            return rejected
+
+        # ---- leg 1: prefill
+        kv_params: dict[str, Any] | None = None
+        kv_path = ""
+
+        async def prefill_leg(prefill: BackendState, attempt: int) -> None:
+            nonlocal kv_params, kv_path
+            decoders = self._paired_decoders(prefill)
+            kv_path = decoders[0][1] if decoders else "nixl"
+            kv_params = await self._prefill(prefill, ctx, nixl=kv_path == "nixl")
+
+        answered = await self._run_prefill_leg(ctx, prefill_leg)
+        if not isinstance(answered, BackendState):
+            return answered
+        prefill = answered
+        if self.skip_threshold_tokens > 0 and registry.mode.skip_prefill:
+            self.index.insert((prefill.node, prefill.generation), self._hashes(ctx))
+
+        # ---- leg 2: decode
+        chosen_prefill = prefill
+        decode_raw: dict[str, bytes] = {}
+
+        def decode_payload(backend: BackendState) -> bytes:
+            path = registry.pairings.get(chosen_prefill.name, {}).get(backend.name, "")
+            if path == "nixl" and kv_params is not None:
+                if "nixl" not in decode_raw:
+                    decode_raw["nixl"] = json.dumps(
+                        {**ctx.body, "kv_transfer_params": kv_params}
+                    ).encode()
+                return decode_raw["nixl"]
+            return ctx.raw
+
+        def pick_decoder(tried_decoders: set[str]) -> BackendState | None:
+            pairs = [
+                (d, p)
+                for d, p in self._paired_decoders(chosen_prefill)
+                if d.name not in tried_decoders
+            ]
+            if not pairs:
+                return None
+            same_path = [d for d, p in pairs if p == kv_path] or [d for d, _ in pairs]
+            chosen = self._pick_decoder(ctx, same_path)
+            if chosen is not None:
+                self.metrics.pair(chosen_prefill, chosen).inc()
+            return chosen
+
+        return await self._final_leg(
+            request, ctx, pick_decoder, decode_payload, no_backend_hint=chosen_prefill
+        )
+
+    async def _serve_lmcache_pd(
+        self, request: web.Request, ctx: RequestContext
+    ) -> web.StreamResponse:
+        """Decoder first, prefill with its disagg_spec, wait for ProxyNotif, decode there."""
+        notifier = self.notifier
+        decoder: BackendState | None = None
+        waiter: asyncio.Future[None] | None = None
+        req_id = ""
+
+        async def prefill_leg(prefill: BackendState, attempt: int) -> None:
+            nonlocal decoder, waiter, req_id
+            paired = [d for d, _ in self._paired_decoders(prefill)]
+            if decoder is None or decoder not in paired:
+                decoder = pick_p2c(paired, self.rng)  # kept across prefill retries
+            kv_request: dict[str, Any] | None = None
+            if decoder is not None and decoder.lmcache_pd is not None:
+                base = ctx.request_id if attempt == 0 else f"{ctx.request_id}-r{attempt}"
+                if notifier is not None:
+                    req_id = notifier.unique_id(base)
+                    waiter = notifier.expect(req_id)
+                else:
+                    req_id = base
+                kv_request = disagg_spec(req_id, decoder.lmcache_pd)
+            await self._prefill(prefill, ctx, nixl=False, kv_request=kv_request)
+
+        def forget_waiter() -> None:
+            nonlocal waiter
+            if notifier is not None and waiter is not None:
+                notifier.forget(req_id)
+                waiter = None
+
+        try:
+            answered = await self._run_prefill_leg(ctx, prefill_leg, forget_waiter)
+            if not isinstance(answered, BackendState):
+                return answered
+            prefill = answered
+
+            # ---- the KV push: wait (bounded) for the prefiller's ProxyNotif
+            if decoder is not None and decoder.lmcache_pd is None:
+                self.metrics.lmcache_pd_notify.labels("no_receiver").inc()
+            elif waiter is not None:
+                await self._await_notify(waiter, req_id, prefill, decoder)
+        finally:
+            if notifier is not None and waiter is not None and not waiter.done():
+                notifier.forget(req_id)
+
+        # ---- leg 2: decode, on the decoder the KV went to (a retry elsewhere recomputes)
+        chosen_prefill = prefill
+        first_choice = decoder
+
+        def pick_decoder(tried_decoders: set[str]) -> BackendState | None:
+            nonlocal first_choice
+            chosen = None
+            if (
+                first_choice is not None
+                and first_choice.usable
+                and first_choice.name not in tried_decoders
+            ):
+                chosen = first_choice
+            else:
+                others = [
+                    d
+                    for d, _ in self._paired_decoders(chosen_prefill)
+                    if d.name not in tried_decoders
+                ]
+                chosen = pick_p2c(others, self.rng)
+            first_choice = None
+            if chosen is not None:
+                self.metrics.pair(chosen_prefill, chosen).inc()
+            return chosen
+
+        return await self._final_leg(
+            request, ctx, pick_decoder, lambda backend: ctx.raw, no_backend_hint=chosen_prefill
+        )
+
+    async def _run_prefill_leg(
+        self,
+        ctx: RequestContext,
+        leg: Callable[[BackendState, int], Awaitable[None]],
+        on_retryable: Callable[[], None] | None = None,
+    ) -> BackendState | web.StreamResponse:
+        """Pick a prefiller by prefix affinity and run ``leg(prefiller, attempt)`` on it,
+        on another one after a retryable failure (``on_retryable`` undoes the attempt's
+        side state). Returns the prefiller that answered, or the client's error response."""
+        key_hash = self._affinity_hash(ctx)
+        tried: set[str] = set()
+        last_error = ""
+        timed_out = False
+        for attempt in range(self.config.max_retries + 1):
+            prefill = self._pick_affinity("prefill", key_hash, tried)
+            if prefill is None:
+                break
+            if attempt:
+                self.metrics.retries.labels("prefill").inc()
+            tried.add(prefill.name)
+            try:
+                await leg(prefill, attempt)
+                return prefill
+            except Retryable as exc:
+                last_error = str(exc)
+                timed_out = exc.timed_out
+                if on_retryable is not None:
+                    on_retryable()
+            except Passthrough as exc:
+                ctx.outcome = "client_error"
+                return self._passthrough(exc, ctx)
+        return self._no_answer(ctx, last_error, timed_out, leg="prefill ")
+
+    async def _await_notify(
+        self,
+        waiter: asyncio.Future[None],
+        req_id: str,
+        prefill: BackendState,
+        decoder: BackendState | None,
+    ) -> None:
+        started = time.perf_counter()
+        timeout = self.config.lmcache_pd_notify_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(waiter)
+        except TimeoutError:
+            self.metrics.lmcache_pd_notify.labels("timeout").inc()
+            log.warning(
+                "lmcache-pd: no ProxyNotif for %s from %s within %gs; decoding on %s anyway "
+                "(it recomputes the prompt)",
+                req_id,
+                prefill.name,
+                timeout,
+                decoder.name if decoder is not None else "?",
+            )
+        else:
+            self.metrics.lmcache_pd_notify.labels("received").inc()
+        finally:
+            self.metrics.lmcache_pd_notify_wait.observe(time.perf_counter() - started)
+
+    def _key_text(self, ctx: RequestContext) -> str:
+        return self._key_text_full(ctx)[: self.config.prefix_chars]
+
+    def _key_text_full(self, ctx: RequestContext) -> str:
+        if ctx.text is None:
+            ctx.text = prompt_text(ctx.body)
+        return ctx.text
+
+    def _affinity_hash(self, ctx: RequestContext) -> int:
+        """Session affinity when the request names its session, else prefix affinity."""
+        if ctx.session is not None:
+            return stable_hash(f"session:{ctx.session}")
+        return stable_hash(self._key_text(ctx))
+
+    async def _admit(
+        self, ctx: RequestContext, candidates: Callable[[], list[BackendState]]
+    ) -> web.Response | None:
+        """KV-aware admission (a no-op unless enabled): wait until some candidate has KV
+        headroom; None = go on, else the client's 503."""
+        try:
+            await self.admission.wait_open(
+                lambda: [b for b in candidates() if b.usable], ctx.tokens
+            )
+        except AdmissionRejected as exc:
+            ctx.outcome = "rejected"
+            self.metrics.admission_rejected.labels(exc.reason).inc()
+            return error_response(
+                503,
+                str(exc),
+                "server_error",
+                headers={
+                    "Retry-After": str(self.config.retry_after_s),
+                    "X-Request-Id": ctx.request_id,
+                },
+            )
+        return None
+
+    def _pick_decoder(
+        self, ctx: RequestContext, decoders: list[BackendState]
+    ) -> BackendState | None:
+        """A decoder among ``decoders``: those with KV headroom first; by session affinity
+        (bounded load) when the request names a session, else power of two choices."""
+        open_ones = self.admission.open_among(decoders, ctx.tokens) or decoders
+        if ctx.session is not None:
+            ring = self._ring_for("decode")
+            chosen = pick_bounded_load(
+                ring, self._affinity_hash(ctx), {d.name: d for d in open_ones},
+                self.config.load_factor,
+            )
+            if chosen is not None:
+                return chosen
+        return pick_p2c(open_ones, self.rng)
+
+    def _ring_for(self, role: str) -> HashRing:
+        version, ring = self._rings.get(role, (-1, HashRing(())))
+        if version != self.registry.version:
+            ring = HashRing(b.name for b in self.registry.backends.values() if b.role == role)
+            self._rings[role] = (self.registry.version, ring)
+        return ring
+
+    def _hashes(self, ctx: RequestContext) -> list[int]:
+        if ctx.text is None:
+            ctx.text = prompt_text(ctx.body)
+        return self.index.block_hashes(ctx.text)
+
+    def _paired_decoders(self, prefill: BackendState) -> list[tuple[BackendState, str]]:
+        """Usable paired decoders, preferring shared-l1 (same-node) pairings first."""
+        pairs = self.registry.decoders_for(prefill)
+        pairs.sort(key=lambda pair: pair[1] != "shared-l1")
+        return pairs
+
+    def _pick_affinity(
+        self, role: str, key_hash: int, tried: set[str], tokens: int | None = None
+    ) -> BackendState | None:
+        """Bounded-load consistent hashing over usable ``role`` backends; with ``tokens``
+        (gated roles) the ones with KV headroom for it come first."""
+        registry = self.registry
+        ring = self._ring_for(role)
+        if role == "prefill":
+            candidates = {
+                b.name: b
+                for b in registry.by_role("prefill")
+                if b.usable and b.name not in tried and registry.decoders_for(b)
+            }
+        else:
+            candidates = {
+                b.name: b for b in registry.by_role(role) if b.usable and b.name not in tried
+            }
+        if tokens is not None:
+            open_names = {b.name for b in self.admission.open_among(candidates.values(), tokens)}
+            if open_names:
+                candidates = {n: b for n, b in candidates.items() if n in open_names}
+        return pick_bounded_load(ring, key_hash, candidates, self.config.load_factor)
+
+    async def _try_skip_prefill(
+        self, request: web.Request, ctx: RequestContext
+    ) -> web.StreamResponse | None:
+        hashes = self._hashes(ctx)
+        assert ctx.text is not None
+        decoders = [d for d in self.registry.by_role("decode") if d.usable]
+        stores = {(d.node, d.generation) for d in decoders}
+        store, cached = self.index.best_store(stores, hashes)
+        self.metrics.index_lookup(cached > 0)
+        if store is None:
+            return None
+        uncached_tokens = (len(ctx.text) - cached) / self.config.chars_per_token
+        if uncached_tokens >= self.skip_threshold_tokens:
+            return None
+        local = [d for d in decoders if (d.node, d.generation) == store]
+        if not local:
+            return None
+        ctx.route = "skip_prefill"
+        self.metrics.skip_prefill.inc()
+
+        def pick(tried: set[str]) -> BackendState | None:
+            return pick_p2c([d for d in local if d.name not in tried and d.usable], self.rng)
+
+        return await self._final_leg(request, ctx, pick, lambda backend: ctx.raw)

@@ -1,0 +1,415 @@
+"""The legs: the prefill leg, the final (client-facing) leg with its retry loop, the
+upstream calls over the relay, and how an upstream answer is classified (retry here,
+pass through to the client, or count against the backend: :mod:`pdstack.proxy.breaker`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from pdstack.proxy.admission import KvAdmission
+from pdstack.proxy.backends import BackendRegistry, BackendState
+from pdstack.proxy.breaker import Breaker
+from pdstack.proxy.config import ProxyConfig
+from pdstack.proxy.errors import error_event, error_response
+from pdstack.proxy.metrics import ProxyMetrics
+from pdstack.proxy.relay import RelayError, RelayPool, RelayProtocol, build_request, split_url
+from pdstack.proxy.sse import (
+    cached_tokens,
+    first_event,
+    relay_body,
+    usage_rewriter,
+)
+
+log = logging.getLogger("pdstack.proxy")
+
+
+class Retryable(Exception):
+    """A leg failed before any byte reached the client: another backend may try."""
+
+    def __init__(self, message: str, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+class Passthrough(Exception):
+    """An upstream 4xx: the client's fault; answer it as is (no retry)."""
+
+    def __init__(self, status: int, body: bytes, content_type: str) -> None:
+        super().__init__(f"upstream answered {status}")
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+
+
+@dataclass
+class RequestContext:
+    request_id: str
+    path: str
+    body: dict[str, Any]
+    raw: bytes
+    stream: bool
+    started: float
+    route: str = "pd"
+    text: str | None = None
+    outcome: str = "ok"
+    session: str | None = None  # session affinity key (X-Session-ID header or `user`)
+    tokens: int = 0  # prompt tokens (exact for token-id prompts, else estimated)
+    upstream_headers: dict[str, str] = field(default_factory=dict)
+    budget_s: float = 30.0  # prefill answer / first decode byte
+    # the prefill leg's usage.prompt_tokens_details.cached_tokens (P/D: what the client
+    # is told, the decoder having got the whole prompt's KV from the prefiller)
+    cached_tokens: int | None = None
+
+
+class Legs:
+    """Mixin of :class:`pdstack.proxy.app.Proxy`: the legs and upstream calls."""
+
+    registry: BackendRegistry
+    config: ProxyConfig
+    metrics: ProxyMetrics
+    relay: RelayPool
+    breaker: Breaker
+    admission: KvAdmission
+    session: aiohttp.ClientSession | None
+    _addresses: dict[str, tuple[str, int, str]]
+
+    def _record_failure(self, backend: BackendState, error: str) -> None:
+        """A connection error or timeout of ``backend`` (see pdstack.proxy.breaker)."""
+        self.breaker.failure(backend, error)
+
+    # ------------------------------------------------------------------ legs
+    async def _prefill(
+        self,
+        backend: BackendState,
+        ctx: RequestContext,
+        nixl: bool,
+        kv_request: dict[str, Any] | None = None,
+    ) -> dict[str, Any] | None:
+        """Run the prefill leg; returns the response's kv_transfer_params.
+        ``kv_request``: the leg's kv_transfer_params (lmcache-pd's disagg_spec)."""
+        assert self.session is not None
+        body = dict(ctx.body)
+        body["max_tokens"] = 1
+        if "max_completion_tokens" in body:
+            body["max_completion_tokens"] = 1
+        body["stream"] = False
+        body.pop("stream_options", None)
+        body.pop("min_tokens", None)
+        if nixl:
+            body["kv_transfer_params"] = {"do_remote_decode": True}
+        elif kv_request is not None:
+            body["kv_transfer_params"] = kv_request
+        else:
+            body.pop("kv_transfer_params", None)
+        started = time.perf_counter()
+        timeout = self.config.prefill_timeout_s or ctx.budget_s
+        backend.in_flight += 1
+        try:
+            async with asyncio.timeout(timeout):
+                data, status, headers = await self._call(
+                    backend, ctx.path, json.dumps(body).encode(), ctx.upstream_headers
+                )
+        except (RelayError, OSError, TimeoutError) as exc:
+            error = f"prefill {backend.name}: {_describe(exc, timeout)}"
+            self._record_failure(backend, error)
+            raise Retryable(error, isinstance(exc, TimeoutError)) from exc
+        finally:
+            backend.in_flight -= 1
+        self.metrics.leg_prefill.observe(time.perf_counter() - started)
+        if status != 200:
+            await self._upstream_status(backend, status, data, headers)
+        self.breaker.success(backend)
+        backend.last_success = time.monotonic()
+        try:
+            answer = json.loads(data)
+            params = answer.get("kv_transfer_params")
+            ctx.cached_tokens = cached_tokens(answer.get("usage"))
+        except (json.JSONDecodeError, AttributeError):
+            params = None
+        if nixl and not params:
+            log.warning(
+                "prefiller %s returned no kv_transfer_params for %s", backend.name, ctx.request_id
+            )
+        return params
+
+    async def _final_leg(
+        self,
+        request: web.Request,
+        ctx: RequestContext,
+        pick: Callable[[set[str]], BackendState | None],
+        payload: Callable[[BackendState], bytes],
+        no_backend_hint: BackendState | None = None,
+    ) -> web.StreamResponse:
+        """The leg whose bytes go to the client; retried until its first byte."""
+        tried: set[str] = set()
+        last_error = ""
+        timed_out = False
+        for attempt in range(self.config.max_retries + 1):
+            backend = pick(tried)
+            if backend is None:
+                break
+            if attempt:
+                self.metrics.retries.labels("decode").inc()
+            tried.add(backend.name)
+            self.admission.reserve(backend, ctx.request_id, ctx.tokens)
+            try:
+                return await self._stream_leg(request, ctx, backend, payload(backend))
+            except Retryable as exc:
+                last_error = str(exc)
+                timed_out = exc.timed_out
+            except Passthrough as exc:
+                ctx.outcome = "client_error"
+                return self._passthrough(exc, ctx)
+            finally:
+                self.admission.release(backend, ctx.request_id)
+        return self._no_answer(ctx, last_error, timed_out, no_backend_hint)
+
+    def _no_answer(
+        self,
+        ctx: RequestContext,
+        last_error: str,
+        timed_out: bool,
+        no_backend_hint: BackendState | None = None,
+        leg: str = "",
+    ) -> web.Response:
+        """502 (504 when the last try timed out) after failed tries, 503 with none."""
+        headers = {"X-Request-Id": ctx.request_id}
+        if last_error:
+            ctx.outcome = "upstream_error"
+            status = 504 if timed_out else 502
+            message = f"{leg}failed on every try: {last_error}"
+            return error_response(status, message, headers=headers)
+        ctx.outcome = "no_backend"
+        if no_backend_hint is not None:
+            p = no_backend_hint
+            message = f"no healthy decoder for prefiller {p.name} on node {p.node}"
+        else:
+            message = self.registry.describe_unroutable()
+        return error_response(503, message, headers=headers)
+
+    async def _stream_leg(
+        self, request: web.Request, ctx: RequestContext, backend: BackendState, payload: bytes
+    ) -> web.StreamResponse:
+        if not ctx.stream:
+            return await self._unary_leg(ctx, backend, payload)
+        config = self.config
+        metrics = self.metrics
+        started = time.perf_counter()
+        host, port, _ = self._address(backend)
+        backend.in_flight += 1
+        proto: RelayProtocol | None = None
+        response: web.StreamResponse | None = None
+        timeout = config.decode_first_byte_timeout_s or ctx.budget_s
+        try:
+            # ---------- before the first byte: everything here may be retried elsewhere
+            try:
+                async with asyncio.timeout(timeout):
+                    proto = await self._open(backend, ctx.path, payload, ctx.upstream_headers)
+                    if proto.status == 200:
+                        first, pending = await first_event(proto, backend)
+                    else:
+                        await proto.done
+            except (RelayError, OSError, TimeoutError) as exc:
+                error = f"{backend.role} {backend.name}: {_describe(exc, timeout)}"
+                self._record_failure(backend, error)
+                raise Retryable(error, isinstance(exc, TimeoutError)) from exc
+            finally:
+                if proto is not None:
+                    backend.pending.discard(proto)
+            if proto.status != 200:
+                await self._upstream_status(
+                    backend, proto.status, proto.take_buffered(), proto.headers
+                )
+
+            # ---------- first byte: from here on, never retry
+            response = web.StreamResponse(
+                status=200,
+                headers={
+                    "Content-Type": proto.headers.get("content-type", "text/event-stream"),
+                    "Cache-Control": "no-cache",
+                    "X-Request-Id": ctx.request_id,
+                },
+            )
+            chunked = request.version >= aiohttp.HttpVersion11
+            if chunked:
+                response.enable_chunked_encoding()
+            else:
+                response.force_close()  # HTTP/1.0: the body ends when the connection does
+            await response.prepare(request)
+            rewrite = usage_rewriter(ctx.cached_tokens)
+            if rewrite is not None:
+                first, pending = rewrite(first), rewrite(pending) if pending else pending
+            await response.write(first)
+            self.admission.landed(backend, ctx.request_id)
+            now = time.perf_counter()
+            metrics.ttft_route[ctx.route].observe(now - ctx.started)
+            metrics.leg_decode_first.observe(now - started)
+            client = request.transport
+            if client is None or client.is_closing():
+                raise ConnectionResetError("client went away")
+            failure = await relay_body(
+                proto, client, chunked, pending, config.stream_idle_timeout_s, rewrite
+            )
+            if failure:
+                message = f"{backend.role} {backend.name} failed mid-stream: {failure}"
+                log.warning("%s (request %s)", message, ctx.request_id)
+                self._record_failure(backend, message)
+                ctx.outcome = "stream_error"
+                await response.write(error_event(message))
+            else:
+                self.breaker.success(backend)
+                backend.last_success = time.monotonic()
+                backend.served += 1
+                self.relay.release(host, port, proto)
+                proto = None
+            metrics.leg_decode.observe(time.perf_counter() - started)
+            with contextlib.suppress(ConnectionError):
+                await response.write_eof()
+            return response
+        except ConnectionError:
+            # the client went away while we wrote: abort upstream (finally) and stop
+            ctx.outcome = "client_disconnect"
+            return response if response is not None else web.Response(status=499)
+        finally:
+            backend.in_flight -= 1
+            if proto is not None:
+                proto.abort()  # the engine sees a disconnect and aborts the request
+
+    async def _open(
+        self, backend: BackendState, path: str, payload: bytes, headers: dict[str, str]
+    ) -> RelayProtocol:
+        """Send one request on a kept-alive (or new) connection; returns it with the
+        response head parsed. A reused connection that the engine had closed meanwhile
+        is retried once on a fresh one. The caller owns (releases or aborts) it, and
+        discards it from ``backend.pending`` (where it is until it sends to a client:
+        ejecting the backend aborts it)."""
+        host, port, prefix = self._address(backend)
+        wire = build_request(host, port, prefix + path, payload, headers)
+        for attempt in (0, 1):
+            proto, reused = await self.relay.acquire(host, port, self.config.connect_timeout_s)
+            if not backend.healthy and backend.ejections:
+                proto.abort()  # ejected while we connected
+                raise RelayError(f"{backend.name} was ejected")
+            backend.pending.add(proto)
+            try:
+                proto.send(wire)
+                await proto.head_done
+                return proto
+            except RelayError:
+                proto.abort()
+                backend.pending.discard(proto)
+                if not (reused and attempt == 0) or not backend.healthy:
+                    raise
+            except BaseException:
+                proto.abort()
+                backend.pending.discard(proto)
+                raise
+        raise AssertionError("unreachable")
+
+    async def _call(
+        self, backend: BackendState, path: str, payload: bytes, headers: dict[str, str]
+    ) -> tuple[bytes, int, dict[str, str]]:
+        """A whole request/response (non-streaming) over the relay."""
+        proto = await self._open(backend, path, payload, headers)
+        try:
+            await proto.done
+        except BaseException:
+            proto.abort()
+            raise
+        finally:
+            backend.pending.discard(proto)
+        data = proto.take_buffered()
+        host, port, _ = self._address(backend)
+        self.relay.release(host, port, proto)
+        return data, proto.status, proto.headers
+
+    def _address(self, backend: BackendState) -> tuple[str, int, str]:
+        cached = self._addresses.get(backend.url)
+        if cached is None:
+            cached = self._addresses[backend.url] = split_url(backend.url)
+        return cached
+
+    async def _upstream_status(
+        self, backend: BackendState, status: int, data: bytes, headers: Any
+    ) -> None:
+        """Raise for a non-200 upstream answer. A 4xx, and a 5xx from an engine whose
+        /health still passes, go back to the client as is (the request was the
+        problem); a 5xx that /health confirms ejects the backend and retries."""
+        content_type = headers.get("content-type") or headers.get("Content-Type")
+        passthrough = Passthrough(status, data, content_type or "application/json")
+        if status < 500:
+            raise passthrough
+        error = f"{backend.role} {backend.name} answered {status}: " + data[:200].decode(
+            errors="replace"
+        )
+        if await self.breaker.confirm_5xx(backend, error):
+            raise Retryable(error)
+        log.info("%s; its /health passes: answering the client as is", error)
+        raise passthrough
+
+    async def _unary_leg(
+        self, ctx: RequestContext, backend: BackendState, payload: bytes
+    ) -> web.StreamResponse:
+        """A non-streaming final leg: all or nothing, so always retryable."""
+        started = time.perf_counter()
+        config = self.config
+        timeout = config.request_timeout_s
+        max_tokens = ctx.body.get("max_tokens") or ctx.body.get("max_completion_tokens")
+        if isinstance(max_tokens, int):
+            first = config.decode_first_byte_timeout_s or ctx.budget_s
+            timeout = min(timeout, first + config.unary_per_token_s * max_tokens)
+        backend.in_flight += 1
+        try:
+            async with asyncio.timeout(timeout):
+                data, status, headers = await self._call(
+                    backend, ctx.path, payload, ctx.upstream_headers
+                )
+        except (RelayError, OSError, TimeoutError) as exc:
+            error = f"{backend.role} {backend.name}: {_describe(exc, timeout)}"
+            self._record_failure(backend, error)
+            raise Retryable(error, isinstance(exc, TimeoutError)) from exc
+        finally:
+            backend.in_flight -= 1
+        if status != 200:
+            await self._upstream_status(backend, status, data, headers)
+        self.breaker.success(backend)
+        backend.last_success = time.monotonic()
+        backend.served += 1
+        now = time.perf_counter()
+        self.metrics.ttft_route[ctx.route].observe(now - ctx.started)
+        self.metrics.leg_decode.observe(now - started)
+        rewrite = usage_rewriter(ctx.cached_tokens)
+        if rewrite is not None:
+            data = rewrite(data)
+        return web.Response(
+            body=data,
+            status=200,
+            headers={
+                "Content-Type": headers.get("content-type", "application/json"),
+                "X-Request-Id": ctx.request_id,
+            },
+        )
+
+    def _passthrough(self, exc: Passthrough, ctx: RequestContext) -> web.Response:
+        return web.Response(
+            body=exc.body,
+            status=exc.status,
+            headers={"Content-Type": exc.content_type, "X-Request-Id": ctx.request_id},
+        )
+
+
+def _describe(exc: BaseException, timeout: float | None = None) -> str:
+    if isinstance(exc, TimeoutError):
+        return f"timed out after {timeout:g}s" if timeout is not None else "timed out"
+    text = str(exc)
+    return f"{exc.__class__.__name__}: {text}" if text else exc.__class__.__name__
