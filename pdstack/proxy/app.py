@@ -89,6 +89,7 @@ class Proxy(AdminAPI, Flows):
         self.notifier: NotifyListener | None = None
         self._served_for: str | None = None
         self._served: frozenset[str] = frozenset()
+        self.flow = self.pick_flow()
         self.app = self._make_app()
 
     # ------------------------------------------------------------------ app wiring

@@ -61,8 +61,13 @@ from pdstack.proxy.routing import (
 log = logging.getLogger("pdstack.proxy")
 
 
+Flow = Callable[[web.Request, RequestContext], Awaitable[web.StreamResponse]]
+
+
 class Flows(Legs):
     """Mixin of :class:`pdstack.proxy.app.Proxy`: one flow per KV mode."""
+
+    flow: Flow  # pick_flow(), set once at start
 
     rng: random.Random
     index: PrefixIndex
@@ -70,26 +75,40 @@ class Flows(Legs):
     skip_threshold_tokens: int
     _rings: dict[str, tuple[int, HashRing]]  # role -> (registry version, ring)
 
+    def pick_flow(self) -> Flow:
+        """The flow of this proxy's KV mode (the mode is fixed: picked once, at start)."""
+        mode = self.registry.mode
+        if not mode.disaggregated:
+            return self._serve_colocated
+        if mode.lmcache_push:
+            return self._serve_lmcache_pd
+        return self._serve_pd
+
     async def _serve(self, request: web.Request, ctx: RequestContext) -> web.StreamResponse:
-        registry = self.registry
         ctx.tokens = prompt_tokens(ctx.body, len(self._key_text_full(ctx)),
                                    self.config.chars_per_token)
-        if not registry.mode.disaggregated:
-            ctx.route = "colocated"
-            key_hash = self._affinity_hash(ctx)
-            rejected = await self._admit(ctx, lambda: registry.by_role("colocated"))
-            if rejected is not None:
-                return rejected
-            return await self._final_leg(
-                request,
-                ctx,
-                lambda tried: self._pick_affinity("colocated", key_hash, tried, ctx.tokens),
-                lambda backend: ctx.raw,
-            )
+        return await self.flow(request, ctx)
 
-        if registry.mode.lmcache_push:
-            return await self._serve_lmcache_pd(request, ctx)
+    async def _serve_colocated(
+        self, request: web.Request, ctx: RequestContext
+    ) -> web.StreamResponse:
+        """One leg to an engine chosen by prefix affinity (bounded load)."""
+        ctx.route = "colocated"
+        key_hash = self._affinity_hash(ctx)
+        rejected = await self._admit(ctx, lambda: self.registry.by_role("colocated"))
+        if rejected is not None:
+            return rejected
+        return await self._final_leg(
+            request,
+            ctx,
+            lambda tried: self._pick_affinity("colocated", key_hash, tried, ctx.tokens),
+            lambda backend: ctx.raw,
+        )
 
+    async def _serve_pd(self, request: web.Request, ctx: RequestContext) -> web.StreamResponse:
+        """Prefill then decode (NIXL / shared-l1), or one decode leg when the skip-prefill
+        decider finds the prompt's prefix in a node's LMCache store."""
+        registry = self.registry
         if self.skip_threshold_tokens > 0 and registry.mode.skip_prefill:
             skipped = await self._try_skip_prefill(request, ctx)
             if skipped is not None:

@@ -468,6 +468,13 @@ async def test_big_bodies_bounded_memory_and_health_stays_fast() -> None:
                         writer.close()
                     return status, rest.split(b"\r\n\r\n", 1)[1]
 
+                # the same polling without the bodies first: what this host's load alone costs
+                poller = asyncio.ensure_future(poll_health())
+                await asyncio.sleep(2.0)
+                stop.set()
+                await poller
+                quiet_ms, health_ms = sorted(health_ms), []
+                stop.clear()
                 poller = asyncio.ensure_future(poll_health())
                 results = await asyncio.gather(big(False), big(False), big(True))
                 stop.set()
@@ -480,12 +487,14 @@ async def test_big_bodies_bounded_memory_and_health_stays_fast() -> None:
     for _, rest in results:
         err = assert_openai_error(rest, 413)
         assert err["param"] == "body"
-    # < 100 ms; on a loaded 2-core CI host one poll in a hundred may be descheduled, so
-    # the bound is on the 99th percentile, with a hard cap far below the old stall (564 ms
-    # per 60 MB body)
+    # < 100 ms (P99), or, on a host so loaded that polling alone exceeds that, at most
+    # 50 ms above what the same polling measured without the bodies; and never near the
+    # old stall (564 ms per 60 MB body)
     health_ms.sort()
-    assert len(health_ms) >= 20
-    assert health_ms[int(len(health_ms) * 0.99) - 1] < 100.0, health_ms[-5:]
+    assert len(health_ms) >= 20 and len(quiet_ms) >= 20
+    p99 = health_ms[int(len(health_ms) * 0.99) - 1]
+    quiet_p99 = quiet_ms[int(len(quiet_ms) * 0.99) - 1]
+    assert p99 < max(100.0, quiet_p99 + 50.0), (p99, quiet_p99, health_ms[-5:])
     assert health_ms[-1] < 400.0, health_ms[-5:]
     assert peak - idle < 4 * 24 * 1024, (idle, peak)
 
