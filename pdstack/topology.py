@@ -135,6 +135,8 @@ class DeploymentSpec(_Strict):
     skip_prefill_threshold_tokens: int = Field(default=0, ge=0)
     proxy_bind_address: str | None = None
     shm_size: str = "16g"
+    # the proxy's KV-aware admission (pdstack.proxy.admission): results/h200x1/README.md
+    proxy_admission: Literal["off", "kv"] = "off"
 
 
 class Topology(_Strict):
@@ -241,6 +243,7 @@ def load_topology(inventory: str | Path) -> Topology:
         "skip_prefill_threshold_tokens": allvars.get("pdstack_skip_prefill_threshold_tokens", 0),
         "proxy_bind_address": allvars.get("pdstack_proxy_bind_address"),
         "shm_size": allvars.get("pdstack_shm_size", "16g"),
+        "proxy_admission": allvars.get("pdstack_proxy_admission"),
     }
     deployment_raw = {k: v for k, v in deployment_raw.items() if v is not None}
     deployment: DeploymentSpec | None = None
