@@ -47,7 +47,7 @@ from aiohttp import web
 from pdstack.proxy.admission import AdmissionRejected, prompt_tokens
 from pdstack.proxy.backends import BackendState
 from pdstack.proxy.errors import error_response
-from pdstack.proxy.legs import Legs, Passthrough, RequestContext, Retryable
+from pdstack.proxy.legs import Legs, RequestContext
 from pdstack.proxy.lmcache_pd import NotifyListener, disagg_spec
 from pdstack.proxy.routing import (
     HashRing,
@@ -253,28 +253,18 @@ class Flows(Legs):
         on another one after a retryable failure (``on_retryable`` undoes the attempt's
         side state). Returns the prefiller that answered, or the client's error response."""
         key_hash = self._affinity_hash(ctx)
-        tried: set[str] = set()
-        last_error = ""
-        timed_out = False
-        for attempt in range(self.config.max_retries + 1):
-            prefill = self._pick_affinity("prefill", key_hash, tried)
-            if prefill is None:
-                break
-            if attempt:
-                self.metrics.retries.labels("prefill").inc()
-            tried.add(prefill.name)
-            try:
-                await leg(prefill, attempt)
-                return prefill
-            except Retryable as exc:
-                last_error = str(exc)
-                timed_out = exc.timed_out
-                if on_retryable is not None:
-                    on_retryable()
-            except Passthrough as exc:
-                ctx.outcome = "client_error"
-                return self._passthrough(exc, ctx)
-        return self._no_answer(ctx, last_error, timed_out, leg="prefill ")
+
+        async def run(prefill: BackendState, attempt: int) -> None:
+            await leg(prefill, attempt)
+
+        result = await self._with_retries(
+            ctx,
+            "prefill",
+            lambda tried: self._pick_affinity("prefill", key_hash, tried),
+            run,
+            on_retryable,
+        )
+        return result if isinstance(result, web.StreamResponse) else result[0]
 
     async def _await_notify(
         self,

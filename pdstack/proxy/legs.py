@@ -9,9 +9,9 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -31,6 +31,9 @@ from pdstack.proxy.sse import (
 )
 
 log = logging.getLogger("pdstack.proxy")
+
+
+R = TypeVar("R")
 
 
 class Retryable(Exception):
@@ -142,6 +145,42 @@ class Legs:
             )
         return params
 
+    async def _with_retries(
+        self,
+        ctx: RequestContext,
+        leg: str,
+        pick: Callable[[set[str]], BackendState | None],
+        run: Callable[[BackendState, int], Awaitable[R]],
+        on_retryable: Callable[[], None] | None = None,
+        no_backend_hint: BackendState | None = None,
+    ) -> tuple[BackendState, R] | web.Response:
+        """The one retry loop: ``run(backend, attempt)`` on what ``pick(tried)`` gives,
+        on another backend after a retryable failure (``on_retryable`` undoes the
+        attempt's side state). Returns (the backend that answered, its result), or the
+        client's reply: the engine's own (passed through), else 502/503/504."""
+        tried: set[str] = set()
+        last_error = ""
+        timed_out = False
+        for attempt in range(self.config.max_retries + 1):
+            backend = pick(tried)
+            if backend is None:
+                break
+            if attempt:
+                self.metrics.retries.labels(leg).inc()
+            tried.add(backend.name)
+            try:
+                return backend, await run(backend, attempt)
+            except Retryable as exc:
+                last_error = str(exc)
+                timed_out = exc.timed_out
+                if on_retryable is not None:
+                    on_retryable()
+            except Passthrough as exc:
+                ctx.outcome = "client_error"
+                return self._passthrough(exc, ctx)
+        prefix = "prefill " if leg == "prefill" else ""
+        return self._no_answer(ctx, last_error, timed_out, no_backend_hint, leg=prefix)
+
     async def _final_leg(
         self,
         request: web.Request,
@@ -151,28 +190,16 @@ class Legs:
         no_backend_hint: BackendState | None = None,
     ) -> web.StreamResponse:
         """The leg whose bytes go to the client; retried until its first byte."""
-        tried: set[str] = set()
-        last_error = ""
-        timed_out = False
-        for attempt in range(self.config.max_retries + 1):
-            backend = pick(tried)
-            if backend is None:
-                break
-            if attempt:
-                self.metrics.retries.labels("decode").inc()
-            tried.add(backend.name)
+
+        async def run(backend: BackendState, attempt: int) -> web.StreamResponse:
             self.admission.reserve(backend, ctx.request_id, ctx.tokens)
             try:
                 return await self._stream_leg(request, ctx, backend, payload(backend))
-            except Retryable as exc:
-                last_error = str(exc)
-                timed_out = exc.timed_out
-            except Passthrough as exc:
-                ctx.outcome = "client_error"
-                return self._passthrough(exc, ctx)
             finally:
                 self.admission.release(backend, ctx.request_id)
-        return self._no_answer(ctx, last_error, timed_out, no_backend_hint)
+
+        result = await self._with_retries(ctx, "decode", pick, run, None, no_backend_hint)
+        return result if isinstance(result, web.StreamResponse) else result[1]
 
     def _no_answer(
         self,
