@@ -194,6 +194,8 @@ class Legs:
         async def run(backend: BackendState, attempt: int) -> web.StreamResponse:
             self.admission.reserve(backend, ctx.request_id, ctx.tokens)
             try:
+                if not ctx.stream:
+                    return await self._unary_leg(ctx, backend, payload(backend))
                 return await self._stream_leg(request, ctx, backend, payload(backend))
             finally:
                 self.admission.release(backend, ctx.request_id)
@@ -227,8 +229,7 @@ class Legs:
     async def _stream_leg(
         self, request: web.Request, ctx: RequestContext, backend: BackendState, payload: bytes
     ) -> web.StreamResponse:
-        if not ctx.stream:
-            return await self._unary_leg(ctx, backend, payload)
+        """A streaming final leg: retryable until its first event reaches the client."""
         config = self.config
         metrics = self.metrics
         started = time.perf_counter()
