@@ -229,7 +229,10 @@ class Proxy(AdminAPI, Flows):
         all_ok = routable and all(b.usable or b.drained for b in backends)
         body: dict[str, Any] = {"status": "ok" if all_ok else "degraded"}
         given = request.headers.get("Authorization") or request.headers.get("X-Admin-Token")
-        if given and self.config.admin_token and self._admin_error(request) is None:
+        # a client's API key (a poller that sends it everywhere) is no failed admin login
+        client_key = bool(self.config.api_keys) and self._client_authorized(request)
+        admin = bool(given and self.config.admin_token and not client_key)
+        if admin and self._admin_error(request) is None:
             body["kv_mode"] = self.registry.kv_mode
             body["backends"] = {b.name: b.state for b in backends}
             if not routable:
