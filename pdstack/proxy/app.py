@@ -43,6 +43,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from pdstack.proxy import tracing
 from pdstack.proxy.backends import SHARED_L1_MODES, BackendRegistry, BackendState
 from pdstack.proxy.config import ProxyConfig
 from pdstack.proxy.lmcache_pd import NotifyListener, disagg_spec
@@ -106,6 +107,7 @@ class RequestContext:
     text: str | None = None
     outcome: str = "ok"
     upstream_headers: dict[str, str] = field(default_factory=dict)
+    trace: Any = None  # tracing.RequestTrace while traced
 
 
 class _IdleWatchdog:
@@ -454,7 +456,8 @@ class Proxy:
                 "X-Request-Id": request_id,
                 **self._auth_headers(),
             }
-            response = await self._serve(request, ctx)
+            with tracing.request(ctx, request.headers):
+                response = await self._serve(request, ctx)
             metrics.outcome[ctx.outcome].inc()
             return response
         except asyncio.CancelledError:
@@ -573,7 +576,8 @@ class Proxy:
             if decoder is not None and decoder.lmcache_pd is None:
                 self.metrics.lmcache_pd_notify.labels("no_receiver").inc()
             elif waiter is not None:
-                await self._await_notify(waiter, req_id, prefill, decoder)
+                with tracing.kv_wait(ctx):
+                    await self._await_notify(waiter, req_id, prefill, decoder)
         finally:
             if notifier is not None and waiter is not None and not waiter.done():
                 notifier.forget(req_id)
@@ -627,7 +631,8 @@ class Proxy:
                 self.metrics.retries.labels("prefill").inc()
             tried.add(prefill.name)
             try:
-                await leg(prefill, attempt)
+                with tracing.leg(ctx, prefill):
+                    await leg(prefill, attempt)
                 return prefill
             except _Retryable as exc:
                 last_error = str(exc)
@@ -800,7 +805,8 @@ class Proxy:
                 self.metrics.retries.labels("decode").inc()
             tried.add(backend.name)
             try:
-                return await self._stream_leg(request, ctx, backend, payload(backend))
+                with tracing.leg(ctx, backend):
+                    return await self._stream_leg(request, ctx, backend, payload(backend))
             except _Retryable as exc:
                 last_error = str(exc)
             except _Passthrough as exc:
@@ -861,6 +867,7 @@ class Proxy:
                 response.force_close()  # HTTP/1.0: the body ends when the connection does
             await response.prepare(request)
             await response.write(first)
+            tracing.first_byte(ctx)
             now = time.perf_counter()
             metrics.ttft_route[ctx.route].observe(now - ctx.started)
             metrics.leg_decode_first.observe(now - started)
@@ -1054,6 +1061,7 @@ class Proxy:
             self._upstream_status(backend, status, data, headers)
         _mark_success(backend)
         backend.served += 1
+        tracing.first_byte(ctx)
         now = time.perf_counter()
         self.metrics.ttft_route[ctx.route].observe(now - ctx.started)
         self.metrics.leg_decode.observe(now - started)
