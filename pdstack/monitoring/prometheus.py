@@ -17,6 +17,7 @@ from pdstack.plan import Plan
 from pdstack.topology import DeploymentSpec
 
 ERROR_OUTCOMES = "upstream_error|stream_error|no_backend"
+CLIENT_OUTCOMES = "client_error|bad_request|unauthorized|client_disconnect"
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,10 @@ def prometheus_config(
 def recording_rules(d: DeploymentSpec, f: Features) -> list[dict[str, str]]:
     """Recording rules (record -> expr); the dashboards plot these names."""
     rules = [
-        # asked = arrivals = finished + growth of what is in flight
-        ("pdstack:asked_rps", "sum(rate(pdstack_proxy_requests_total[1m]))"
+        # asked = arrivals the stack owes an answer (not the client's own faults: bad or
+        # unauthorized requests, disconnects) = those finished + growth of what is in flight
+        ("pdstack:asked_rps",
+         f'sum(rate(pdstack_proxy_requests_total{{outcome!~"{CLIENT_OUTCOMES}"}}[1m]))'
          " + sum(delta(pdstack_proxy_in_flight[1m])) / 60"),
         ("pdstack:served_rps", 'sum(rate(pdstack_proxy_requests_total{outcome="ok"}[1m]))'),
         ("pdstack:error_ratio",
@@ -163,9 +166,13 @@ def alert_rules(d: DeploymentSpec, f: Features) -> list[dict[str, Any]]:
              "10m", "warning",
              "{{ $labels.service }} on {{ $labels.node }}: external prefix-cache hit ratio fell"
              " below half its last hour"),
+            # most of its prompt tokens computed locally (not GPU prefix-cache hits) and
+            # none from a prefiller
             ("PdstackDecoderNotReceivingKv",
              'sum by (node, service) (rate(vllm:prompt_tokens_by_source_total'
-             '{role="decode",source="local_compute"}[10m])) > 0'
+             '{role="decode",source="local_compute"}[10m]))'
+             ' > 0.5 * sum by (node, service) (rate(vllm:prompt_tokens_by_source_total'
+             '{role="decode"}[10m]))'
              ' unless sum by (node, service) (rate(vllm:prompt_tokens_by_source_total'
              '{role="decode",source="external_kv_transfer"}[10m])) > 0',
              "10m", "critical",

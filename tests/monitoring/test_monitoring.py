@@ -164,6 +164,7 @@ def test_dashboards_load_back_and_point_at_the_rendered_prometheus(tmp_path, inv
 B = "pdstack_proxy_ttft_seconds_bucket"
 DEC0 = 'node="local",service="decode-0",role="decode"'
 DEC1 = 'node="local",service="decode-1",role="decode"'
+DEC2 = 'node="local",service="decode-2",role="decode"'
 SRC = "vllm:prompt_tokens_by_source_total"
 
 
@@ -222,11 +223,15 @@ ALERT_CASES = [
           "95m", "PdstackExternalPrefixHitRatioDropping",
           {"severity": "warning", "node": "local", "service": "decode-0"},
           "decode-0 on local: external prefix-cache hit ratio fell below half its last hour"),
-    # decode-0 computes its prompts, no KV arrives; decode-1 receives KV (no alert)
+    # decode-0 computes its prompts, no KV arrives; decode-1 receives KV and decode-2 hits
+    # its own GPU prefix cache (no alert for either)
     _case([(f'{SRC}{{{DEC0},source="local_compute"}}', "0+100x30"),
            (f'{SRC}{{{DEC0},source="external_kv_transfer"}}', "0x30"),
            (f'{SRC}{{{DEC1},source="local_compute"}}', "0+5x30"),
-           (f'{SRC}{{{DEC1},source="external_kv_transfer"}}', "0+100x30")],
+           (f'{SRC}{{{DEC1},source="external_kv_transfer"}}', "0+100x30"),
+           (f'{SRC}{{{DEC2},source="local_compute"}}', "0+5x30"),
+           (f'{SRC}{{{DEC2},source="local_cache_hit"}}', "0+100x30"),
+           (f'{SRC}{{{DEC2},source="external_kv_transfer"}}', "0x30")],
           "25m", "PdstackDecoderNotReceivingKv",
           {"severity": "critical", "node": "local", "service": "decode-0"},
           "decoder decode-0 on local computes prompts itself: no KV arrives from the prefillers"),
