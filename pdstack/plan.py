@@ -420,6 +420,9 @@ def _engine_service(
         env["NIXL_PTHR_DELAY_US"] = "1000"
     if _push(d):
         env |= _lmcache_pd_env(topo, node, index, proxy_addr)
+    if d.observability.otlp_traces_endpoint:
+        # the endpoint is OTLP/HTTP (vLLM's exporter defaults to gRPC)
+        env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
     service_ports = {"http": http}
     if "VLLM_NIXL_SIDE_CHANNEL_PORT" in env:
         service_ports["nixl_side_channel"] = int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"])

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 _tracer: Any = None
 _propagator: Any = None
+_provider: Any = None
 _NULL = contextlib.nullcontext()
 ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
 
@@ -43,16 +44,22 @@ class TracingUnavailable(RuntimeError):
 
 def configure(provider: Any) -> None:
     """Trace with ``provider`` (an ``opentelemetry.sdk.trace.TracerProvider``)."""
-    global _tracer, _propagator
+    global _tracer, _propagator, _provider
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+    _provider = provider
     _tracer = provider.get_tracer("pdstack.proxy")
     _propagator = TraceContextTextMapPropagator()
 
 
 def disable() -> None:
-    global _tracer, _propagator
-    _tracer = _propagator = None
+    global _tracer, _propagator, _provider
+    _tracer = _propagator = _provider = None
+
+
+def flush(timeout_ms: int = 5000) -> bool:
+    """Export every finished span now (the SDK also flushes at exit)."""
+    return bool(_provider is None or _provider.force_flush(timeout_ms))
 
 
 def enabled() -> bool:

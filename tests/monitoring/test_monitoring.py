@@ -92,6 +92,16 @@ def test_b200x2_render_writes_monitoring_whose_targets_are_the_plans_services(tm
     assert listen in prom_svc["command"]
     assert graf_svc["environment"]["GF_SERVER_HTTP_ADDR"] == proxy_node.private_address
     assert "GF_SECURITY_ADMIN_PASSWORD" not in json.dumps(compose)
+    # docker compose itself: the profile adds exactly Prometheus + Grafana, off by default
+    def compose_services(*profile: str) -> set[str]:
+        r = subprocess.run(["docker", "compose", *profile, "-f", "compose.yaml", "config",
+                            "--services"], cwd=stack, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        return set(r.stdout.split())
+
+    plain = compose_services()
+    assert "prometheus" not in plain and "proxy" in plain
+    assert compose_services("--profile", "monitoring") == plain | {"prometheus", "grafana"}
 
 
 @pytest.mark.parametrize("inventory", INVENTORIES)
@@ -265,6 +275,7 @@ def test_otlp_endpoint_reaches_engines_and_proxy(tmp_path):
         if s.kind == "engine":
             i = s.command.index("--otlp-traces-endpoint")
             assert s.command[i + 1] == endpoint
+            assert s.env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
         elif s.kind == "proxy":
             assert s.env == {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint}
     compose = yaml.safe_load(
