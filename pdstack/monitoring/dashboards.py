@@ -101,7 +101,7 @@ def boards(d: DeploymentSpec, f: Features) -> list[Board]:
             _q("pdstack:prefix_cache_hit_ratio", "{{service}}"),
         ]),
     ]
-    if f.pd:
+    if f.connector:
         kv_panels.append(Panel("External prefix-cache hit ratio (LMCache / NIXL)",
                                "percentunit", [
             _q("pdstack:external_prefix_cache_hit_ratio", "{{service}}"),

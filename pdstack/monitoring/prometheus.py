@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from pdstack import kvmodes
 from pdstack.monitoring.targets import JOBS, MonitoringPlan
 from pdstack.plan import Plan
 from pdstack.topology import DeploymentSpec
@@ -24,23 +25,25 @@ CLIENT_OUTCOMES = "client_error|bad_request|unauthorized|client_disconnect"
 class Features:
     """Which metric families the plan's services expose (panels and rules follow)."""
 
-    pd: bool  # prefill/decode legs (any kv_mode but colocated)
-    lmcache: bool  # an LMCache MP server on some node (shared-l1 modes)
+    pd: bool  # prefill/decode legs: the plan pairs prefillers with decoders
+    connector: bool  # engines run a KV connector (vLLM's external prefix-cache metrics)
+    lmcache: bool  # an LMCache MP server on some node
     nixl: bool  # some engine runs the NIXL connector
-    lmcache_pd: bool
+    lmcache_pd: bool  # LMCache's legacy push (the proxy's ProxyNotif socket)
     skip_prefill: bool  # the proxy's prefix index is on
 
     @classmethod
     def of(cls, plan: Plan) -> Features:
         services = [s for n in plan.nodes.values() for s in n.services]
         table = plan.backend_table
+        mode = kvmodes.get(plan.kv_mode)
         return cls(
-            pd=plan.kv_mode != "colocated",
+            pd=bool(table.pairings),
+            connector=any(s.kv_transfer_config for s in services if s.kind == "engine"),
             lmcache=any(s.kind == "lmcache" for s in services),
             nixl=any("nixl_side_channel" in s.ports for s in services),
-            lmcache_pd=plan.kv_mode == "lmcache-pd",
-            skip_prefill=table.skip_prefill_threshold_tokens > 0
-            and plan.kv_mode in ("shared-l1", "shared-l1+nixl"),
+            lmcache_pd=mode.lmcache_push,
+            skip_prefill=table.skip_prefill_threshold_tokens > 0 and mode.skip_prefill,
         )
 
 
@@ -110,7 +113,7 @@ def recording_rules(d: DeploymentSpec, f: Features) -> list[dict[str, str]]:
          "sum by (node, service) (rate(vllm:prefix_cache_hits_total[5m]))"
          " / sum by (node, service) (rate(vllm:prefix_cache_queries_total[5m]))"),
     ]
-    if f.pd:
+    if f.connector:
         rules.append(
             ("pdstack:external_prefix_cache_hit_ratio",
              "sum by (node, service) (rate(vllm:external_prefix_cache_hits_total[5m]))"
@@ -158,14 +161,16 @@ def alert_rules(d: DeploymentSpec, f: Features) -> list[dict[str, Any]]:
              "LMCache L1 on {{ $labels.node }} is {{ $value | humanizePercentage }} full"
              " (evicting: raise pdstack_lmcache.l1_size_gb)")
         )
-    if f.pd:
-        alerts += [
+    if f.connector:
+        alerts.append(
             ("PdstackExternalPrefixHitRatioDropping",
              "pdstack:external_prefix_cache_hit_ratio"
              " < 0.5 * avg_over_time(pdstack:external_prefix_cache_hit_ratio[1h] offset 10m)",
              "10m", "warning",
              "{{ $labels.service }} on {{ $labels.node }}: external prefix-cache hit ratio fell"
-             " below half its last hour"),
+             " below half its last hour"))
+    if f.pd:
+        alerts += [
             # most of its prompt tokens computed locally (not GPU prefix-cache hits) and
             # none from a prefiller
             ("PdstackDecoderNotReceivingKv",

@@ -126,7 +126,7 @@ def panel_queries(board: dict) -> list[tuple[str, dict, dict]]:
 
 @pytest.mark.parametrize("inventory", ["local-cpu", "a100x3", "h200x2-nixl",
                                        "a100x2-lmcache-pd", "h200x2-colocated",
-                                       "h200x2-shared-l1-skip"])
+                                       "h200x2-shared-l1-skip", "h200x1-nixl-l1"])
 def test_dashboards_load_back_and_point_at_the_rendered_prometheus(tmp_path, inventory):
     stack = proxy_dir(render_to(tmp_path, inventory))
     mon = stack / "monitoring"
@@ -167,6 +167,26 @@ def test_dashboards_load_back_and_point_at_the_rendered_prometheus(tmp_path, inv
     services = [s for n in plan.nodes.values() for s in n.services]
     assert ("NIXL transfers" in kv_titles) == any("nixl_side_channel" in s.ports for s in services)
     assert ("LMCache L1 use" in kv_titles) == any(s.kind == "lmcache" for s in services)
+
+
+@pytest.mark.parametrize(("inventory", "want"), [
+    ("local-cpu", dict(pd=True, connector=True, lmcache=True, nixl=False, lmcache_pd=False,
+                       skip_prefill=False)),
+    ("h200x2-colocated", dict(pd=False, connector=False, lmcache=False, nixl=False,
+                              lmcache_pd=False, skip_prefill=False)),
+    ("h200x1-nixl-l1", dict(pd=True, connector=True, lmcache=True, nixl=True,
+                            lmcache_pd=False, skip_prefill=False)),
+    ("h200x2-shared-l1-skip", dict(pd=True, connector=True, lmcache=True, nixl=False,
+                                   lmcache_pd=False, skip_prefill=True)),
+    ("a100x2-lmcache-pd", dict(pd=True, connector=True, lmcache=False, nixl=False,
+                               lmcache_pd=True, skip_prefill=False)),
+])
+def test_features_follow_the_plan(inventory, want):
+    from dataclasses import asdict
+
+    from pdstack.monitoring.prometheus import Features
+
+    assert asdict(Features.of(make_plan(load_topology(REPO / "inventory" / inventory)))) == want
 
 
 # --------------------------------------------------------------------------- promtool test rules
