@@ -212,6 +212,20 @@ def boards(d: DeploymentSpec, f: Features) -> list[Board]:
                 _q("max(pdstack_proxy_prefix_index_hit_ratio)", "hit ratio"),
             ]),
         ]
+    if f.admission:
+        proxy_panels += [
+            Panel("KV admission: queued / waited", "none", [
+                _q("sum(pdstack_proxy_admission_queued)", "queued now"),
+                _q("sum(rate(pdstack_proxy_admission_waited_total[1m]))", "waited /s"),
+            ]),
+            Panel("KV admission: rejected (503) by reason", "reqps", [
+                _q("sum by (reason) (rate(pdstack_proxy_admission_rejected_total[5m]))"
+                   " or vector(0)", "{{reason}}"),
+            ]),
+            Panel("KV usage the gate reads, per engine", "percentunit", [
+                _q("max by (backend) (pdstack_proxy_engine_kv_usage)", "{{backend}}"),
+            ]),
+        ]
     proxy = Board("pdstack-proxy", f"pdstack proxy ({d.name})", [("Proxy", proxy_panels)])
     return [overview, kv, engines, proxy]
 

@@ -31,6 +31,7 @@ class Features:
     nixl: bool  # some engine runs the NIXL connector
     lmcache_pd: bool  # LMCache's legacy push (the proxy's ProxyNotif socket)
     skip_prefill: bool  # the proxy's prefix index is on
+    admission: bool  # the proxy's KV-aware admission gate (pdstack_proxy_admission: kv)
 
     @classmethod
     def of(cls, plan: Plan) -> Features:
@@ -44,6 +45,8 @@ class Features:
             nixl=any("nixl_side_channel" in s.ports for s in services),
             lmcache_pd=mode.lmcache_push,
             skip_prefill=table.skip_prefill_threshold_tokens > 0 and mode.skip_prefill,
+            admission=any("--admission" in s.command and "off" not in s.command
+                          for s in services if s.kind == "proxy"),
         )
 
 

@@ -171,15 +171,15 @@ def test_dashboards_load_back_and_point_at_the_rendered_prometheus(tmp_path, inv
 
 @pytest.mark.parametrize(("inventory", "want"), [
     ("local-cpu", dict(pd=True, connector=True, lmcache=True, nixl=False, lmcache_pd=False,
-                       skip_prefill=False)),
+                       skip_prefill=False, admission=False)),
     ("h200x2-colocated", dict(pd=False, connector=False, lmcache=False, nixl=False,
-                              lmcache_pd=False, skip_prefill=False)),
+                              lmcache_pd=False, skip_prefill=False, admission=False)),
     ("h200x1-nixl-l1", dict(pd=True, connector=True, lmcache=True, nixl=True,
-                            lmcache_pd=False, skip_prefill=False)),
+                            lmcache_pd=False, skip_prefill=False, admission=False)),
     ("h200x2-shared-l1-skip", dict(pd=True, connector=True, lmcache=True, nixl=False,
-                                   lmcache_pd=False, skip_prefill=True)),
+                                   lmcache_pd=False, skip_prefill=True, admission=False)),
     ("a100x2-lmcache-pd", dict(pd=True, connector=True, lmcache=False, nixl=False,
-                               lmcache_pd=True, skip_prefill=False)),
+                               lmcache_pd=True, skip_prefill=False, admission=False)),
 ])
 def test_features_follow_the_plan(inventory, want):
     from dataclasses import asdict
@@ -187,6 +187,27 @@ def test_features_follow_the_plan(inventory, want):
     from pdstack.monitoring.prometheus import Features
 
     assert asdict(Features.of(make_plan(load_topology(REPO / "inventory" / inventory)))) == want
+
+
+def test_admission_panels_only_with_kv_admission(tmp_path):
+    inv = tmp_path / "inv"
+    shutil.copytree(REPO / "inventory" / "local-cpu", inv)
+    with (inv / "group_vars" / "all.yml").open("a") as f:
+        f.write("pdstack_proxy_admission: kv\n")
+    for path, want in ((REPO / "inventory" / "local-cpu", False), (inv, True)):
+        topo = load_topology(path)
+        files = render_monitoring(topo.deployment, make_plan(topo))
+        titles = {p["title"] for p in json.loads(
+            files["monitoring/grafana/dashboards/proxy.json"])["panels"]}
+        assert ("KV admission: queued / waited" in titles) == want, path
+    board = json.loads(files["monitoring/grafana/dashboards/proxy.json"])
+    doc = {"groups": [{"name": "panels", "rules": [
+        {"record": f"panel:q{i}", "expr": t["expr"]}
+        for i, (_, _, t) in enumerate(panel_queries(board))]}]}
+    (tmp_path / "panels.yml").write_text(yaml.safe_dump(doc))
+    r = subprocess.run([promtool(), "check", "rules", str(tmp_path / "panels.yml")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 # --------------------------------------------------------------------------- promtool test rules
