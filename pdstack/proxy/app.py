@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from pdstack.proxy import affinity
+from pdstack.proxy import affinity, tracing
 from pdstack.proxy.admin import AdminAPI
 from pdstack.proxy.admission import KvAdmission
 from pdstack.proxy.backends import BackendRegistry, BackendState
@@ -351,7 +351,8 @@ class Proxy(AdminAPI, Flows):
                 "X-Request-Id": rid,
                 **self._auth_headers(),
             }
-            response = await self._serve(request, ctx)
+            with tracing.request(ctx, request.headers):
+                response = await self._serve(request, ctx)
             metrics.outcome[ctx.outcome].inc()
             return response
         except asyncio.CancelledError:

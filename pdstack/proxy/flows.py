@@ -44,6 +44,7 @@ from typing import Any
 
 from aiohttp import web
 
+from pdstack.proxy import tracing
 from pdstack.proxy.admission import AdmissionRejected, prompt_tokens
 from pdstack.proxy.backends import BackendState
 from pdstack.proxy.errors import error_response
@@ -209,7 +210,8 @@ class Flows(Legs):
             if decoder is not None and decoder.lmcache_pd is None:
                 self.metrics.lmcache_pd_notify.labels("no_receiver").inc()
             elif waiter is not None:
-                await self._await_notify(waiter, req_id, prefill, decoder)
+                with tracing.kv_wait(ctx):
+                    await self._await_notify(waiter, req_id, prefill, decoder)
         finally:
             if notifier is not None and waiter is not None and not waiter.done():
                 notifier.forget(req_id)
@@ -255,7 +257,8 @@ class Flows(Legs):
         key_hash = self._affinity_hash(ctx)
 
         async def run(prefill: BackendState, attempt: int) -> None:
-            await leg(prefill, attempt)
+            with tracing.leg(ctx, prefill):
+                await leg(prefill, attempt)
 
         result = await self._with_retries(
             ctx,

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import aiohttp
 from aiohttp import web
 
+from pdstack.proxy import tracing
 from pdstack.proxy.admission import KvAdmission
 from pdstack.proxy.backends import BackendRegistry, BackendState
 from pdstack.proxy.breaker import Breaker
@@ -72,6 +73,7 @@ class RequestContext:
     # the prefill leg's usage.prompt_tokens_details.cached_tokens (P/D: what the client
     # is told, the decoder having got the whole prompt's KV from the prefiller)
     cached_tokens: int | None = None
+    trace: Any = None  # tracing.RequestTrace while traced
 
 
 class Legs:
@@ -194,9 +196,10 @@ class Legs:
         async def run(backend: BackendState, attempt: int) -> web.StreamResponse:
             self.admission.reserve(backend, ctx.request_id, ctx.tokens)
             try:
-                if not ctx.stream:
-                    return await self._unary_leg(ctx, backend, payload(backend))
-                return await self._stream_leg(request, ctx, backend, payload(backend))
+                with tracing.leg(ctx, backend):
+                    if not ctx.stream:
+                        return await self._unary_leg(ctx, backend, payload(backend))
+                    return await self._stream_leg(request, ctx, backend, payload(backend))
             finally:
                 self.admission.release(backend, ctx.request_id)
 
@@ -279,6 +282,7 @@ class Legs:
                 first, pending = rewrite(first), rewrite(pending) if pending else pending
             await response.write(first)
             self.admission.landed(backend, ctx.request_id)
+            tracing.first_byte(ctx)
             now = time.perf_counter()
             metrics.ttft_route[ctx.route].observe(now - ctx.started)
             metrics.leg_decode_first.observe(now - started)
@@ -413,6 +417,7 @@ class Legs:
         self.breaker.success(backend)
         backend.last_success = time.monotonic()
         backend.served += 1
+        tracing.first_byte(ctx)
         now = time.perf_counter()
         self.metrics.ttft_route[ctx.route].observe(now - ctx.started)
         self.metrics.leg_decode.observe(now - started)
