@@ -73,9 +73,11 @@ async def test_client_traceparent_is_the_parent_and_failed_leg_is_an_error(expor
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
     parent = "00f067aa0ba902b7"
     async with engines("p0", "d0", output_tokens=2) as e:
-        e["p0"].faults = Faults(status=500)  # the only prefiller fails: 502 to the client
         t = table("nixl", [backend("p0", "prefill", e["p0"]), backend("d0", "decode", e["d0"])])
-        async with running_proxy(t) as rp:
+        async with running_proxy(t, eject_after=100) as rp:
+            # the only prefiller fails, and its /health confirms it: 502 to the client (a 5xx
+            # with a passing /health would go to the client as is)
+            e["p0"].faults = Faults(status=500, health_status=503)
             res = await stream_completion(
                 rp.session, rp.url, PROMPT,
                 headers={"X-Request-Id": "trace-me-2", "traceparent": f"00-{trace_id}-{parent}-01"},
