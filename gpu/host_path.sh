@@ -1,0 +1,226 @@
+#!/bin/bash
+# Host path of the node checks on the lent GPU machine (issue 19). Run from the repository
+# root ON that machine (no network; root; other work such as vLLM engines may be using the
+# GPU at the same time):
+#     bash gpu/host_path.sh
+# It
+#   1. installs ansible-core from gpu/payload-ansible/ (bash gpu/build_ansible_payload.sh,
+#      carried along) into a scratch folder: no pip, no system package, no network;
+#   2. saves every raw output the roles and the probe parse (the role's exact nvidia-smi
+#      query, nvidia-smi topo -m / -q / -L, driver version files, ucx_info -v/-d,
+#      ibv_devices/ibv_devinfo, ulimit -l, docker / nvidia-container-runtime answers);
+#   3. runs gpu/host_path.yml in check mode with ansible_connection=local: --tags gpu,rdma
+#      against inventory/h200x1-host (expected: pass, failed=0) and
+#      inventory/h200x1-host-wrong (expected: fail in gpu_host naming pdstack_gpu_count and
+#      pdstack_gpu_model), and --tags docker (container_runtime, install off);
+#   4. runs the node probe (scripts/pdstack_probe.py info / gpu / rdma / ucx) and keeps its JSON;
+#   5. writes $OUT/host-path/summary.json (rc, seconds, verdict of every step).
+# Read-only: check mode, nvidia-smi queries only (no CUDA context, no GPU memory), nothing
+# written outside $WORK and $OUT. Every step runs under `timeout`; the whole script stays
+# under ~100 s and exits 0 whatever a step did (see summary.json).
+# Knobs: OUT (default /tmp/host-path-out), WORK (default /tmp/host-path-work),
+# PYTHON (default python3), HOST_PATH_BUDGET_S (default 100).
+set -uo pipefail
+
+START=$(date +%s)
+BUDGET=${HOST_PATH_BUDGET_S:-100}
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+OUT_ROOT=${OUT:-/tmp/host-path-out}
+RES=$OUT_ROOT/host-path
+WORK=${WORK:-/tmp/host-path-work}
+PY=${PYTHON:-python3}
+PAYLOAD=$REPO/gpu/payload-ansible
+mkdir -p "$RES/raw" "$RES/ansible" "$RES/probe" "$WORK"
+STEPS=$RES/steps.tsv
+: > "$STEPS"
+LOG=$RES/host_path.log
+exec > >(tee -a "$LOG") 2>&1
+cd "$REPO" || exit 0
+
+log() { echo "[host-path +$(( $(date +%s) - START ))s] $*"; }
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+
+# step NAME SECONDS OUTFILE CMD...: CMD's stdout to OUTFILE, stderr to OUTFILE.err (removed
+# when empty); one line "name rc seconds outfile" in steps.tsv. SECONDS is capped by the
+# time left in the budget; a step with under 3 s left is not started (rc 125).
+step() {
+  local name=$1 secs=$2 out=$3; shift 3
+  local rem; rem=$(left)
+  [ "$secs" -gt $((rem - 2)) ] && secs=$((rem - 2))
+  if [ "$secs" -lt 3 ]; then
+    printf '%s\t125\t0\t%s\n' "$name" "${out#"$RES"/}" >> "$STEPS"; log "$name: skipped (budget)"; return 125
+  fi
+  local t0 rc ms; t0=$(date +%s%N)
+  timeout -k 3 "$secs" "$@" > "$out" 2> "$out.err" < /dev/null
+  rc=$?
+  [ -s "$out.err" ] || rm -f "$out.err"
+  ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+  printf '%s\t%s\t%d.%03d\t%s\n' "$name" "$rc" $((ms / 1000)) $((ms % 1000)) "${out#"$RES"/}" >> "$STEPS"
+  log "$name: rc=$rc"
+  return $rc
+}
+have() { command -v "$1" > /dev/null 2>&1; }
+
+log "repo $REPO, out $RES, python $(command -v "$PY") ($("$PY" -V 2>&1))"
+
+# --------------------------------------------------------------------------- 1. ansible-core
+SITE=$WORK/site
+cat > "$WORK/install_ansible.sh" <<'SHEOF'
+set -eu
+PY=$1 SITE=$2 PAYLOAD=$3 WORK=$4
+[ -f "$PAYLOAD/SHA256SUMS" ] || { echo "no $PAYLOAD/SHA256SUMS: build it with gpu/build_ansible_payload.sh and carry gpu/payload-ansible" >&2; exit 3; }
+(cd "$PAYLOAD" && sha256sum -c --quiet SHA256SUMS)
+rm -rf "$SITE"; mkdir -p "$SITE"
+# a wheel is a zip laid out for site-packages: unpack it (no pip needed there)
+"$PY" -c 'import sys, zipfile
+for whl in sys.argv[2:]:
+    zipfile.ZipFile(whl).extractall(sys.argv[1]); print("unpacked", whl.rsplit("/", 1)[-1])' "$SITE" "$PAYLOAD"/wheels/*.whl
+if [ -f "$PAYLOAD/collections.tar.gz" ]; then
+  mkdir -p "$WORK/collections"; tar -C "$WORK/collections" -xzf "$PAYLOAD/collections.tar.gz"
+fi
+PYTHONPATH=$SITE "$PY" -m ansible.cli.playbook --version
+SHEOF
+step install_ansible 40 "$RES/ansible/install.txt" bash "$WORK/install_ansible.sh" "$PY" "$SITE" "$PAYLOAD" "$WORK"
+
+# --------------------------------------------------------------------------- 2. raw outputs
+R=$RES/raw
+# the gpu_host role's and the probe's query, exactly: argv from scripts/pdstack_probe.py
+mapfile -t SMI_QUERY < <("$PY" -c 'import sys; sys.path.insert(0, "scripts"); import pdstack_probe as p
+print("\n".join(p.nvidia_smi_query_argv()))' 2>/dev/null)
+printf '%s\n' "${SMI_QUERY[@]}" > "$R/nvidia-smi-query-gpu.argv"
+if have nvidia-smi; then
+  step smi_query 15 "$R/nvidia-smi-query-gpu.csv" "${SMI_QUERY[@]}"
+  # the same fields with units and header (--format=csv), and with units only (csv,noheader)
+  step smi_query_units 15 "$R/nvidia-smi-query-gpu-units.csv" "${SMI_QUERY[0]}" "${SMI_QUERY[1]}" --format=csv
+  step smi_query_units_noheader 15 "$R/nvidia-smi-query-gpu-units-noheader.csv" "${SMI_QUERY[0]}" "${SMI_QUERY[1]}" --format=csv,noheader
+  step smi_query_mig 15 "$R/nvidia-smi-query-mig.csv" nvidia-smi --query-gpu=index,mig.mode.current,mig.mode.pending,persistence_mode,memory.used,memory.free,pci.bus_id,compute_cap --format=csv
+  step smi_table 15 "$R/nvidia-smi.txt" nvidia-smi
+  step smi_list 15 "$R/nvidia-smi-L.txt" nvidia-smi -L
+  step smi_topo 15 "$R/nvidia-smi-topo-m.txt" nvidia-smi topo -m
+  step smi_q 20 "$R/nvidia-smi-q.txt" nvidia-smi -q
+  step smi_nvlink 15 "$R/nvidia-smi-nvlink-s.txt" nvidia-smi nvlink -s
+else
+  printf 'smi\t127\t0\traw/nvidia-smi (not found)\n' >> "$STEPS"; log "nvidia-smi: not found"
+fi
+for f in /proc/driver/nvidia/version /sys/module/nvidia/version /proc/driver/nvidia/params; do
+  [ -r "$f" ] && step "file:$f" 5 "$R/$(echo "${f#/}" | tr / _).txt" cat "$f"
+done
+for f in /proc/driver/nvidia/gpus/*/information; do
+  [ -r "$f" ] && step "file:$f" 5 "$R/$(echo "${f#/}" | tr / _ | tr : -).txt" cat "$f"
+done
+step dev_nodes 5 "$R/dev-nodes.txt" bash -c 'ls -la /dev/nvidia* /dev/infiniband 2>&1; ls -la /sys/class/infiniband 2>&1; true'
+step ulimit_l 5 "$R/ulimit-l.txt" sh -c 'ulimit -l'
+for t in ibv_devices ibv_devinfo; do
+  if have "$t"; then step "$t" 10 "$R/$t.txt" "$t"; else echo "$t: not found" > "$R/$t.missing"; fi
+done
+# ucx_info: on PATH, else where a wheel (nixl, ucx-py) or the engine payload may ship one
+UCX_INFO=$(command -v ucx_info || true)
+if [ -z "$UCX_INFO" ]; then
+  UCX_INFO=$(timeout 10 find /tmp/site /opt /usr/local /usr/lib/python3*/ -maxdepth 6 -name ucx_info -type f -perm -u+x 2>/dev/null | head -1 || true)
+fi
+if [ -n "$UCX_INFO" ]; then
+  echo "$UCX_INFO" > "$R/ucx_info.path"
+  step ucx_info_v 10 "$R/ucx_info-v.txt" "$UCX_INFO" -v
+  step ucx_info_d 20 "$R/ucx_info-d.txt" "$UCX_INFO" -d
+else
+  echo "ucx_info: not on PATH nor under /tmp/site /opt /usr/local" > "$R/ucx_info.missing"
+fi
+have docker && {
+  step docker_version 10 "$R/docker-version.txt" docker version --format '{{.Client.Version}} {{.Server.Version}}'
+  step docker_compose_version 10 "$R/docker-compose-version.txt" docker compose version --short
+  step docker_runtimes 10 "$R/docker-info-runtimes.json" docker info --format '{{json .Runtimes}}'
+}
+have nvidia-container-runtime && step nvidia_container_runtime 10 "$R/nvidia-container-runtime-version.txt" nvidia-container-runtime --version
+[ -r /etc/docker/daemon.json ] && step daemon_json 5 "$R/etc-docker-daemon.json" cat /etc/docker/daemon.json
+step os 5 "$R/os.txt" bash -c 'uname -a; cat /etc/os-release 2>/dev/null; echo "python3: $(command -v python3) $(python3 -V 2>&1)"; nproc'
+step tools 5 "$R/tools.txt" bash -c 'for t in nvidia-smi ucx_info ibv_devices ibv_devinfo docker nvidia-container-runtime nvidia-ctk ip ping; do printf "%s %s\n" "$t" "$(command -v $t || echo -)"; done'
+
+# --------------------------------------------------------------------------- 3. ansible runs
+export LC_ALL=C.UTF-8 LANG=C.UTF-8 PYTHONUTF8=1
+export ANSIBLE_CONFIG=$REPO/ansible.cfg            # also when the checkout is world-writable
+export ANSIBLE_ROLES_PATH=$REPO/ansible/roles
+export ANSIBLE_FILTER_PLUGINS=$REPO/ansible/plugins/filter
+export ANSIBLE_HOME=$WORK/ansible-home ANSIBLE_LOCAL_TEMP=$WORK/ansible-tmp ANSIBLE_REMOTE_TEMP=$WORK/ansible-rtmp
+export ANSIBLE_COLLECTIONS_PATH=$WORK/collections
+export ANSIBLE_NOCOLOR=1 ANSIBLE_FORCE_COLOR=0 ANSIBLE_RETRY_FILES_ENABLED=0 ANSIBLE_DEPRECATION_WARNINGS=0
+export ANSIBLE_PYTHON_INTERPRETER=$(command -v "$PY")
+playbook() {  # NAME INVENTORY TAGS [EXTRA...]: background run, transcript in ansible/NAME.log
+  local name=$1 inv=$2 tags=$3; shift 3
+  ( PYTHONPATH=$SITE step "ansible_$name" 60 "$RES/ansible/$name.log" \
+      "$PY" -m ansible.cli.playbook gpu/host_path.yml -i "inventory/$inv" --check --diff \
+      --tags "$tags" -e ansible_connection=local -e "ansible_python_interpreter=$ANSIBLE_PYTHON_INTERPRETER" "$@" ) &
+  RUNS+=($!)
+}
+RUNS=()
+if [ -f "$SITE/ansible/__init__.py" ]; then
+  playbook right h200x1-host gpu,rdma
+  playbook wrong h200x1-host-wrong gpu,rdma
+  playbook container_runtime h200x1-host docker -e container_runtime_install=false
+fi
+
+# --------------------------------------------------------------------------- 4. the probe
+P=$RES/probe
+step probe_info 25 "$P/info.json" "$PY" scripts/pdstack_probe.py --pretty info --path / --path /tmp
+step probe_gpu 20 "$P/gpu.json" "$PY" scripts/pdstack_probe.py --pretty gpu
+step probe_rdma 15 "$P/rdma.json" "$PY" scripts/pdstack_probe.py --pretty rdma
+if [ -n "$UCX_INFO" ]; then
+  step probe_ucx 25 "$P/ucx.json" "$PY" scripts/pdstack_probe.py --pretty ucx --ucx-info "$UCX_INFO"
+else
+  step probe_ucx 25 "$P/ucx.json" "$PY" scripts/pdstack_probe.py --pretty ucx
+fi
+# only the playbook runs: a bare `wait` would also wait for the tee of the log (bash >= 5.1)
+[ ${#RUNS[@]} -eq 0 ] || wait "${RUNS[@]}"
+
+# --------------------------------------------------------------------------- 5. summary
+cat > "$WORK/summary.py" <<'PYEOF'
+import json, re, sys, time
+from pathlib import Path
+res = Path(sys.argv[1])
+steps = {}
+for line in (res / "steps.tsv").read_text().splitlines():
+    name, rc, secs, out = (line.split("\t") + ["", "", "", ""])[:4]
+    steps[name] = {"rc": int(rc), "seconds": float(secs or 0), "output": out}
+
+def recap(name):
+    f = res / "ansible" / f"{name}.log"
+    text = f.read_text(errors="replace") if f.exists() else ""
+    m = re.search(r"ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)\s+skipped=(\d+)", text)
+    keys = ("ok", "changed", "unreachable", "failed", "skipped")
+    counts = dict(zip(keys, map(int, m.groups()))) if m else None
+    # ansible-core 2.19+: one line per failed task, the role's whole message on it
+    failed = re.findall(r"^\[ERROR\]: Task failed: (?:Action failed: )?(.*)$", text, re.M)
+    return text, counts, failed
+
+verdicts = {}
+_, counts, msgs = recap("right")
+verdicts["right_passes"] = bool(counts) and counts["failed"] == 0 and steps.get("ansible_right", {}).get("rc") == 0
+text, counts_w, msgs_w = recap("wrong")
+verdicts["wrong_fails_naming_fields"] = (
+    bool(counts_w) and counts_w["failed"] >= 1
+    and any("pdstack_gpu_count=2" in m and "pdstack_gpu_model=NVIDIA H100 80GB HBM3" in m
+            for m in msgs_w))
+_, counts_c, msgs_c = recap("container_runtime")
+probe = {}
+for n in ("info", "gpu", "rdma", "ucx"):
+    try:
+        probe[n] = json.loads((res / "probe" / f"{n}.json").read_text())
+    except (OSError, ValueError) as exc:
+        probe[n] = {"error": str(exc)}
+g = probe.get("gpu", {})
+verdicts["probe_sees_gpu"] = bool(g.get("present"))
+doc = {
+    "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    "verdicts": verdicts,
+    "ansible": {"right": {"recap": counts, "messages": msgs},
+                "wrong": {"recap": counts_w, "messages": msgs_w},
+                "container_runtime": {"recap": counts_c, "messages": msgs_c}},
+    "probe_gpu": {k: g.get(k) for k in ("present", "count", "driver_version", "kernel_module_version", "reason")},
+    "probe_ucx": {k: probe.get("ucx", {}).get(k) for k in ("present", "version", "transports", "cuda_ipc", "reason")},
+    "steps": steps,
+}
+print(json.dumps(doc, indent=2))
+PYEOF
+step summary 10 "$RES/summary.json" "$PY" "$WORK/summary.py" "$RES"
+log "done in $(( $(date +%s) - START ))s; results in $RES (summary.json)"
+cat "$RES/summary.json" 2>/dev/null | head -40
+exit 0
