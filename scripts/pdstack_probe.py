@@ -569,42 +569,70 @@ def driver_at_least(version: str | None, minimum: str) -> bool:
     return have is not None and have >= want
 
 
+NVSMI_HEADER_COL = re.compile(r"([a-z][a-z0-9_.]*)(?: \[([^\]]+)\])?")
+
+
+def _nvsmi_header(cols: list[str]) -> list[tuple[str, str | None]] | None:
+    """``index, name, memory.total [MiB]`` -> [(field, unit)]; None when not a header."""
+    out = []
+    for c in cols:
+        m = NVSMI_HEADER_COL.fullmatch(c)
+        if not m:
+            return None
+        out.append((m.group(1), m.group(2)))
+    return out
+
+
+def _nvsmi_key(field: str) -> str:
+    if field in NVSMI_KEYS:
+        return NVSMI_KEYS[field]
+    key = field.replace(".", "_")
+    return key + "_mib" if field.startswith("memory.") else key
+
+
 def parse_nvidia_smi_csv(text: str, fields: tuple[str, ...] | list[str] = NVSMI_GPU_FIELDS,
                          ) -> list[Json]:
-    """``nvidia-smi --query-gpu=FIELDS --format=csv,noheader[,nounits]`` -> one dict per GPU.
+    """``nvidia-smi --query-gpu=FIELDS --format=csv[,noheader][,nounits]`` -> one dict per GPU.
 
-    Keys: NVSMI_KEYS of the fields asked.  ``index`` is an int, ``memory_mib`` an int (units
-    ``MiB``/``GiB`` or none), values nvidia-smi does not have (``N/A``, ``[N/A]``, ``[Not
-    Supported]``) are None.  A header line (``--format=csv`` without ``noheader``) is skipped;
-    a name with commas in it is put back together.  Raises ValueError on a line that has
-    fewer columns than fields (e.g. ``No devices were found``), naming the line.
+    Keys: NVSMI_KEYS for the fields it names (``mig.mode.current`` -> ``mig_mode``,
+    ``memory.total`` -> ``memory_mib``), else the field with ``_`` for ``.``.  ``index`` is
+    an int; ``memory.*`` are ints in MiB, with or without the unit (``143771 MiB``); other
+    values lose the unit the header names (``1980 MHz`` -> ``1980``); what nvidia-smi does
+    not have (``N/A``, ``[N/A]``, ``[Not Supported]``) is None.  A header line
+    (``--format=csv``) sets the fields and their order, whatever ``fields`` says.  A name
+    with commas in it is put back together.  Raises ValueError, quoting the line, on a line
+    with fewer columns than fields (e.g. ``No devices were found``).
     """
-    fields = list(fields)
+    cols_of = [[c.strip() for c in raw.split(",")] for raw in text.splitlines() if raw.strip()]
+    spec: list[tuple[str, str | None]] = [(f, None) for f in fields]
     gpus: list[Json] = []
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line:
+    for n, cols in enumerate(cols_of):
+        header = _nvsmi_header(cols) if n == 0 else None
+        if header:
+            spec = header
             continue
-        cols = [c.strip() for c in line.split(",")]
-        if cols[0].split(" [")[0] == fields[0]:
-            continue  # header: "index, name, ..., memory.total [MiB]"
-        if len(cols) < len(fields):
-            raise ValueError(f"nvidia-smi line has {len(cols)} of {len(fields)} fields "
-                             f"({','.join(fields)}): {line[:200]!r}")
-        if len(cols) > len(fields) and "name" in fields:  # a comma inside the name
-            at = fields.index("name")
-            extra = len(cols) - len(fields)
+        names = [f for f, _ in spec]
+        line = ", ".join(cols)
+        if len(cols) < len(spec):
+            raise ValueError(f"nvidia-smi line has {len(cols)} of {len(spec)} fields "
+                             f"({','.join(names)}): {line[:200]!r}")
+        if len(cols) > len(spec) and "name" in names:  # a comma inside the name
+            at = names.index("name")
+            extra = len(cols) - len(spec)
             cols = [*cols[:at], ", ".join(cols[at:at + extra + 1]), *cols[at + extra + 1:]]
         gpu: Json = {}
-        for i, field in enumerate(fields):  # no zip(strict=): the probe runs on Python 3.9
+        for i, (field, unit) in enumerate(spec):  # no zip(strict=): the probe runs on 3.9
             col = cols[i]
-            key = NVSMI_KEYS.get(field, field.replace(".", "_"))
+            key = _nvsmi_key(field)
             if field == "index":
                 gpu[key] = int(col)
-            elif field == "memory.total":
+            elif field.startswith("memory."):
                 gpu[key] = parse_memory_mib(col)
             else:
-                gpu[key] = _nvsmi_value(col)
+                value = _nvsmi_value(col)
+                if value is not None and unit and value.endswith(" " + unit):
+                    value = value[: -len(unit) - 1]
+                gpu[key] = value
         gpus.append(gpu)
     return gpus
 
@@ -659,6 +687,8 @@ def parse_nvidia_smi_topo(text: str) -> Json:
         name = cols[0]
         if not re.fullmatch(r"(GPU|NIC|mlx)\w*", name):
             continue
+        # nvidia-smi pads with an empty column before "GPU NUMA ID": values are never empty
+        cols = [name, *(c for c in cols[1:] if c)]
         row = {h: cols[i + 1] for i, h in enumerate(header) if i + 1 < len(cols)}
         peers = {k: v for k, v in row.items() if re.fullmatch(r"(GPU|NIC)\d+", k)}
         if name.startswith("GPU"):

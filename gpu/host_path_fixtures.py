@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""Turn the files of a gpu/host_path.sh run into the repository's record and test fixtures.
+
+    python3 gpu/host_path_fixtures.py RESULTS_DIR [--dest-results results/h200x1/host-path]
+    python3 gpu/host_path_fixtures.py --readme        (only re-render the README table)
+
+RESULTS_DIR is what came back from the GPU machine: the folder that holds ``host-path/``
+(``$OUT`` there) or ``host-path/`` itself.  It
+
+1. copies the whole run (transcripts, raw outputs, probe JSON, summary.json) to
+   results/h200x1/host-path/;
+2. copies the raw outputs that code parses (and a few for reference) into
+   tests/fixtures/h200/, replacing the placeholders of the same name, and marks each in
+   tests/fixtures/h200/expected.json as ``real`` with its source (a placeholder's own
+   expectations are dropped: the machine facts in ``machine`` stay and are checked);
+3. re-renders the status table of tests/fixtures/h200/README.md.
+
+Then run ``.venv/bin/pytest tests/host`` and commit.  Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures" / "h200"
+RESULTS = REPO / "results" / "h200x1" / "host-path"
+# raw/ files that become fixtures (what code parses, plus references for people)
+FIXTURE_FILES = [
+    "nvidia-smi-query-gpu.argv", "nvidia-smi-query-gpu.csv", "nvidia-smi-query-gpu-units.csv",
+    "nvidia-smi-query-gpu-units-noheader.csv", "nvidia-smi-query-mig.csv", "nvidia-smi-L.txt",
+    "nvidia-smi-topo-m.txt", "nvidia-smi.txt", "nvidia-smi-q.txt",
+    "proc_driver_nvidia_version.txt", "sys_module_nvidia_version.txt",
+    "ucx_info-v.txt", "ucx_info-d.txt", "ibv_devinfo.txt", "ibv_devices.txt", "ulimit-l.txt",
+]
+BEGIN, END = "<!-- status:begin -->", "<!-- status:end -->"
+
+
+def status_table(expected: dict[str, Any]) -> str:
+    """The README's table of fixture files: status and source, from expected.json."""
+    rows = ["| file | status | source |", "|---|---|---|"]
+    for name in sorted(expected["files"]):
+        f = expected["files"][name]
+        status = "**placeholder**" if f["status"] == "placeholder" else "real"
+        rows.append(f"| `{name}` | {status} | {f.get('source', '')} |")
+    return "\n".join(rows)
+
+
+def write_readme(expected: dict[str, Any]) -> None:
+    readme = FIXTURES / "README.md"
+    text = readme.read_text()
+    head, _, rest = text.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    if not rest:
+        raise SystemExit(f"{readme}: no {BEGIN} ... {END} markers")
+    readme.write_text(f"{head}{BEGIN}\n{status_table(expected)}\n{END}{tail}")
+
+
+def steps_ok(run: Path) -> dict[str, int]:
+    """output file (relative to host-path/) -> rc of the step that wrote it."""
+    rcs: dict[str, int] = {}
+    tsv = run / "steps.tsv"
+    for line in tsv.read_text().splitlines() if tsv.exists() else []:
+        cols = line.split("\t")
+        if len(cols) >= 4:
+            rcs[cols[3]] = int(cols[1])
+    return rcs
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", nargs="?", type=Path, help="folder returned by the GPU call")
+    ap.add_argument("--dest-results", type=Path, default=RESULTS)
+    ap.add_argument("--fixtures", type=Path, default=FIXTURES)
+    ap.add_argument("--readme", action="store_true", help="only re-render the README table")
+    args = ap.parse_args(argv)
+    expected_file = args.fixtures / "expected.json"
+    expected = json.loads(expected_file.read_text())
+    if args.readme:
+        write_readme(expected)
+        return 0
+    if args.results is None:
+        ap.error("RESULTS_DIR is required (or --readme)")
+    run = args.results / "host-path" if (args.results / "host-path").is_dir() else args.results
+    summary_file = run / "summary.json"
+    if not summary_file.is_file():
+        print(f"host_path_fixtures: {summary_file} not found: is {args.results} the folder "
+              "gpu/host_path.sh wrote ($OUT/host-path)?", file=sys.stderr)
+        return 2
+    summary = json.loads(summary_file.read_text())
+    rcs = steps_ok(run)
+    query = run / "raw" / "nvidia-smi-query-gpu.csv"
+    rc = rcs.get("raw/nvidia-smi-query-gpu.csv")
+    if rc != 0 or not query.is_file() or not query.read_text().strip():
+        print(f"host_path_fixtures: {query} is missing or its step failed (rc "
+              f"{rc}): this run saw no GPU, nothing copied",
+              file=sys.stderr)
+        return 2
+
+    # 1. the whole run, as it came back
+    if args.dest_results.exists():
+        shutil.rmtree(args.dest_results)
+    shutil.copytree(run, args.dest_results)
+    print(f"copied {run} -> {args.dest_results}")
+
+    # 2. fixtures
+    when = summary.get("when", "?")
+    copied = []
+    for name in FIXTURE_FILES:
+        src = run / "raw" / name
+        rc = rcs.get(f"raw/{name}", 0 if name.endswith(".argv") else None)
+        if not src.is_file() or not src.read_text(errors="replace").strip() or rc != 0:
+            continue
+        shutil.copyfile(src, args.fixtures / name)
+        entry = {"status": "real",
+                 "source": f"1xH200 machine, gpu/host_path.sh run of {when} "
+                           "(results/h200x1/host-path/raw/)"}
+        expected["files"][name] = entry
+        copied.append(name)
+    expected_file.write_text(json.dumps(expected, indent=2) + "\n")
+    write_readme(expected)
+    left = sorted(n for n, f in expected["files"].items() if f["status"] == "placeholder")
+    print(f"fixtures: {len(copied)} real file(s) into {args.fixtures}: {', '.join(copied)}")
+    print(f"still placeholders: {', '.join(left) or 'none'}")
+    print("verdicts:", json.dumps(summary.get("verdicts", {})))
+    print("next: .venv/bin/pytest tests/host && git add results/h200x1 tests/fixtures/h200")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
