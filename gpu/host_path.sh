@@ -19,7 +19,8 @@
 # written outside $WORK and $OUT. Every step runs under `timeout`; the whole script stays
 # under ~100 s and exits 0 whatever a step did (see summary.json).
 # Knobs: OUT (default /tmp/host-path-out), WORK (default /tmp/host-path-work),
-# PYTHON (default python3), HOST_PATH_BUDGET_S (default 100).
+# PYTHON (default python3), HOST_PATH_BUDGET_S (default 100), HOST_PATH_PAYLOAD (default
+# gpu/payload-ansible).
 set -uo pipefail
 
 START=$(date +%s)
@@ -29,7 +30,7 @@ OUT_ROOT=${OUT:-/tmp/host-path-out}
 RES=$OUT_ROOT/host-path
 WORK=${WORK:-/tmp/host-path-work}
 PY=${PYTHON:-python3}
-PAYLOAD=$REPO/gpu/payload-ansible
+PAYLOAD=${HOST_PATH_PAYLOAD:-$REPO/gpu/payload-ansible}
 mkdir -p "$RES/raw" "$RES/ansible" "$RES/probe" "$WORK"
 STEPS=$RES/steps.tsv
 : > "$STEPS"

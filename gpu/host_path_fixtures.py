@@ -51,8 +51,8 @@ def status_table(expected: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def write_readme(expected: dict[str, Any]) -> None:
-    readme = FIXTURES / "README.md"
+def write_readme(expected: dict[str, Any], fixtures: Path = FIXTURES) -> None:
+    readme = fixtures / "README.md"
     text = readme.read_text()
     head, _, rest = text.partition(BEGIN)
     _, _, tail = rest.partition(END)
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     expected_file = args.fixtures / "expected.json"
     expected = json.loads(expected_file.read_text())
     if args.readme:
-        write_readme(expected)
+        write_readme(expected, args.fixtures)
         return 0
     if args.results is None:
         ap.error("RESULTS_DIR is required (or --readme)")
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         expected["files"][name] = entry
         copied.append(name)
     expected_file.write_text(json.dumps(expected, indent=2) + "\n")
-    write_readme(expected)
+    write_readme(expected, args.fixtures)
     left = sorted(n for n, f in expected["files"].items() if f["status"] == "placeholder")
     print(f"fixtures: {len(copied)} real file(s) into {args.fixtures}: {', '.join(copied)}")
     print(f"still placeholders: {', '.join(left) or 'none'}")

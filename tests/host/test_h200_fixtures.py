@@ -266,26 +266,19 @@ def test_driver_versions_compare_numerically(version, minimum, ok):
 RECAP = r"h200-node1\s*:\s*ok=\d+\s+changed=0\s+unreachable=0\s+failed={failed}\s"
 
 
-def _fake_nvidia_smi(tmp_path: Path) -> Path:
-    """A test double of the nvidia-smi binary: replays the recorded query output for the
-    recorded argv, and fails loudly for anything else."""
-    argv = text("nvidia-smi-query-gpu.argv").split("\n")[:-1]
-    csv = FIXTURES / "nvidia-smi-query-gpu.csv"
+def fake_nvidia_smi(tmp_path: Path) -> Path:
+    """A PATH directory whose ``nvidia-smi`` is the test double tests/host/fake_nvidia_smi.sh:
+    it replays this folder's recordings for the recorded argv only."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    script = bindir / "nvidia-smi"
-    script.write_text(
-        "#!/bin/sh\n"
-        f"# test double (tests/host/test_h200_fixtures.py): replays {csv}\n"
-        f"if [ \"$*\" = '{' '.join(argv[1:])}' ]; then cat '{csv}'; exit 0; fi\n"
-        "echo \"fake nvidia-smi: unexpected arguments: $*\" >&2; exit 64\n")
-    script.chmod(0o755)
+    (bindir / "nvidia-smi").symlink_to(REPO / "tests" / "host" / "fake_nvidia_smi.sh")
     return bindir
 
 
 def _host_path_playbook(inventory: str, bindir: Path) -> subprocess.Popen[str]:
     env = {**os.environ, "PATH": f"{bindir}:{REPO / '.venv' / 'bin'}:{os.environ.get('PATH', '')}",
-           "ANSIBLE_NOCOLOR": "1", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg")}
+           "ANSIBLE_NOCOLOR": "1", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+           "FAKE_NVIDIA_SMI_FIXTURES": str(FIXTURES)}
     return subprocess.Popen(
         [str(ANSIBLE_PLAYBOOK), "gpu/host_path.yml", "-i", f"inventory/{inventory}", "--check",
          "--tags", "gpu", "-e", "ansible_connection=local",
@@ -296,7 +289,7 @@ def _host_path_playbook(inventory: str, bindir: Path) -> subprocess.Popen[str]:
 def test_gpu_host_role_passes_and_fails_on_the_recorded_query(tmp_path):
     """The role's own tasks on the recorded nvidia-smi answer: inventory/h200x1-host passes,
     inventory/h200x1-host-wrong fails naming pdstack_gpu_count and pdstack_gpu_model."""
-    bindir = _fake_nvidia_smi(tmp_path)
+    bindir = fake_nvidia_smi(tmp_path)
     right = _host_path_playbook("h200x1-host", bindir)
     wrong = _host_path_playbook("h200x1-host-wrong", bindir)
     out_right, _ = right.communicate(timeout=240)
