@@ -13,11 +13,13 @@ import sys
 import time
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "h200"
 PAYLOAD = REPO / "gpu" / "payload-ansible"
+SCHEMA = REPO / "pdstack" / "preflight" / "schema.json"
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +75,10 @@ def test_host_path_script_with_the_nvidia_smi_double(tmp_path, payload):
     probe_gpu = json.loads((res / "probe" / "gpu.json").read_text())
     assert probe_gpu["gpus"][0]["memory_mib"] == 143771
     assert probe_gpu["topology"]["gpus"] == ["GPU0"]
+    info = json.loads((res / "probe" / "info.json").read_text())
+    assert info["gpu"] == probe_gpu
+    schema = json.loads(SCHEMA.read_text())
+    jsonschema.validate(info, {**schema["$defs"]["probe_info"], "$defs": schema["$defs"]})
 
     # the returned folder -> a fixture folder and a results folder
     fx = tmp_path / "fixtures"
