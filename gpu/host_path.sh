@@ -116,9 +116,13 @@ for t in ibv_devices ibv_devinfo; do
 done
 # ucx_info: on PATH, else where a wheel (nixl, ucx-py) or the engine payload may ship one
 UCX_INFO=$(command -v ucx_info || true)
+UCX_DIRS=(/tmp/site /opt /usr/local /usr/lib/python3 /usr/lib/x86_64-linux-gnu)
 if [ -z "$UCX_INFO" ]; then
-  UCX_INFO=$(timeout 10 find /tmp/site /opt /usr/local /usr/lib/python3*/ -maxdepth 6 -name ucx_info -type f -perm -u+x 2>/dev/null | head -1 || true)
+  UCX_INFO=$(timeout 10 find "${UCX_DIRS[@]}" -maxdepth 8 -name ucx_info -type f -perm -u+x 2>/dev/null | head -1 || true)
 fi
+# UCX libraries and transport modules NIXL would load (libuct_cuda* = cuda_copy/cuda_ipc,
+# libuct_ib* = rc/ud/dc): a wheel such as nixl may bundle them without a ucx_info binary
+step ucx_libs 12 "$R/ucx-libs.txt" bash -c 'timeout 10 find "$@" -maxdepth 8 \( -name "libucp*.so*" -o -name "libuct*.so*" -o -name "libucs*.so*" \) 2>/dev/null | sort; true' _ "${UCX_DIRS[@]}"
 if [ -n "$UCX_INFO" ]; then
   echo "$UCX_INFO" > "$R/ucx_info.path"
   step ucx_info_v 10 "$R/ucx_info-v.txt" "$UCX_INFO" -v
@@ -157,6 +161,11 @@ if [ -f "$SITE/ansible/__init__.py" ]; then
   playbook right h200x1-host gpu,rdma
   playbook wrong h200x1-host-wrong gpu,rdma
   playbook container_runtime h200x1-host docker -e container_runtime_install=false
+else
+  for n in right wrong container_runtime; do
+    printf 'ansible_%s\t126\t0\tansible/%s.log (not run: ansible-core not installed)\n' "$n" "$n" >> "$STEPS"
+  done
+  log "ansible runs: not started (ansible-core not installed, see ansible/install.txt)"
 fi
 
 # --------------------------------------------------------------------------- 4. the probe
