@@ -784,6 +784,9 @@ def gpu() -> Json:
         res["kernel_module_version"] = None
     rc, out, _ = run_cmd([smi, "topo", "-m"], timeout=20.0)
     res["topology"] = parse_nvidia_smi_topo(out) if rc == 0 else None
+    # /dev/nvidia-uvm is needed by every CUDA process (and CUDA IPC), /dev/nvidiaN per GPU
+    res["device_nodes"] = sorted(n for n in os.listdir("/dev") if n.startswith("nvidia")) \
+        if os.path.isdir("/dev") else []
     return res
 
 
