@@ -275,14 +275,16 @@ def fake_nvidia_smi(tmp_path: Path) -> Path:
     return bindir
 
 
-def _host_path_playbook(inventory: str, bindir: Path) -> subprocess.Popen[str]:
+def _host_path_playbook(inventory: str, bindir: Path, tags: str = "gpu",
+                        extra: list[str] | None = None,
+                        env_extra: dict[str, str] | None = None) -> subprocess.Popen[str]:
     env = {**os.environ, "PATH": f"{bindir}:{REPO / '.venv' / 'bin'}:{os.environ.get('PATH', '')}",
            "ANSIBLE_NOCOLOR": "1", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-           "FAKE_NVIDIA_SMI_FIXTURES": str(FIXTURES)}
+           "FAKE_NVIDIA_SMI_FIXTURES": str(FIXTURES), **(env_extra or {})}
     return subprocess.Popen(
         [str(ANSIBLE_PLAYBOOK), "gpu/host_path.yml", "-i", f"inventory/{inventory}", "--check",
-         "--tags", "gpu", "-e", "ansible_connection=local",
-         "-e", f"ansible_python_interpreter={sys.executable}"],
+         "--tags", tags, "-e", "ansible_connection=local",
+         "-e", f"ansible_python_interpreter={sys.executable}", *(extra or [])],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -305,3 +307,49 @@ def test_gpu_host_role_passes_and_fails_on_the_recorded_query(tmp_path):
             f"GPU model {g['name']}, the inventory says pdstack_gpu_model=NVIDIA H100 80GB HBM3"
             in re.sub(r"\s+", " ", out_wrong)), out_wrong
     assert re.search(RECAP.format(failed=1), out_wrong), out_wrong
+
+
+def test_rdma_ucx_role_on_recorded_ibv_devinfo_and_ucx_info(tmp_path):
+    """The RDMA branch of rdma_ucx (never run in the lab: no /dev/infiniband there) on the
+    recorded ibv_devinfo and ucx_info -d, with test doubles of ibv_devinfo and docker and
+    rdma_ucx_device_dir pointing at a scratch directory: RDMA found -> passes with
+    pdstack_rdma: true; every port down, or UCX without rc/ud/dc -> fails naming why."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for tool in ("ibv_devinfo", "docker"):
+        (bindir / tool).symlink_to(REPO / "tests" / "host" / "fake_rdma_tools.sh")
+    devdir = tmp_path / "infiniband"
+    devdir.mkdir()
+    (devdir / "uverbs0").write_text("")
+    ibv, ucx_d = text("ibv_devinfo.txt"), text("ucx_info-d.txt")
+    down = tmp_path / "ibv_devinfo-down.txt"
+    down.write_text(ibv.replace("PORT_ACTIVE", "PORT_DOWN"))
+    no_rdma = tmp_path / "ucx_info-d-no-rdma.txt"  # the same listing without rc/ud/dc
+    no_rdma.write_text("".join(
+        block for block in re.split(r"(?m)^(?=#\s+Transport:)", ucx_d)
+        if not re.match(r"#\s+Transport:\s+(rc|ud|dc)", block)))
+    active = sum(p["state"] == "PORT_ACTIVE" for p in probe.parse_ibv_devinfo(ibv))
+    transports = probe.ucx_rdma_transports(ucx_d)
+    assert active > 0 and transports, "the RDMA fixtures must show an active port and rc/ud/dc"
+    assert probe.ucx_rdma_transports(no_rdma.read_text()) == []
+    image = "pdstack/engine:fixture"
+    extra = ["-e", "pdstack_rdma=true", "-e", f"rdma_ucx_device_dir={devdir}",
+             "-e", f"pdstack_engine_image={image}"]
+    cases = {
+        "rdma": (FIXTURES / "ibv_devinfo.txt", FIXTURES / "ucx_info-d.txt"),
+        "ports_down": (down, FIXTURES / "ucx_info-d.txt"),
+        "ucx_without_rdma": (FIXTURES / "ibv_devinfo.txt", no_rdma),
+    }
+    runs = {k: _host_path_playbook("h200x1-host", bindir, "rdma", extra,
+                                   {"FAKE_IBV_DEVINFO": str(i), "FAKE_UCX_INFO_D": str(u)})
+            for k, (i, u) in cases.items()}
+    outs = {k: re.sub(r"\s+", " ", r.communicate(timeout=240)[0]) for k, r in runs.items()}
+    assert runs["rdma"].returncode == 0, outs["rdma"]
+    assert (f"h200-node1: NIXL transport RDMA ({active} active port(s), UCX transports "
+            f"{','.join(transports)})") in outs["rdma"], outs["rdma"]
+    lead = "h200-node1: the inventory sets pdstack_rdma: true but NIXL would fall back to TCP: "
+    assert runs["ports_down"].returncode == 2, outs["ports_down"]
+    assert lead + "no port in state PORT_ACTIVE (ibv_devinfo)" in outs["ports_down"]
+    assert runs["ucx_without_rdma"].returncode == 2, outs["ucx_without_rdma"]
+    assert (lead + f"ucx_info -d in {image} lists no RDMA transport (rc/ud/dc)"
+            in outs["ucx_without_rdma"]), outs["ucx_without_rdma"]
