@@ -61,6 +61,47 @@ def write_readme(expected: dict[str, Any], fixtures: Path = FIXTURES) -> None:
     readme.write_text(f"{head}{BEGIN}\n{status_table(expected)}\n{END}{tail}")
 
 
+RUNS = [
+    ("right", "inventory/h200x1-host", "--tags gpu,rdma", "passes, failed=0"),
+    ("wrong", "inventory/h200x1-host-wrong", "--tags gpu,rdma",
+     "fails in gpu_host naming pdstack_gpu_count and pdstack_gpu_model"),
+    ("container_runtime", "inventory/h200x1-host",
+     "--tags docker -e container_runtime_install=false", "what the machine has (no verdict)"),
+]
+
+
+def results_readme(summary: dict[str, Any]) -> str:
+    """results/h200x1/host-path/README.md: what the run showed, from its summary.json."""
+    lines = [
+        "# Host path of the node checks on the lent 1xH200 (issue 19)", "",
+        f"`bash gpu/host_path.sh` of {summary.get('when', '?')} (see gpu/HOST_PATH.md): "
+        "`ansible-playbook gpu/host_path.yml --check -e ansible_connection=local` on the GPU "
+        "machine itself, the node probe, and the raw outputs they parse (`raw/`). Fixtures "
+        "made from it: tests/fixtures/h200/.", "",
+        "| run | inventory | options | expected | PLAY RECAP | role message(s) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, inv, opts, want in RUNS:
+        r = summary.get("ansible", {}).get(name, {})
+        recap = r.get("recap") or {}
+        counts = " ".join(f"{k}={v}" for k, v in recap.items()) or "none"
+        msgs = "<br>".join(m.replace("|", "\\|") for m in r.get("messages") or []) or "-"
+        lines.append(f"| `ansible/{name}.log` | `{inv}` | `{opts}` | {want} | {counts} | {msgs} |")
+    g = summary.get("probe_gpu", {})
+    u = summary.get("probe_ucx", {})
+    lines += [
+        "", f"Verdicts: `{json.dumps(summary.get('verdicts', {}))}`", "",
+        f"Probe (`probe/*.json`): GPU present {g.get('present')}, count {g.get('count')}, "
+        f"driver {g.get('driver_version')}, kernel module {g.get('kernel_module_version')}; "
+        f"UCX present {u.get('present')}, version {u.get('version')}, cuda_ipc {u.get('cuda_ipc')}"
+        f"{', ' + u['reason'] if u.get('reason') else ''}.", "",
+        "Every step's rc and time: `steps.tsv` / `summary.json`; the script's log: "
+        "`host_path.log`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def steps_ok(run: Path) -> dict[str, int]:
     """output file (relative to host-path/) -> rc of the step that wrote it."""
     rcs: dict[str, int] = {}
@@ -102,10 +143,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
 
-    # 1. the whole run, as it came back
+    # 1. the whole run, as it came back, with a README that says what it showed
     if args.dest_results.exists():
         shutil.rmtree(args.dest_results)
     shutil.copytree(run, args.dest_results)
+    (args.dest_results / "README.md").write_text(results_readme(summary))
     print(f"copied {run} -> {args.dest_results}")
 
     # 2. fixtures

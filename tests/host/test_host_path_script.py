@@ -89,6 +89,10 @@ def test_host_path_script_with_the_nvidia_smi_double(tmp_path, payload):
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert conv.returncode == 0, conv.stdout + conv.stderr
     assert (dest / "summary.json").is_file() and (dest / "ansible" / "wrong.log").is_file()
+    readme = (dest / "README.md").read_text()
+    assert ("| `ansible/right.log` | `inventory/h200x1-host` | `--tags gpu,rdma` | "
+            "passes, failed=0 | ok=") in readme
+    assert "pdstack_gpu_model=NVIDIA H100 80GB HBM3 |" in readme
     expected = json.loads((fx / "expected.json").read_text())
     for name in ("nvidia-smi-query-gpu.csv", "nvidia-smi-query-gpu.argv", "nvidia-smi-topo-m.txt",
                  "nvidia-smi-L.txt", "ulimit-l.txt"):
