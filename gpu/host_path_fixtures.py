@@ -21,6 +21,7 @@ Then run ``.venv/bin/pytest tests/host`` and commit.  Standard library only.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shutil
 import sys
@@ -102,6 +103,35 @@ def results_readme(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def machine_mismatches(machine: dict[str, Any], query_csv: str) -> list[str]:
+    """Where the real query disagrees with expected.json's machine facts (tests would fail)."""
+    probe_file = REPO / "scripts" / "pdstack_probe.py"
+    spec = importlib.util.spec_from_file_location("pdstack_probe", probe_file)
+    assert spec is not None and spec.loader is not None
+    pdstack_probe = importlib.util.module_from_spec(spec)  # the parsers the roles use
+    spec.loader.exec_module(pdstack_probe)
+
+    gpus = pdstack_probe.parse_nvidia_smi_csv(query_csv)
+    out = []
+    if len(gpus) != machine["gpu_count"]:
+        out.append(f"{len(gpus)} GPU(s) in the query, expected.json machine.gpu_count="
+                   f"{machine['gpu_count']}")
+    for g in gpus:
+        major = (pdstack_probe.parse_driver_version(g.get("driver_version")) or (None,))[0]
+        for key, have, want in (("gpu_model", g.get("name"), machine["gpu_model"]),
+                                ("memory_mib", g.get("memory_mib"), machine["memory_mib"]),
+                                ("driver_major", major, machine["driver_major"])):
+            if have != want:
+                out.append(f"GPU {g.get('index')}: {have!r}, expected.json machine.{key}={want!r}")
+        if g.get("mig_mode") not in machine["mig_modes"]:
+            out.append(f"GPU {g.get('index')}: MIG {g.get('mig_mode')!r}, expected.json "
+                       f"machine.mig_modes={machine['mig_modes']!r}")
+    if out:
+        out.append("if the machine is right, edit tests/fixtures/h200/expected.json's machine "
+                   "facts (and say so in the commit); otherwise a parser is wrong")
+    return out
+
+
 def steps_ok(run: Path) -> dict[str, int]:
     """output file (relative to host-path/) -> rc of the step that wrote it."""
     rcs: dict[str, int] = {}
@@ -166,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         copied.append(name)
     expected_file.write_text(json.dumps(expected, indent=2) + "\n")
     write_readme(expected, args.fixtures)
+    for line in machine_mismatches(expected["machine"], query.read_text()):
+        print(f"WARNING: {line}", file=sys.stderr)
     left = sorted(n for n, f in expected["files"].items() if f["status"] == "placeholder")
     print(f"fixtures: {len(copied)} real file(s) into {args.fixtures}: {', '.join(copied)}")
     print(f"still placeholders: {', '.join(left) or 'none'}")

@@ -5,6 +5,7 @@ the rehearsal that keeps a typo from costing the GPU call (issue 19)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -13,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-import jsonschema
+import jsonschema  # type: ignore[import-untyped]
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -118,3 +119,19 @@ def test_fixtures_script_refuses_a_gpu_less_run(tmp_path):
     assert not (tmp_path / "res").exists()
     for f in FIXTURES.iterdir():  # nothing half-applied
         assert (fx / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_fixtures_script_names_machine_facts_the_real_run_contradicts():
+    fx = importlib.util.spec_from_file_location("host_path_fixtures_t",
+                                                REPO / "gpu" / "host_path_fixtures.py")
+    assert fx is not None and fx.loader is not None
+    mod = importlib.util.module_from_spec(fx)
+    fx.loader.exec_module(mod)
+    machine = json.loads((FIXTURES / "expected.json").read_text())["machine"]
+    real = (FIXTURES / "nvidia-smi-query-gpu.csv").read_text()
+    assert mod.machine_mismatches(machine, real) == []
+    other = "0, NVIDIA H200, GPU-1, 570.86.15, Enabled, Enabled, 143360\n"
+    assert mod.machine_mismatches(machine, other)[:3] == [
+        "GPU 0: 143360, expected.json machine.memory_mib=143771",
+        "GPU 0: 570, expected.json machine.driver_major=580",
+        "GPU 0: MIG 'Enabled', expected.json machine.mig_modes=['Disabled', None]"]
