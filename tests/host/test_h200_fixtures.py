@@ -25,7 +25,8 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-FIXTURES = REPO / "tests" / "fixtures" / "h200"
+# another folder of the same layout (tests/host/test_host_path_script.py checks a converted run)
+FIXTURES = Path(os.environ.get("PDSTACK_H200_FIXTURES", REPO / "tests" / "fixtures" / "h200"))
 EXPECTED: dict[str, Any] = json.loads((FIXTURES / "expected.json").read_text())
 MACHINE: dict[str, Any] = EXPECTED["machine"]
 ANSIBLE_PLAYBOOK = REPO / ".venv" / "bin" / "ansible-playbook"

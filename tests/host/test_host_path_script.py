@@ -102,6 +102,14 @@ def test_host_path_script_with_the_nvidia_smi_double(tmp_path, payload):
     assert expected["files"]["ibv_devinfo.txt"]["status"] == "placeholder"
     assert "| `nvidia-smi-query-gpu.csv` | real | 1xH200 machine" in (fx / "README.md").read_text()
     assert (FIXTURES / "README.md").read_text() != (fx / "README.md").read_text()
+    # dropping the converted files in is enough: the fixture tests pass on that folder
+    sub = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "tests/host/test_h200_fixtures.py", "-k", "not role"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PDSTACK_H200_FIXTURES": str(fx)})
+    assert sub.returncode == 0, sub.stdout[-4000:] + sub.stderr[-2000:]
+    assert " passed" in sub.stdout and "failed" not in sub.stdout
 
 
 def test_fixtures_script_refuses_a_gpu_less_run(tmp_path):
