@@ -35,11 +35,11 @@ mkdir -p "$RES/raw" "$RES/ansible" "$RES/probe" "$WORK"
 STEPS=$RES/steps.tsv
 : > "$STEPS"
 LOG=$RES/host_path.log
-exec > >(tee -a "$LOG") 2>&1
-TEE_PID=$!
+: > "$LOG"
 cd "$REPO" || exit 0
 
-log() { echo "[host-path +$(( $(date +%s) - START ))s] $*"; }
+# to stdout and the log (no tee process: nothing is left to wait for at the end)
+log() { local m; m="[host-path +$(( $(date +%s) - START ))s] $*"; echo "$m"; echo "$m" >> "$LOG"; }
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 
 # step NAME SECONDS OUTFILE CMD...: CMD's stdout to OUTFILE, stderr to OUTFILE.err (removed
@@ -139,7 +139,7 @@ have docker && {
 }
 have nvidia-container-runtime && step nvidia_container_runtime 10 "$R/nvidia-container-runtime-version.txt" nvidia-container-runtime --version
 [ -r /etc/docker/daemon.json ] && step daemon_json 5 "$R/etc-docker-daemon.json" cat /etc/docker/daemon.json
-step os 5 "$R/os.txt" bash -c 'uname -a; cat /etc/os-release 2>/dev/null; echo "python3: $(command -v python3) $(python3 -V 2>&1)"; nproc'
+step os 5 "$R/os.txt" bash -c 'echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"; uname -a; cat /etc/os-release 2>/dev/null; echo "python3: $(command -v python3) $(python3 -V 2>&1)"; nproc'
 step tools 5 "$R/tools.txt" bash -c 'for t in nvidia-smi ucx_info ibv_devices ibv_devinfo docker nvidia-container-runtime nvidia-ctk ip ping; do printf "%s %s\n" "$t" "$(command -v $t || echo -)"; done'
 
 # --------------------------------------------------------------------------- 3. ansible runs
@@ -151,12 +151,17 @@ export ANSIBLE_HOME=$WORK/ansible-home ANSIBLE_LOCAL_TEMP=$WORK/ansible-tmp ANSI
 export ANSIBLE_COLLECTIONS_PATH=$WORK/collections
 export ANSIBLE_NOCOLOR=1 ANSIBLE_FORCE_COLOR=0 ANSIBLE_RETRY_FILES_ENABLED=0 ANSIBLE_DEPRECATION_WARNINGS=0
 export ANSIBLE_PYTHON_INTERPRETER=$(command -v "$PY")
-playbook() {  # NAME INVENTORY TAGS [EXTRA...]: background run, transcript in ansible/NAME.log
+# NAME INVENTORY TAGS [EXTRA...]: a background run, transcript in ansible/NAME.log, and
+# $WORK/done.NAME when it is over. The main line polls for those files with a deadline
+# instead of `wait`: a run on the first GPU machine finished but `wait` never returned there.
+playbook() {
   local name=$1 inv=$2 tags=$3; shift 3
+  rm -f "$WORK/done.$name"
   ( PYTHONPATH=$SITE step "ansible_$name" 60 "$RES/ansible/$name.log" \
       "$PY" -m ansible.cli.playbook gpu/host_path.yml -i "inventory/$inv" --check --diff \
-      --tags "$tags" -e ansible_connection=local -e "ansible_python_interpreter=$ANSIBLE_PYTHON_INTERPRETER" "$@" ) &
-  RUNS+=($!)
+      --tags "$tags" -e ansible_connection=local -e "ansible_python_interpreter=$ANSIBLE_PYTHON_INTERPRETER" "$@"
+    touch "$WORK/done.$name" ) > /dev/null 2>&1 < /dev/null &
+  RUNS+=("$name")
 }
 RUNS=()
 if [ -f "$SITE/ansible/__init__.py" ]; then
@@ -180,68 +185,13 @@ if [ -n "$UCX_INFO" ]; then
 else
   step probe_ucx 25 "$P/ucx.json" "$PY" scripts/pdstack_probe.py --pretty ucx
 fi
-# only the playbook runs: a bare `wait` would also wait for the tee of the log (bash >= 5.1)
-[ ${#RUNS[@]} -eq 0 ] || wait "${RUNS[@]}"
+for n in "${RUNS[@]}"; do
+  while [ ! -f "$WORK/done.$n" ] && [ "$(left)" -gt 14 ]; do sleep 0.5; done
+  [ -f "$WORK/done.$n" ] || log "ansible_$n: still running at the deadline; summary without it"
+done
 
 # --------------------------------------------------------------------------- 5. summary
-cat > "$WORK/summary.py" <<'PYEOF'
-import json, re, sys, time
-from pathlib import Path
-res = Path(sys.argv[1])
-if sys.argv[2:] == ["--brief"]:  # the last lines of the log: verdicts and each run's outcome
-    d = json.loads((res / "summary.json").read_text())
-    print("verdicts:", json.dumps(d["verdicts"]))
-    for run, r in d["ansible"].items():
-        print(f"{run}: {r['recap']} {r['messages']}")
-    sys.exit(0)
-steps = {}
-for line in (res / "steps.tsv").read_text().splitlines():
-    name, rc, secs, out = (line.split("\t") + ["", "", "", ""])[:4]
-    steps[name] = {"rc": int(rc), "seconds": float(secs or 0), "output": out}
-
-def recap(name):
-    f = res / "ansible" / f"{name}.log"
-    text = f.read_text(errors="replace") if f.exists() else ""
-    m = re.search(r"ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)\s+skipped=(\d+)", text)
-    keys = ("ok", "changed", "unreachable", "failed", "skipped")
-    counts = dict(zip(keys, map(int, m.groups()))) if m else None
-    # ansible-core 2.19+: one line per failed task, the role's whole message on it
-    failed = re.findall(r"^\[ERROR\]: Task failed: (?:Action failed: )?(.*)$", text, re.M)
-    return text, counts, failed
-
-verdicts = {}
-_, counts, msgs = recap("right")
-verdicts["right_passes"] = bool(counts) and counts["failed"] == 0 and steps.get("ansible_right", {}).get("rc") == 0
-text, counts_w, msgs_w = recap("wrong")
-verdicts["wrong_fails_naming_fields"] = (
-    bool(counts_w) and counts_w["failed"] >= 1
-    and any("pdstack_gpu_count=2" in m and "pdstack_gpu_model=NVIDIA H100 80GB HBM3" in m
-            for m in msgs_w))
-_, counts_c, msgs_c = recap("container_runtime")
-probe = {}
-for n in ("info", "gpu", "rdma", "ucx"):
-    try:
-        probe[n] = json.loads((res / "probe" / f"{n}.json").read_text())
-    except (OSError, ValueError) as exc:
-        probe[n] = {"error": str(exc)}
-g = probe.get("gpu", {})
-verdicts["probe_sees_gpu"] = bool(g.get("present"))
-doc = {
-    "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    "verdicts": verdicts,
-    "ansible": {"right": {"recap": counts, "messages": msgs},
-                "wrong": {"recap": counts_w, "messages": msgs_w},
-                "container_runtime": {"recap": counts_c, "messages": msgs_c}},
-    "probe_gpu": {k: g.get(k) for k in ("present", "count", "driver_version", "kernel_module_version", "reason")},
-    "probe_ucx": {k: probe.get("ucx", {}).get(k) for k in ("present", "version", "transports", "cuda_ipc", "reason")},
-    "steps": steps,
-}
-print(json.dumps(doc, indent=2))
-PYEOF
-step summary 10 "$RES/summary.json" "$PY" "$WORK/summary.py" "$RES"
+step summary 10 "$RES/summary.json" "$PY" gpu/host_path_summary.py "$RES"
 log "done in $(( $(date +%s) - START ))s; results in $RES (summary.json)"
-"$PY" "$WORK/summary.py" "$RES" --brief 2>/dev/null || cat "$RES/steps.tsv"
-# let tee write the last lines before the caller's output is collected
-exec 1>&- 2>&-
-timeout 5 tail --pid="$TEE_PID" -f /dev/null 2>/dev/null
+"$PY" gpu/host_path_summary.py "$RES" --brief 2>/dev/null || cat "$RES/steps.tsv"
 exit 0

@@ -25,6 +25,7 @@ import importlib.util
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -98,9 +99,39 @@ def results_readme(summary: dict[str, Any]) -> str:
         f"{', ' + u['reason'] if u.get('reason') else ''}.", "",
         "Every step's rc and time: `steps.tsv` / `summary.json`; the script's log: "
         "`host_path.log`.",
+        *(["`summary.json` was regenerated from these files by gpu/host_path_fixtures.py: "
+           "the run ended before writing it (its `wait` never returned; fixed since)."]
+          if summary.get("regenerated") else []),
         "",
     ]
     return "\n".join(lines)
+
+
+def run_time(run: Path) -> str | None:
+    """When the run was, from what it saved: os.txt's `date -u` line, else the timestamp
+    nvidia-smi prints atop its table (``Wed Dec  2 00:45:10 2026``, the machine's zone)."""
+    os_txt = run / "raw" / "os.txt"
+    for line in os_txt.read_text().splitlines() if os_txt.is_file() else []:
+        if line.startswith("date: "):
+            return line.removeprefix("date: ").strip()
+    table = run / "raw" / "nvidia-smi.txt"
+    if table.is_file():
+        first = table.read_text().splitlines()[:1]
+        try:
+            t = time.strptime(" ".join(first[0].split()), "%a %b %d %H:%M:%S %Y")
+            return time.strftime("%Y-%m-%dT%H:%M:%S (nvidia-smi's clock)", t)
+        except (IndexError, ValueError):
+            return None
+    return None
+
+
+def _summary_module() -> Any:
+    spec = importlib.util.spec_from_file_location("host_path_summary",
+                                                  REPO / "gpu" / "host_path_summary.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def machine_mismatches(machine: dict[str, Any], query_csv: str) -> list[str]:
@@ -159,11 +190,17 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("RESULTS_DIR is required (or --readme)")
     run = args.results / "host-path" if (args.results / "host-path").is_dir() else args.results
     summary_file = run / "summary.json"
-    if not summary_file.is_file():
-        print(f"host_path_fixtures: {summary_file} not found: is {args.results} the folder "
+    if not (run / "steps.tsv").is_file():
+        print(f"host_path_fixtures: {run / 'steps.tsv'} not found: is {args.results} the folder "
               "gpu/host_path.sh wrote ($OUT/host-path)?", file=sys.stderr)
         return 2
-    summary = json.loads(summary_file.read_text())
+    if summary_file.is_file():
+        summary = json.loads(summary_file.read_text())
+    else:  # a run cut short before its summary: the same summary, from its files
+        summary = _summary_module().summarize(run)
+        summary["regenerated"] = "by gpu/host_path_fixtures.py: the run ended before its summary"
+        summary["when"] = run_time(run) or "unknown"
+        print(f"{summary_file} missing: regenerated from the run's files", file=sys.stderr)
     rcs = steps_ok(run)
     query = run / "raw" / "nvidia-smi-query-gpu.csv"
     rc = rcs.get("raw/nvidia-smi-query-gpu.csv")
@@ -174,9 +211,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     # 1. the whole run, as it came back, with a README that says what it showed
-    if args.dest_results.exists():
-        shutil.rmtree(args.dest_results)
-    shutil.copytree(run, args.dest_results)
+    if args.dest_results.resolve() != run.resolve():
+        if args.dest_results.exists():
+            shutil.rmtree(args.dest_results)
+        shutil.copytree(run, args.dest_results)
+    if not (args.dest_results / "summary.json").is_file():
+        (args.dest_results / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (args.dest_results / "README.md").write_text(results_readme(summary))
     print(f"copied {run} -> {args.dest_results}")
 

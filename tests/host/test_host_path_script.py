@@ -98,7 +98,10 @@ def test_host_path_script_with_the_nvidia_smi_double(tmp_path, payload):
     for name in ("nvidia-smi-query-gpu.csv", "nvidia-smi-query-gpu.argv", "nvidia-smi-topo-m.txt",
                  "nvidia-smi-L.txt", "ulimit-l.txt"):
         assert expected["files"][name]["status"] == "real", name
-    assert "nvidia-smi-q.txt" not in expected["files"]  # its step failed (rc 64): not copied
+    before = json.loads((FIXTURES / "expected.json").read_text())["files"]
+    # its step failed (rc 64 from the double): not copied, its entry untouched
+    assert expected["files"].get("nvidia-smi-q.txt") == before.get("nvidia-smi-q.txt")
+    assert (fx / "nvidia-smi-q.txt").exists() == (FIXTURES / "nvidia-smi-q.txt").exists()
     assert expected["files"]["ibv_devinfo.txt"]["status"] == "placeholder"
     assert "| `nvidia-smi-query-gpu.csv` | real | 1xH200 machine" in (fx / "README.md").read_text()
     assert (FIXTURES / "README.md").read_text() != (fx / "README.md").read_text()
