@@ -39,6 +39,7 @@ FIXTURE_FILES = [
     "nvidia-smi-topo-m.txt", "nvidia-smi.txt", "nvidia-smi-q.txt",
     "proc_driver_nvidia_version.txt", "sys_module_nvidia_version.txt",
     "ucx_info-v.txt", "ucx_info-d.txt", "ibv_devinfo.txt", "ibv_devices.txt", "ulimit-l.txt",
+    "dev-nodes.txt",
 ]
 BEGIN, END = "<!-- status:begin -->", "<!-- status:end -->"
 

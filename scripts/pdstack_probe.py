@@ -721,6 +721,16 @@ def parse_ibv_devinfo(text: str) -> list[Json]:
     return ports
 
 
+# A node offers RDMA verbs when /dev/infiniband has a uverbsN node (an HCA's verbs device);
+# rdma_cm alone (the RDMA CM module loaded, no HCA) is not RDMA.
+RDMA_VERBS_PREFIX = "uverbs"
+
+
+def rdma_verbs_devices(names: list[str]) -> list[str]:
+    """The verbs devices among the names in /dev/infiniband (``uverbs0``...), sorted."""
+    return sorted(n for n in names if n.startswith(RDMA_VERBS_PREFIX))
+
+
 UCX_RDMA_PREFIXES = ("rc", "ud", "dc")
 
 
@@ -824,7 +834,7 @@ def rdma() -> Json:
     sysdir = "/sys/class/infiniband"
     hcas = sorted(os.listdir(sysdir)) if os.path.isdir(sysdir) else []
     res: Json = {
-        "dev_infiniband": devices, "present": any(d.startswith("uverbs") for d in devices),
+        "dev_infiniband": devices, "present": bool(rdma_verbs_devices(devices)),
         "hcas": hcas, "ibv_devinfo": None, "ports": [],
     }
     if shutil.which("ibv_devinfo"):

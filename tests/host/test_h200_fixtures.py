@@ -59,6 +59,7 @@ KINDS = [
     (r".*ucx_info-d\.txt", "ucx_devices"),
     (r".*ibv_devinfo\.txt", "ibv_devinfo"),
     (r".*ulimit-l\.txt", "memlock"),
+    (r".*dev-nodes\.txt", "dev_nodes"),
     # saved for people, parsed by no code
     (r".*(nvidia-smi\.txt|nvidia-smi-q\.txt|nvidia-smi-nvlink-s\.txt|ibv_devices\.txt|"
      r"nvidia-smi-query-mig\.csv)", "reference"),
@@ -82,6 +83,20 @@ def expect(name: str) -> dict[str, Any]:
 
 def text(name: str) -> str:
     return (FIXTURES / name).read_text(encoding="utf-8", errors="replace")
+
+
+def infiniband_nodes(ls_text: str) -> list[str]:
+    """Names in the ``/dev/infiniband:`` section of ``ls -la`` (raw/dev-nodes.txt)."""
+    names: list[str] = []
+    inside = False
+    for line in ls_text.splitlines():
+        if line.endswith(":"):
+            inside = line == "/dev/infiniband:"
+            continue
+        parts = line.split()
+        if inside and len(parts) >= 9 and parts[-1] not in (".", ".."):
+            names.append(parts[-1])
+    return names
 
 
 def query_gpus() -> list[dict[str, Any]]:
@@ -182,6 +197,13 @@ def test_fixture_parses_through_the_roles_and_the_probes_code(name):
         if "ports" in exp:
             assert len(ports) == exp["ports"]
             assert sum(p["state"] == "PORT_ACTIVE" for p in ports) == exp["active_ports"]
+    elif kind == "dev_nodes":
+        names = infiniband_nodes(body)  # what rdma_ucx's find lists in /dev/infiniband
+        verbs = FILTERS["pdstack_rdma_verbs_devices"](names)
+        assert verbs == probe.rdma_verbs_devices(names)
+        assert all(n.startswith("uverbs") for n in verbs)
+        if "/dev/nvidia-uvm" not in body:
+            pytest.fail(f"{name}: no /dev/nvidia-uvm: CUDA (and CUDA IPC) cannot run there")
     elif kind == "memlock":
         value = body.strip()  # the rdma_ucx role compares it as 'unlimited' or an int
         assert value == "unlimited" or value.isdigit(), value
@@ -336,6 +358,12 @@ def test_rdma_ucx_role_on_recorded_ibv_devinfo_and_ucx_info(tmp_path):
     image = "pdstack/engine:fixture"
     extra = ["-e", "pdstack_rdma=true", "-e", f"rdma_ucx_device_dir={devdir}",
              "-e", f"pdstack_engine_image={image}"]
+    real_devdir = tmp_path / "infiniband-as-recorded"  # the lent H200's /dev/infiniband
+    real_devdir.mkdir()
+    real_names = infiniband_nodes(text("dev-nodes.txt"))
+    for n in real_names:
+        (real_devdir / n).write_text("")
+    real_verbs = probe.rdma_verbs_devices(real_names)
     cases = {
         "rdma": (FIXTURES / "ibv_devinfo.txt", FIXTURES / "ucx_info-d.txt"),
         "ports_down": (down, FIXTURES / "ucx_info-d.txt"),
@@ -344,6 +372,11 @@ def test_rdma_ucx_role_on_recorded_ibv_devinfo_and_ucx_info(tmp_path):
     runs = {k: _host_path_playbook("h200x1-host", bindir, "rdma", extra,
                                    {"FAKE_IBV_DEVINFO": str(i), "FAKE_UCX_INFO_D": str(u)})
             for k, (i, u) in cases.items()}
+    as_recorded = [a.replace(str(devdir), str(real_devdir)) for a in extra]
+    runs["as_recorded"] = _host_path_playbook(
+        "h200x1-host", bindir, "rdma", as_recorded,
+        {"FAKE_IBV_DEVINFO": str(FIXTURES / "ibv_devinfo.txt"),
+         "FAKE_UCX_INFO_D": str(FIXTURES / "ucx_info-d.txt")})
     outs = {k: re.sub(r"\s+", " ", r.communicate(timeout=240)[0]) for k, r in runs.items()}
     assert runs["rdma"].returncode == 0, outs["rdma"]
     assert (f"h200-node1: NIXL transport RDMA ({active} active port(s), UCX transports "
@@ -351,6 +384,12 @@ def test_rdma_ucx_role_on_recorded_ibv_devinfo_and_ucx_info(tmp_path):
     lead = "h200-node1: the inventory sets pdstack_rdma: true but NIXL would fall back to TCP: "
     assert runs["ports_down"].returncode == 2, outs["ports_down"]
     assert lead + "no port in state PORT_ACTIVE (ibv_devinfo)" in outs["ports_down"]
+    if not real_verbs:  # the lent H200: rdma_cm only -> said so, not "ibv_devinfo failed"
+        assert runs["as_recorded"].returncode == 2, outs["as_recorded"]
+        assert (lead + f"{real_devdir} has no uverbs device (only {', '.join(sorted(real_names))})"
+                ": no RDMA HCA is exposed to this host") in outs["as_recorded"], outs["as_recorded"]
+    else:
+        assert runs["as_recorded"].returncode == 0, outs["as_recorded"]
     assert runs["ucx_without_rdma"].returncode == 2, outs["ucx_without_rdma"]
     assert (lead + f"ucx_info -d in {image} lists no RDMA transport (rc/ud/dc)"
             in outs["ucx_without_rdma"]), outs["ucx_without_rdma"]

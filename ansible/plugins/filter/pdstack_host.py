@@ -60,6 +60,10 @@ def ibv_ports(stdout: str) -> list[dict[str, Any]]:
     return list(_probe().parse_ibv_devinfo(stdout or ""))
 
 
+def rdma_verbs_devices(names: list[str]) -> list[str]:
+    return list(_probe().rdma_verbs_devices([str(n) for n in names]))
+
+
 def ucx_rdma_transports(stdout: str) -> list[str]:
     return list(_probe().ucx_rdma_transports(stdout or ""))
 
@@ -79,5 +83,6 @@ class FilterModule:
             "pdstack_nvidia_smi_gpus": nvidia_smi_gpus,
             "pdstack_gpu_problems": gpu_problems,
             "pdstack_ibv_ports": ibv_ports,
+            "pdstack_rdma_verbs_devices": rdma_verbs_devices,
             "pdstack_ucx_rdma_transports": ucx_rdma_transports,
         }
