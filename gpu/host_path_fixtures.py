@@ -90,6 +90,10 @@ def results_readme(summary: dict[str, Any]) -> str:
         counts = " ".join(f"{k}={v}" for k, v in recap.items()) or "none"
         msgs = "<br>".join(m.replace("|", "\\|") for m in r.get("messages") or []) or "-"
         lines.append(f"| `ansible/{name}.log` | `{inv}` | `{opts}` | {want} | {counts} | {msgs} |")
+    lines += ["", "What the roles reported (their `Report ...` tasks):", ""]
+    for name, *_ in RUNS:
+        for rep in summary.get("ansible", {}).get(name, {}).get("reports") or []:
+            lines.append(f"- `{name}`: {rep}")
     g = summary.get("probe_gpu", {})
     u = summary.get("probe_ucx", {})
     lines += [

@@ -37,13 +37,28 @@ def steps_of(res: Path) -> dict[str, dict[str, Any]]:
     return steps
 
 
+def reports(text: str) -> list[str]:
+    """The msg of every ``Report ...`` debug task (the roles' one-line findings), unwrapped."""
+    out = []
+    for block in re.split(r"(?m)^TASK \[", text)[1:]:
+        if not re.match(r"[\w]+ : Report ", block):
+            continue
+        m = re.search(r"msg: (.*?)(?:\n\s*\n|\Z)", block, re.S)
+        if m:
+            msg = " ".join(m.group(1).split())
+            if len(msg) > 1 and msg[0] == msg[-1] and msg[0] in "'\"":
+                msg = msg[1:-1].replace("''", "'")
+            out.append(msg)
+    return out
+
+
 def ansible_run(res: Path, name: str) -> dict[str, Any]:
     f = res / "ansible" / f"{name}.log"
     text = f.read_text(errors="replace") if f.exists() else ""
     m = RECAP.search(text)
     keys = ("ok", "changed", "unreachable", "failed", "skipped")
     recap = dict(zip(keys, map(int, m.groups()), strict=True)) if m else None
-    return {"recap": recap, "messages": FAILED.findall(text)}
+    return {"recap": recap, "messages": FAILED.findall(text), "reports": reports(text)}
 
 
 def summarize(res: Path) -> dict[str, Any]:
