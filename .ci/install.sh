@@ -5,6 +5,7 @@
 #   2. Docker engine + Compose v2 + local base image + pdstack images   (.ci/install-docker.sh)
 #   3. the Python 3.11 vLLM CPU venv for real-engine tests              (.ci/install-vllm-venv.sh)
 #   4. the network-namespace lab's packages (sshd, iproute2, iptables)  (.ci/install-ansible-lab.sh)
+#   5. Prometheus + promtool (Debian package) for the monitoring tests   (.ci/install-prometheus.sh)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -39,4 +40,6 @@ if [ -x .ci/install-ansible-lab.sh ] || [ -f .ci/install-ansible-lab.sh ]; then
   step "lab packages"
   bash .ci/install-ansible-lab.sh
 fi
+step "prometheus (promtool + server for the monitoring tests)"
+bash .ci/install-prometheus.sh
 step "done"
