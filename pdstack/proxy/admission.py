@@ -79,7 +79,9 @@ class EngineLoad:
 
 
 def parse_engine_metrics(text: str) -> dict[str, float]:
-    """The few vLLM gauges admission reads, summed over label sets (one engine)."""
+    """The few vLLM gauges admission reads. Request counts are summed over label sets
+    (an API server fronting data-parallel engines lists one per engine); KV usage is the
+    fullest engine's (a fraction per engine: summing would pass 1 and read as percent)."""
     out: dict[str, float] = {}
     wanted = {
         "vllm:kv_cache_usage_perc": "kv_usage",
@@ -109,7 +111,10 @@ def parse_engine_metrics(text: str) -> dict[str, float]:
             value = float(raw_value)
         except ValueError:
             continue
-        out[key] = out.get(key, 0.0) + value
+        if key == "kv_usage":
+            out[key] = max(out.get(key, 0.0), value)
+        else:
+            out[key] = out.get(key, 0.0) + value
     return out
 
 

@@ -28,8 +28,12 @@ import yaml
 
 from pdstack.plan import Plan, Service, make_plan
 from pdstack.testing.heavy import heavy_lock
-from pdstack.testing.proxy_harness import completion_text, metric_value, running_proxy
-from pdstack.testing.proxy_harness import stream_completion
+from pdstack.testing.proxy_harness import (
+    completion_text,
+    metric_value,
+    running_proxy,
+    stream_completion,
+)
 from pdstack.testing.vllm_engines import (
     Proc,
     free_port,

@@ -348,5 +348,5 @@ def test_share_gpu_on_cpu_profile_is_harmless(tmp_path: Path) -> None:
         {"n1": [{"role": "prefill", "share_gpu": True}, {"role": "decode"}]},
         profile="cpu",
     )
-    with pytest.raises(TopologyError, match="n1.pdstack_engines\\[0\\].kv_cache_bytes"):
+    with pytest.raises(TopologyError, match=r"n1\.pdstack_engines\[0\]\.kv_cache_bytes"):
         load_topology(inv)
