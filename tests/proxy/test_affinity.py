@@ -165,11 +165,14 @@ async def test_hot_session_spills_under_bounded_load() -> None:
         sid = "hot"
         first = home(rp, "colocated", f"session:{sid}")
         tasks: list[asyncio.Task[int]] = []
+
+        def seen_total() -> int:
+            return sum(len(x.seen()) for x in e.values())
+
         try:
             for i in range(9):
                 tasks.append(asyncio.create_task(post(rp, prompt(i), session=sid)))
-                await until(lambda n=i + 1: sum(len(x.seen()) for x in e.values()) == n,
-                            f"request {i} in flight")
+                await until(lambda: seen_total() == len(tasks), f"request {i} in flight")
             counts = Counter({n: len(x.seen()) for n, x in e.items()})
         finally:
             for task in tasks:

@@ -22,6 +22,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -52,7 +53,7 @@ pytestmark = pytest.mark.vllm
 SOURCE = "vllm:prompt_tokens_by_source_total"
 EXT = {"source": "external_kv_transfer"}
 HITS = "vllm:external_prefix_cache_hits_total"
-SAMPLING = {"model": "tiny", "max_tokens": 16, "temperature": 0}
+SAMPLING: dict[str, Any] = {"model": "tiny", "max_tokens": 16, "temperature": 0}
 
 
 def _free_pair() -> int:
