@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -154,9 +155,17 @@ def nixl_l1_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def _reset_prefix_cache(engine: Proc) -> None:
-    req = urllib.request.Request(f"{engine.url}/reset_prefix_cache", method="POST", data=b"")
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        assert json.loads(resp.read()).get("success") is True, f"{engine.name}: reset refused"
+    """Empty the engine's GPU prefix cache. vLLM refuses while blocks are still held (a
+    NIXL prefiller keeps a finished prefill's blocks until the decoder has read them):
+    retry for a bounded while."""
+    deadline = time.monotonic() + 30
+    while True:
+        req = urllib.request.Request(f"{engine.url}/reset_prefix_cache", method="POST", data=b"")
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            if json.loads(resp.read()).get("success") is True:
+                return
+        assert time.monotonic() < deadline, f"{engine.name}: prefix cache reset refused for 30 s"
+        time.sleep(0.2)
 
 
 def _delta(before: str, after: str, name: str, **labels: str) -> float:
