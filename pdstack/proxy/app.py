@@ -473,6 +473,8 @@ class Proxy:
             raise
         finally:
             self.in_flight -= 1
+            if ctx is not None:
+                self.admission.forget(ctx.request_id)  # a hold its final leg never took
 
     async def _serve(self, request: web.Request, ctx: RequestContext) -> web.StreamResponse:
         registry = self.registry
@@ -712,10 +714,9 @@ class Proxy:
     ) -> web.Response | None:
         """KV-aware admission (a no-op unless enabled): wait until some candidate has KV
         headroom; None = go on, else the client's 503."""
+        usable = lambda: [b for b in candidates() if b.usable]  # noqa: E731
         try:
-            await self.admission.wait_open(
-                lambda: [b for b in candidates() if b.usable], ctx.tokens
-            )
+            await self.admission.wait_open(usable, ctx.tokens)
         except AdmissionRejected as exc:
             ctx.outcome = "rejected"
             self.metrics.admission_rejected.labels(exc.reason).inc()
@@ -728,6 +729,8 @@ class Proxy:
                     "X-Request-Id": ctx.request_id,
                 },
             )
+        # hold the tokens now (P/D: the decoder is picked after the prefill leg)
+        self.admission.hold(usable(), ctx.request_id, ctx.tokens)
         return None
 
     def _pick_decoder(

@@ -386,3 +386,50 @@ async def test_failed_scrape_never_blocks() -> None:
             gate.loads["eng"].scraped_at -= gate.config.stale_after_s + 1
             await gate.scrape_once()
             assert gate.is_open(eng, 10)
+
+
+
+async def test_pd_burst_holds_decoder_headroom_during_prefill() -> None:
+    """P/D picks the decoder after the prefill leg; admitted requests hold their tokens
+    from admission on, so a burst does not all pass on the same headroom while their
+    prefill legs run, and a request cancelled during its prefill gives its hold back."""
+    async with engines("p0", "d0", kv_capacity_tokens=CAPACITY, output_tokens=2) as e:
+        t = table("nixl", [backend("p0", "prefill", e["p0"]), backend("d0", "decode", e["d0"])])
+        async with running_proxy(t, admission=admission()) as rp:
+            await until(lambda: all(b.usable for b in rp.registry.backends.values()), "healthy")
+            e["p0"].faults = Faults(hang=True)  # prefill legs stay in progress
+            # 300 tokens each: two fit under 0.8 x 1024, the third does not
+            tags = [chr(ord("a") + i) for i in range(5)]
+            burst = {tag: asyncio.create_task(post(rp, words(300, tag))) for tag in tags}
+            try:
+                await _burst_checks(rp, e, burst, tags)
+            finally:
+                for task in burst.values():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                        await task
+            await until(lambda: not load_of(rp, "d0").reserved, "every hold released")
+    assert len(e["p0"].seen()) == 5 and len(e["d0"].seen()) == 3
+
+
+async def _burst_checks(
+    rp: RunningProxy, e: dict[str, FakeEngine], burst: dict[str, asyncio.Task[Any]],
+    tags: list[str],
+) -> None:
+    await until(
+        lambda: len(e["p0"].seen()) == 2 and rp.proxy.admission.queued == 3,
+        "two prefills in progress and three held in the proxy",
+        timeout=10,
+    )
+    await asyncio.sleep(0.3)
+    assert len(e["p0"].seen()) == 2, "the burst overran the decoder's headroom"
+    assert load_of(rp, "d0").reserved_tokens() == 2 * (len(words(300, "a")) // 4)
+    # the two in prefill are cancelled by their clients: their holds come back
+    # and the three held go (the prefiller answers again)
+    e["p0"].faults = Faults()
+    first = [r.body["prompt"][0] for r in e["p0"].seen() if r.body]
+    for tag in first:
+        burst[tag].cancel()
+    rest = [burst[tag] for tag in tags if tag not in first]
+    results = await asyncio.wait_for(asyncio.gather(*rest), 30)
+    assert [r[0] for r in results] == [200, 200, 200], results
