@@ -40,7 +40,6 @@ from pdstack import kvmodes
 from pdstack.bench.stats import cost_per_million_output_tokens
 from pdstack.plan import make_plan
 from pdstack.topology import (
-    KV_MODES,
     Topology,
     TopologyError,
     _group_vars,
@@ -275,7 +274,7 @@ def read_curves(
         else:
             roles = _roles_from_counters(results)
             shape = Shape(
-                kv_mode=label if label in KV_MODES else None,
+                kv_mode=label if label in kvmodes.MODES else None,
                 prefill=len(roles.get("prefill", ())),
                 decode=len(roles.get("decode", ())),
                 colocated=len(roles.get("colocated", ())),

@@ -480,6 +480,8 @@ def _proxy_service(topo: Topology, node: NodeSpec) -> Service:
         "--host", bind,
         "--port", str(d.ports.proxy),
     ]
+    if d.proxy_admission != "off":
+        cmd += ["--admission", d.proxy_admission]
     ports = {"http": d.ports.proxy}
     if _push(d):
         ports["lmcache_pd_notify"] = lmcache_pd_notify_port(d)

@@ -25,7 +25,6 @@ from pdstack import kvmodes
 KvMode = Literal[
     "colocated", "colocated+l1", "lmcache-pd", "nixl", "nixl+l1", "shared-l1", "shared-l1+nixl"
 ]
-KV_MODES: tuple[str, ...] = kvmodes.NAMES
 Role = Literal["prefill", "decode", "colocated"]
 Profile = Literal["gpu", "cpu"]
 NODE_GROUP = "pdstack_nodes"
@@ -135,6 +134,8 @@ class DeploymentSpec(_Strict):
     skip_prefill_threshold_tokens: int = Field(default=0, ge=0)
     proxy_bind_address: str | None = None
     shm_size: str = "16g"
+    # the proxy's KV-aware admission (pdstack.proxy.admission): results/h200x1/README.md
+    proxy_admission: Literal["off", "kv"] = "off"
 
 
 class Topology(_Strict):
@@ -241,6 +242,7 @@ def load_topology(inventory: str | Path) -> Topology:
         "skip_prefill_threshold_tokens": allvars.get("pdstack_skip_prefill_threshold_tokens", 0),
         "proxy_bind_address": allvars.get("pdstack_proxy_bind_address"),
         "shm_size": allvars.get("pdstack_shm_size", "16g"),
+        "proxy_admission": allvars.get("pdstack_proxy_admission"),
     }
     deployment_raw = {k: v for k, v in deployment_raw.items() if v is not None}
     deployment: DeploymentSpec | None = None
@@ -250,7 +252,7 @@ def load_topology(inventory: str | Path) -> Topology:
         for err in exc.errors():
             field = "pdstack_" + _loc(err) if err["loc"] else "(deployment)"
             if err["loc"] and err["loc"][0] == "kv_mode" and err["type"] == "literal_error":
-                msg = f"unknown KV mode {err.get('input')!r}; use one of {', '.join(KV_MODES)}"
+                msg = f"unknown KV mode {err.get('input')!r}; use one of {', '.join(kvmodes.NAMES)}"
             else:
                 msg = err["msg"]
             problems.append(Problem(gorigin.get(f"pdstack_{err['loc'][0]}", gv_file), field, msg))
@@ -482,7 +484,7 @@ def check_topology(topo: Topology, hosts_file: str, vars_file: str) -> list[Prob
                     "kv_mode lmcache-pd needs GPUs: LMCache's in-process connector has no CPU "
                     "path; on pdstack_profile cpu use shared-l1 or nixl")
         )
-    if d.kv_mode == "lmcache-pd" and d.model.kv_bytes_per_token:
+    if mode.lmcache_push and d.model.kv_bytes_per_token:
         need_gb = d.model.kv_bytes_per_token * d.model.max_model_len / 2**30
         if d.lmcache.pd_buffer_size_gb < need_gb:
             problems.append(

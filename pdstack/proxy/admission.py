@@ -290,7 +290,7 @@ class KvAdmission:
         or raise :class:`AdmissionRejected`."""
         if not self.config.enabled:
             return
-        if not self._queue and self.open_among(candidates(), tokens):
+        if not self._queue and self._fits(candidates(), tokens):
             self.admitted_direct += 1
             return
         if len(self._queue) >= self.config.queue_max:
@@ -328,10 +328,16 @@ class KvAdmission:
             if head.future.done():
                 self._queue.popleft()
                 continue
-            if self.open_among(head.candidates(), head.tokens):
+            if self._fits(head.candidates(), head.tokens):
                 self._queue.popleft()
                 head.future.set_result(None)
             return
+
+    def _fits(self, candidates: list[BackendState], tokens: int) -> bool:
+        """Some usable candidate is open, or there is none at all (then routing answers
+        503 at once: admission never holds a request that no engine could take)."""
+        usable = [b for b in candidates if b.usable]
+        return not usable or any(self.is_open(b, tokens) for b in usable)
 
     @property
     def queued(self) -> int:
