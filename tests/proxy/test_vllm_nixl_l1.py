@@ -135,10 +135,10 @@ def _start_planned(svc: Service) -> Proc:
 @pytest.fixture(scope="module")
 def nixl_l1_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     require_venv()
-    plan = nixl_l1_plan(tmp_path_factory.mktemp("inv"))
-    node = plan.nodes["local"]
-    lm = node.service("lmcache")
     with heavy_lock():
+        # planned once the lock is ours: its free ports are picked just before use
+        plan = nixl_l1_plan(tmp_path_factory.mktemp("inv"))
+        lm = plan.nodes["local"].service("lmcache")
         procs: list[Proc] = []
         try:
             lmcache = start_lmcache(lm.ports["zmq"], lm.ports["metrics"])
