@@ -187,7 +187,7 @@ def test_plan_is_the_nixl_l1_recipe(tmp_path: Path) -> None:
 
 async def test_nixl_l1_handoff_and_prefiller_tier_hit(nixl_l1_stack: Stack) -> None:
     st = nixl_l1_stack
-    shared = prompt_of(700, seed=41)
+    shared = prompt_of(1000, seed=41)  # about 1000 tokens
     first_prompt = shared + " first question about the engine"
     second_prompt = shared + " second question about the cache"
     # the proxy in front, with the planner's own backend table (URLs as planned)
@@ -200,7 +200,10 @@ async def test_nixl_l1_handoff_and_prefiller_tier_hit(nixl_l1_stack: Stack) -> N
         assert first.status == 200 and not first.error_events, first.text
 
         # the second turn: the prefiller's GPU prefix cache forgets, its LMCache tier not
+        # (the decoder's forgets too, so that it again needs the whole prompt's KV)
         _reset_prefix_cache(st.prefill)
+        _reset_prefix_cache(st.decode)
+        d1 = scrape(st.decode.url)
         second = await stream_completion(rp.session, rp.url, second_prompt, **SAMPLING)
         d2, p2 = scrape(st.decode.url), scrape(st.prefill.url)
         assert second.status == 200 and not second.error_events, second.text
