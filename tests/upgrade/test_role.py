@@ -71,6 +71,7 @@ def test_role_runs_every_engine_in_order_and_changes_nothing_at_the_target(
     assert all(not b["drained"] for b in node["admin"].listing()["backends"])
 
 
+@pytest.mark.docker  # the role runs `docker compose stop/up` (no image is started)
 @pytest.mark.parametrize("node", [SAME], indirect=True)
 def test_role_rolls_back_undrains_and_stops_when_compose_fails(node: dict[str, Any]) -> None:
     stack: Path = node["dir"]
