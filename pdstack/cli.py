@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("pdstack.bench.cli", "prefix-heavy chat benchmark: asked vs served, TTFT"),
     "launch": ("pdstack.launch", "run a node's planned services as plain processes"),
     "upgrade": ("pdstack.upgrade", "rolling upgrade of one node's engines"),
+    "advise": ("pdstack.advise", "from bench curves to the topology that meets a target"),
 }
 
 

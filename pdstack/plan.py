@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
+from pdstack import kvmodes
 from pdstack.topology import DeploymentSpec, EngineSpec, NodeSpec, Topology
 
 KvPath = Literal["shared-l1", "nixl", "lmcache-pd"]
@@ -128,7 +129,8 @@ class BackendTable(_Model):
         served_model_name: str = "",
     ) -> BackendTable:
         """Every prefiller pairs with every decoder, all on node ``local`` (for flags)."""
-        if kv_mode == "colocated":
+        mode = kvmodes.get(kv_mode)
+        if not mode.disaggregated:
             backends = [
                 Backend(name=f"local/engine-{i}", role="colocated", node="local", url=u)
                 for i, u in enumerate([*prefill_urls, *decode_urls])
@@ -142,10 +144,13 @@ class BackendTable(_Model):
             Backend(name=f"local/decode-{i}", role="decode", node="local", url=u)
             for i, u in enumerate(decode_urls)
         ]
-        path: KvPath = "nixl" if kv_mode in ("nixl", "shared-l1+nixl") else "shared-l1"
-        if kv_mode == "lmcache-pd":
-            path = "lmcache-pd"
-        pairs = [Pairing(prefill=p.name, decode=d.name, kv_path=path) for p in pre for d in dec]
+        # every backend is on node "local": the mode's same-node path joins each pair
+        path = mode.kv_path(same_node=True)
+        pairs = [
+            Pairing(prefill=p.name, decode=d.name, kv_path=path)  # type: ignore[arg-type]
+            for p in pre
+            for d in dec
+        ]
         return cls(
             kv_mode=kv_mode,
             served_model_name=served_model_name,
@@ -186,7 +191,7 @@ def make_node_ports(topo: Topology, node: NodeSpec) -> dict[str, int]:
         ports[f"{name} http"] = d.ports.engine_http_base + i
         if _uses_nixl(topo, node, eng.role):
             ports[f"{name} nixl side channel"] = d.ports.nixl_side_channel_base + i
-        if d.kv_mode == "lmcache-pd" and eng.role == "decode":
+        if _push(d) and eng.role == "decode":
             init, alloc = lmcache_pd_receiver_ports(topo, node, i)
             for rank, (ip, ap) in enumerate(zip(init, alloc, strict=True)):
                 suffix = f" rank {rank}" if len(init) > 1 else ""
@@ -197,7 +202,7 @@ def make_node_ports(topo: Topology, node: NodeSpec) -> dict[str, int]:
         ports["lmcache http"] = d.ports.lmcache_http
     if node.proxy:
         ports["proxy http"] = d.ports.proxy
-        if d.kv_mode == "lmcache-pd":
+        if _push(d):
             ports["proxy lmcache-pd notify"] = lmcache_pd_notify_port(d)
     return ports
 
@@ -235,8 +240,13 @@ def _engine_names(node: NodeSpec) -> list[str]:
     return names
 
 
+def _push(d: DeploymentSpec) -> bool:
+    """LMCache's legacy P/D push (kv_mode lmcache-pd)."""
+    return kvmodes.get(d.kv_mode).lmcache_push
+
+
 def _has_lmcache_server(d: DeploymentSpec, node: NodeSpec) -> bool:
-    return d.kv_mode in ("shared-l1", "shared-l1+nixl") and bool(node.engines)
+    return kvmodes.get(d.kv_mode).lmcache_server and bool(node.engines)
 
 
 def _cross_node_roles(topo_nodes: list[NodeSpec], node: NodeSpec) -> set[str]:
@@ -252,14 +262,13 @@ def _cross_node_roles(topo_nodes: list[NodeSpec], node: NodeSpec) -> set[str]:
 
 
 def _uses_nixl(topo: Topology, node: NodeSpec, role: str) -> bool:
-    """NIXL only where needed: always in ``nixl``; in ``shared-l1+nixl`` only for an engine
-    whose role has a partner on another node (same-node pairs use the LMCache store)."""
-    mode = topo.deployment.kv_mode
-    if mode == "nixl":
-        return role in ("prefill", "decode")
-    if mode == "shared-l1+nixl":
-        return role in _cross_node_roles(topo.nodes, node)
-    return False
+    """NIXL only where needed: on every P/D engine where the mode hands off same-node pairs
+    over NIXL (``nixl``, ``nixl+l1``); in ``shared-l1+nixl`` only for an engine whose role
+    has a partner on another node (same-node pairs use the LMCache store)."""
+    mode = kvmodes.get(topo.deployment.kv_mode)
+    if role not in ("prefill", "decode"):
+        return False
+    return mode.nixl_for(role in _cross_node_roles(topo.nodes, node))
 
 
 def generation_of(d: DeploymentSpec) -> str:
@@ -280,8 +289,9 @@ def kv_transfer_config(
 ) -> dict | None:
     """The exact ``--kv-transfer-config`` of one engine."""
     d = topo.deployment
-    if d.kv_mode == "colocated":
-        return None
+    mode = kvmodes.get(d.kv_mode)
+    if mode.lmcache_push:
+        return None if role == "colocated" else _lmcache_push_config(role)
     cpu = d.profile == "cpu"
     nixl_role = "kv_producer" if role == "prefill" else "kv_consumer"
     nixl: dict = {"kv_connector": "NixlConnector", "kv_role": nixl_role}
@@ -295,19 +305,29 @@ def kv_transfer_config(
             "lmcache.mp.port": d.ports.lmcache_zmq,
         },
     }
-    if d.kv_mode == "nixl":
-        return nixl
-    if d.kv_mode == "shared-l1":
-        return lmc_mp
-    if d.kv_mode == "shared-l1+nixl":
-        if _uses_nixl(topo, node, role):
-            return {
-                "kv_connector": "MultiConnector",
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": {"connectors": [nixl, lmc_mp]},
-            }
-        return lmc_mp
-    # lmcache-pd: LMCache's legacy push; its settings travel as LMCACHE_* env
+    connectors = []
+    if _uses_nixl(topo, node, role):
+        connectors.append(nixl)
+    if mode.lmcache_server and role in mode.tier_roles:
+        connectors.append(lmc_mp)
+    if not connectors:
+        return None
+    config = connectors[0] if len(connectors) == 1 else {
+        "kv_connector": "MultiConnector",
+        # LMCache's P/D recipe names the NIXL side's role at the top; shared-l1+nixl keeps
+        # kv_both (its same-node pairs hand off through the store)
+        "kv_role": nixl_role if mode.same_node_path == kvmodes.NIXL else "kv_both",
+        "kv_connector_extra_config": {"connectors": connectors},
+    }
+    if mode.load_failure_policy is not None:
+        # a top-level KVTransferConfig field: only the scheduler reads it (vLLM 0.26)
+        config = {**config, "kv_load_failure_policy": mode.load_failure_policy}
+    return config
+
+
+def _lmcache_push_config(role: str) -> dict:
+    """kv_mode lmcache-pd: LMCache's legacy push; its settings travel as LMCACHE_* env."""
+    nixl_role = "kv_producer" if role == "prefill" else "kv_consumer"
     return {
         "kv_connector": "LMCacheConnectorV1",
         "kv_role": nixl_role,
@@ -393,7 +413,7 @@ def _engine_service(
     if d.profile == "cpu":
         env["VLLM_CPU_OMP_THREADS_BIND"] = eng.cpu_threads_bind
         env["NIXL_PTHR_DELAY_US"] = "1000"
-    if d.kv_mode == "lmcache-pd":
+    if _push(d):
         env |= _lmcache_pd_env(topo, node, index, proxy_addr)
     service_ports = {"http": http}
     if "VLLM_NIXL_SIDE_CHANNEL_PORT" in env:
@@ -412,7 +432,11 @@ def _engine_service(
         generation=generation_of(d),
         kv_transfer_config=ktc,
         healthcheck_url=f"http://{node.private_address}:{http}/health",
-        depends_on=["lmcache"] if _has_lmcache_server(d, node) else [],
+        depends_on=(
+            ["lmcache"]
+            if _has_lmcache_server(d, node) and eng.role in kvmodes.get(d.kv_mode).tier_roles
+            else []
+        ),
     )
 
 
@@ -453,8 +477,10 @@ def _proxy_service(topo: Topology, node: NodeSpec) -> Service:
         "--host", bind,
         "--port", str(d.ports.proxy),
     ]
+    if d.proxy_admission != "off":
+        cmd += ["--admission", d.proxy_admission]
     ports = {"http": d.ports.proxy}
-    if d.kv_mode == "lmcache-pd":
+    if _push(d):
         ports["lmcache_pd_notify"] = lmcache_pd_notify_port(d)
     return Service(
         name="proxy",
@@ -483,7 +509,7 @@ def make_plan(topo: Topology) -> Plan:
             svc = _engine_service(topo, node, i, name, proxy_node.private_address)
             services.append(svc)
             receiver = None
-            if d.kv_mode == "lmcache-pd" and svc.role == "decode":
+            if _push(d) and svc.role == "decode":
                 init, alloc = lmcache_pd_receiver_ports(topo, node, i)
                 receiver = LmcachePdReceiver(
                     host=node.private_address, init_ports=init, alloc_ports=alloc
@@ -511,20 +537,15 @@ def make_plan(topo: Topology) -> Plan:
         )
 
     pairings: list[Pairing] = []
-    if d.kv_mode != "colocated":
-        for p in (b for b in backends if b.role == "prefill"):
-            for dec in (b for b in backends if b.role == "decode"):
-                same = p.node == dec.node
-                if d.kv_mode == "shared-l1" and not same:
-                    continue  # validation guarantees a same-node decoder exists
-                path: KvPath
-                if d.kv_mode == "nixl":
-                    path = "nixl"
-                elif d.kv_mode == "lmcache-pd":
-                    path = "lmcache-pd"
-                else:
-                    path = "shared-l1" if same else "nixl"
-                pairings.append(Pairing(prefill=p.name, decode=dec.name, kv_path=path))
+    mode = kvmodes.get(d.kv_mode)
+    for p in (b for b in backends if b.role == "prefill"):
+        for dec in (b for b in backends if b.role == "decode"):
+            path = mode.kv_path(same_node=p.node == dec.node)
+            if path is None:
+                continue  # e.g. shared-l1 across nodes; validation guarantees a same-node one
+            pairings.append(
+                Pairing(prefill=p.name, decode=dec.name, kv_path=path)  # type: ignore[arg-type]
+            )
 
     table = BackendTable(
         kv_mode=d.kv_mode,
@@ -534,7 +555,7 @@ def make_plan(topo: Topology) -> Plan:
         skip_prefill_threshold_tokens=d.skip_prefill_threshold_tokens,
         lmcache_pd_notify=(
             LmcachePdNotify(host=proxy_node.private_address, port=lmcache_pd_notify_port(d))
-            if d.kv_mode == "lmcache-pd"
+            if _push(d)
             else None
         ),
     )

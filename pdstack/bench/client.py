@@ -74,17 +74,27 @@ def build_body(
     }
     if ignore_eos:
         body["ignore_eos"] = True
+    if req.session is not None:
+        body["user"] = req.session
     if isinstance(req.system, list):  # token ids: only /v1/completions takes them
         assert isinstance(req.user, list)
-        body["prompt"] = req.system + req.user
+        if req.history:
+            ids = list(req.system)
+            for part in req.history:
+                assert isinstance(part, list)
+                ids += part
+            body["prompt"] = ids + req.user
+        else:
+            body["prompt"] = req.system + req.user
         body["return_token_ids"] = True
     elif endpoint == "chat":
-        body["messages"] = [
-            {"role": "system", "content": req.system},
-            {"role": "user", "content": req.user},
-        ]
+        messages: list[dict[str, Any]] = [{"role": "system", "content": req.system}]
+        for i, part in enumerate(req.history):  # user, assistant, user, assistant, ...
+            messages.append({"role": "assistant" if i % 2 else "user", "content": part})
+        messages.append({"role": "user", "content": req.user})
+        body["messages"] = messages
     else:
-        body["prompt"] = f"{req.system}\n\n{req.user}"
+        body["prompt"] = "\n\n".join(str(p) for p in (req.system, *req.history, req.user))
     return body
 
 
@@ -182,6 +192,8 @@ class BenchClient:
             sink.append(result)
         headers = dict(self.headers)
         headers["X-Request-Id"] = f"bench-{self._prefix}-{req.index}"
+        if req.session is not None:
+            headers["X-Session-ID"] = req.session
         try:
             if self.prefill_url is not None:
                 kv = await self._prefill(body, headers)

@@ -27,6 +27,9 @@ COLUMNS: tuple[tuple[str, str, str, int], ...] = (
     ("E2E p50", "median_e2el_ms", "{:.0f}", 8),
     ("out tok/s", "output_throughput", "{:.1f}", 10),
     ("prefix hit", "prefix_cache_hit_ratio", "{:.1%}", 10),
+    ("ext hit", "external_prefix_cache_hit_ratio", "{:.0%}", 7),
+    ("preempt", "preemptions", "{:.0f}", 7),
+    ("KV peak", "peak_kv_cache_usage", "{:.0%}", 7),
     ("$/1M out", "cost_per_1m_output_tokens", "{:.2f}", 9),
 )
 

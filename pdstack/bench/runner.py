@@ -9,7 +9,6 @@ import datetime as dt
 import gc
 import os
 import platform
-import random
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -21,7 +20,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from pdstack.bench import promscrape
 from pdstack.bench.client import BenchClient, RequestResult, first_model
 from pdstack.bench.stats import cost_per_million_output_tokens, summarize
-from pdstack.bench.workload import Workload, WorkloadConfig, poisson_arrivals
+from pdstack.bench.workload import ChatRequest, Workload, WorkloadConfig
 
 SCHEMA_VERSION = 1
 
@@ -47,6 +46,10 @@ class BenchConfig:
     gpus: int | None = None
     label: str | None = None
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    scenario: str | None = None  # the --scenario preset (None: the plain defaults)
+    # how a preset sized itself (many-tenants: KV capacity, its source, prompts)
+    scenario_sizing: dict[str, Any] | None = None
+    gauge_interval: float = 1.0  # s between load-gauge samples of --metrics-url
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -60,6 +63,8 @@ class BenchConfig:
             "token_ids": wl.token_ids,
             "token_id_range": [wl.token_id_min, wl.token_id_max],
             "seed": wl.seed,
+            "turns": str(wl.turns) if wl.turns is not None else None,
+            "think_time_s": wl.think_time if wl.turns is not None else None,
         }
         return out
 
@@ -140,9 +145,10 @@ async def run_open_loop(
     progress: Progress | None = None,
     on_window_start: Callable[[], Awaitable[Any]] | None = None,
 ) -> tuple[list[RequestResult], float, float]:
-    """Poisson arrivals at ``rate`` for ``warmup + duration`` s; returns the results
-    and the measurement window ``(start, end)`` in ``perf_counter`` seconds."""
-    arrivals = poisson_arrivals(rate, warmup + duration, random.Random(f"arrivals-{seed}-{rate}"))
+    """The workload's schedule at ``rate`` for ``warmup + duration`` s (Poisson arrivals,
+    or conversations), sent open loop; returns the results and the measurement window
+    ``(start, end)`` in ``perf_counter`` seconds."""
+    schedule = workload.schedule(rate, warmup + duration, seed)
     results: list[RequestResult] = []
     phase = Phase()
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -152,8 +158,7 @@ async def run_open_loop(
         progress.add_task(f"{rate:g} req/s", total=total, stats="") if progress else None
     )
 
-    async def one() -> None:
-        req = workload.next_request()
+    async def one(req: ChatRequest) -> None:
         phase.sent += 1
         try:
             if sem is None:
@@ -173,11 +178,11 @@ async def run_open_loop(
     if on_window_start is not None:
         window_hook = asyncio.create_task(_at(window[0], on_window_start))
     try:
-        for offset in arrivals:
+        for offset, req in schedule:
             delay = t0 + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            task = asyncio.create_task(one())
+            task = asyncio.create_task(one(req))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         rest = window[1] - time.perf_counter()
@@ -303,8 +308,13 @@ async def run_sweep(
                 if i and cfg.cooldown > 0:
                     await asyncio.sleep(cfg.cooldown)
                 scrapes: dict[str, Any] = {}
+                sampler = promscrape.GaugeSampler(cfg.metrics_urls, cfg.gauge_interval)
 
-                async def scrape_before(box: dict[str, Any] = scrapes) -> None:
+                async def scrape_before(
+                    box: dict[str, Any] = scrapes, sampler: promscrape.GaugeSampler = sampler
+                ) -> None:
+                    stop_at = time.perf_counter() + cfg.duration
+                    box["gauges"] = asyncio.create_task(sampler.run(stop_at))
                     box["before"] = await promscrape.snapshot(cfg.metrics_urls)
 
                 results, start, end = await run_open_loop(
@@ -330,12 +340,21 @@ async def run_sweep(
                 )
                 if cfg.metrics_urls:
                     after = await promscrape.snapshot(cfg.metrics_urls)
-                    entry["prometheus"] = promscrape.summarize_deltas(
-                        scrapes.get("before", {}), after
-                    )
-                    entry["prefix_cache_hit_ratio"] = entry["prometheus"]["total"][
-                        "prefix_cache_hit_ratio"
+                    if "gauges" in scrapes:
+                        await scrapes["gauges"]
+                    prom = promscrape.summarize_deltas(scrapes.get("before", {}), after)
+                    gauges = sampler.summary()
+                    prom["total"]["gauges"] = gauges["total"]
+                    for url, g in gauges["endpoints"].items():
+                        prom["endpoints"].setdefault(url, {})["gauges"] = g
+                    entry["prometheus"] = prom
+                    total = prom["total"]
+                    entry["prefix_cache_hit_ratio"] = total["prefix_cache_hit_ratio"]
+                    entry["external_prefix_cache_hit_ratio"] = total[
+                        "external_prefix_cache_hit_ratio"
                     ]
+                    entry["preemptions"] = total["preemptions"]
+                    entry["peak_kv_cache_usage"] = total["gauges"]["kv_cache_usage"]["peak"]
                 if cfg.gpu_hour_price is not None and cfg.gpus:
                     entry["cost_per_1m_output_tokens"] = cost_per_million_output_tokens(
                         entry["output_throughput"], cfg.gpu_hour_price, cfg.gpus

@@ -1,4 +1,5 @@
-"""The chat workload: K shared system prompts, length distributions, Poisson arrivals.
+"""The chat workload: K shared system prompts, length distributions, Poisson arrivals,
+and (``turns`` set) multi-turn conversations that come back after a think time.
 
 Everything here is deterministic for a given seed, so two runs of the same
 command send the same prompts at the same offsets.
@@ -122,6 +123,9 @@ class WorkloadConfig:
     token_id_min: int = 10
     token_id_max: int = 4000
     seed: int = 0
+    # multi-turn: turns per conversation (None: one request per arrival, no conversations)
+    turns: Distribution | None = None
+    think_time: float = 4.0  # seconds, mean of an exponential, between turns
 
     def __post_init__(self) -> None:
         if self.num_system_prompts < 1:
@@ -130,11 +134,17 @@ class WorkloadConfig:
             raise ValueError("shared share must be within [0, 1]")
         if not 0 <= self.token_id_min < self.token_id_max:
             raise ValueError("need 0 <= token_id_min < token_id_max")
+        if self.think_time <= 0:
+            raise ValueError("think time must be > 0 seconds")
 
 
 @dataclass(frozen=True)
 class ChatRequest:
-    """One request: a system part, a user part and the answer length asked for."""
+    """One request: a system part, a user part and the answer length asked for.
+
+    A turn of a conversation also carries the earlier turns (``history``: user,
+    assistant, user, assistant, ... contents between the system part and ``user``)
+    and the conversation's ``session`` id."""
 
     index: int
     system_prompt_id: int | None  # None: a unique system prompt (no shared prefix)
@@ -142,6 +152,9 @@ class ChatRequest:
     user: str | list[int]
     max_tokens: int
     prompt_len: int  # tokens (token ids) or words (text, ~ tokens)
+    history: tuple[str | list[int], ...] = ()
+    session: str | None = None
+    turn: int = 0
 
     @property
     def shared(self) -> bool:
@@ -160,6 +173,7 @@ class Workload:
         ]
         self._rng = random.Random(f"requests-{config.seed}")
         self._count = 0
+        self._conversation_count = 0
 
     def _text_or_ids(self, rng: random.Random, n: int, tag: str) -> str | list[int]:
         cfg = self.config
@@ -192,3 +206,74 @@ class Workload:
     def requests(self) -> Iterator[ChatRequest]:
         while True:
             yield self.next_request()
+
+    def schedule(
+        self, rate: float, total_seconds: float, seed: int
+    ) -> list[tuple[float, ChatRequest]]:
+        """The requests of one asked ``rate`` over ``total_seconds`` with their send
+        offsets (seconds from 0), in send order. Without ``turns``: Poisson arrivals,
+        one :meth:`next_request` each (the stream continues across calls)."""
+        if self.config.turns is not None:
+            return self._conversations(rate, total_seconds, seed)
+        arrivals = poisson_arrivals(rate, total_seconds, random.Random(f"arrivals-{seed}-{rate}"))
+        return [(t, self.next_request()) for t in arrivals]
+
+    def _length(self, part: str | list[int]) -> int:
+        return len(part) if isinstance(part, list) else len(part.split())
+
+    def _conversations(
+        self, rate: float, total_seconds: float, seed: int
+    ) -> list[tuple[float, ChatRequest]]:
+        """Open-loop conversations: they start as a Poisson process at
+        ``rate / mean(turns)``; turn k is sent at start + the sum of k exponential think
+        times, whatever the target does, so every target gets the same requests at the
+        same offsets. Conversations also start up to a horizon before 0 (their turns
+        before 0 are not sent), so the rate is ``rate`` from the first second on."""
+        cfg = self.config
+        assert cfg.turns is not None
+        mean_turns = max(1.0, cfg.turns.mean)
+        horizon = 3.0 * mean_turns * cfg.think_time
+        timing = random.Random(f"conversations-{seed}-{rate}")
+        starts = poisson_arrivals(rate / mean_turns, total_seconds + horizon, timing)
+        rng = self._rng
+        pending: list[tuple[float, int, int, int | None, str | list[int],
+                           tuple[str | list[int], ...], str | list[int], int, str]] = []
+        for start in starts:
+            n_turns = cfg.turns.sample(rng)
+            offsets = [start - horizon]
+            for _ in range(n_turns - 1):
+                offsets.append(offsets[-1] + timing.expovariate(1.0 / cfg.think_time))
+            last = max((k for k, t in enumerate(offsets) if 0.0 <= t < total_seconds),
+                       default=-1)
+            if last < 0:
+                continue  # nothing of it falls in the run
+            conv = self._conversation_count
+            self._conversation_count += 1
+            session = f"conv-{cfg.seed}-{conv}"
+            if rng.random() < cfg.shared_share:
+                sp_id: int | None = rng.randrange(cfg.num_system_prompts)
+                system = self.system_prompts[sp_id]  # type: ignore[index]
+            else:
+                sp_id = None
+                system = self._text_or_ids(rng, cfg.system_len.sample(rng),
+                                           tag=f"unique conversation {conv}")
+            history: list[str | list[int]] = []
+            for k in range(last + 1):
+                user = self._text_or_ids(rng, cfg.user_len.sample(rng),
+                                         tag=f"conversation {conv} question {k}")
+                max_tokens = cfg.output_len.sample(rng)
+                if offsets[k] >= 0.0:
+                    pending.append((offsets[k], conv, k, sp_id, system, tuple(history), user,
+                                    max_tokens, session))
+                # the synthetic answer of this turn, as long as the answer asked for
+                answer = self._text_or_ids(rng, max_tokens, tag=f"answer {conv} {k}")
+                history += [user, answer]
+        pending.sort(key=lambda p: (p[0], p[1], p[2]))
+        out: list[tuple[float, ChatRequest]] = []
+        for offset, _, k, sp_id, system, hist, user, max_tokens, session in pending:
+            index = self._count
+            self._count += 1
+            prompt_len = self._length(system) + sum(map(self._length, hist)) + self._length(user)
+            out.append((offset, ChatRequest(index, sp_id, system, user, max_tokens, prompt_len,
+                                            history=hist, session=session, turn=k)))
+        return out

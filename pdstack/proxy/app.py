@@ -43,7 +43,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from pdstack.proxy.backends import SHARED_L1_MODES, BackendRegistry, BackendState
+from pdstack.proxy import affinity
+from pdstack.proxy.admission import AdmissionRejected, KvAdmission, prompt_tokens
+from pdstack.proxy.backends import BackendRegistry, BackendState
 from pdstack.proxy.config import ProxyConfig
 from pdstack.proxy.lmcache_pd import NotifyListener, disagg_spec
 from pdstack.proxy.metrics import ProxyMetrics
@@ -105,6 +107,8 @@ class RequestContext:
     route: str = "pd"
     text: str | None = None
     outcome: str = "ok"
+    session: str | None = None  # session affinity key (X-Session-ID header or `user`)
+    tokens: int = 0  # prompt tokens (exact for token-id prompts, else estimated)
     upstream_headers: dict[str, str] = field(default_factory=dict)
 
 
@@ -151,8 +155,12 @@ class Proxy:
         self.session: aiohttp.ClientSession | None = None
         self.relay = RelayPool()
         self._addresses: dict[str, tuple[str, int, str]] = {}
-        self._ring: HashRing | None = None
-        self._ring_version = -1
+        self._rings: dict[str, tuple[int, HashRing]] = {}  # role -> (registry version, ring)
+        self.admission = KvAdmission(
+            self.config.admission, lambda: self.registry.backends.values(), self._auth_headers
+        )
+        if self.config.admission.enabled:
+            self.metrics.watch_admission(self.admission)
         self._health_task: asyncio.Task[None] | None = None
         self._probing: set[str] = set()
         threshold = self.config.skip_prefill_threshold_tokens
@@ -190,10 +198,11 @@ class Proxy:
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
-        if self.registry.kv_mode == "lmcache-pd":
+        if self.registry.mode.lmcache_push:
             await self._start_notifier()
         await self.probe_all()
         self._health_task = asyncio.create_task(self._health_loop())
+        await self.admission.start(self.session)
 
     async def _start_notifier(self) -> None:
         table = self.registry.lmcache_pd_notify or {}
@@ -215,6 +224,7 @@ class Proxy:
         self.notifier = notifier
 
     async def _on_cleanup(self, app: web.Application) -> None:
+        await self.admission.stop()
         if self.notifier is not None:
             await self.notifier.close()
             self.notifier = None
@@ -307,7 +317,7 @@ class Proxy:
         return web.json_response(body, status=200 if routable else 503)
 
     def _routable(self) -> bool:
-        if self.registry.kv_mode == "colocated":
+        if not self.registry.mode.disaggregated:
             return any(b.usable for b in self.registry.by_role("colocated"))
         return any(
             p.usable and self.registry.decoders_for(p) for p in self.registry.by_role("prefill")
@@ -322,7 +332,7 @@ class Proxy:
         if not self._client_authorized(request):
             return error_response(401, "invalid or missing API key", "authentication_error")
         assert self.session is not None
-        role = "colocated" if self.registry.kv_mode == "colocated" else "decode"
+        role = "decode" if self.registry.mode.disaggregated else "colocated"
         for backend in self.registry.by_role(role):
             if not backend.usable:
                 continue
@@ -448,6 +458,7 @@ class Proxy:
                 raw=raw,
                 stream=bool(body.get("stream")),
                 started=time.perf_counter(),
+                session=affinity.session_key(request.headers, body),
             )
             ctx.upstream_headers = {
                 "Content-Type": "application/json",
@@ -465,23 +476,33 @@ class Proxy:
 
     async def _serve(self, request: web.Request, ctx: RequestContext) -> web.StreamResponse:
         registry = self.registry
-        if registry.kv_mode == "colocated":
+        ctx.tokens = prompt_tokens(ctx.body, len(self._key_text_full(ctx)),
+                                   self.config.chars_per_token)
+        if not registry.mode.disaggregated:
             ctx.route = "colocated"
-            key_hash = stable_hash(self._key_text(ctx))
+            key_hash = self._affinity_hash(ctx)
+            rejected = await self._admit(ctx, lambda: registry.by_role("colocated"))
+            if rejected is not None:
+                return rejected
             return await self._final_leg(
                 request,
                 ctx,
-                lambda tried: self._pick_affinity("colocated", key_hash, tried),
+                lambda tried: self._pick_affinity("colocated", key_hash, tried, ctx.tokens),
                 lambda backend: ctx.raw,
             )
 
-        if registry.kv_mode == "lmcache-pd":
+        if registry.mode.lmcache_push:
             return await self._serve_lmcache_pd(request, ctx)
 
-        if self.skip_threshold_tokens > 0 and registry.kv_mode in SHARED_L1_MODES:
+        if self.skip_threshold_tokens > 0 and registry.mode.skip_prefill:
             skipped = await self._try_skip_prefill(request, ctx)
             if skipped is not None:
                 return skipped
+
+        # ---- admission: the decoders' KV, before any prefill work is spent
+        rejected = await self._admit(ctx, lambda: registry.by_role("decode"))
+        if rejected is not None:
+            return rejected
 
         # ---- leg 1: prefill
         kv_params: dict[str, Any] | None = None
@@ -497,7 +518,7 @@ class Proxy:
         if not isinstance(answered, BackendState):
             return answered
         prefill = answered
-        if self.skip_threshold_tokens > 0 and registry.kv_mode in SHARED_L1_MODES:
+        if self.skip_threshold_tokens > 0 and registry.mode.skip_prefill:
             self.index.insert((prefill.node, prefill.generation), self._hashes(ctx))
 
         # ---- leg 2: decode
@@ -522,8 +543,8 @@ class Proxy:
             ]
             if not pairs:
                 return None
-            same_path = [d for d, p in pairs if p == kv_path]
-            chosen = pick_p2c(same_path or [d for d, _ in pairs], self.rng)
+            same_path = [d for d, p in pairs if p == kv_path] or [d for d, _ in pairs]
+            chosen = self._pick_decoder(ctx, same_path)
             if chosen is not None:
                 self.metrics.pair(chosen_prefill, chosen).inc()
             return chosen
@@ -616,7 +637,7 @@ class Proxy:
         """Pick a prefiller by prefix affinity and run ``leg(prefiller, attempt)`` on it,
         on another one after a retryable failure (``on_retryable`` undoes the attempt's
         side state). Returns the prefiller that answered, or the client's error response."""
-        key_hash = stable_hash(self._key_text(ctx))
+        key_hash = self._affinity_hash(ctx)
         tried: set[str] = set()
         last_error = ""
         for attempt in range(self.config.max_retries + 1):
@@ -673,9 +694,64 @@ class Proxy:
             self.metrics.lmcache_pd_notify_wait.observe(time.perf_counter() - started)
 
     def _key_text(self, ctx: RequestContext) -> str:
+        return self._key_text_full(ctx)[: self.config.prefix_chars]
+
+    def _key_text_full(self, ctx: RequestContext) -> str:
         if ctx.text is None:
             ctx.text = prompt_text(ctx.body)
-        return ctx.text[: self.config.prefix_chars]
+        return ctx.text
+
+    def _affinity_hash(self, ctx: RequestContext) -> int:
+        """Session affinity when the request names its session, else prefix affinity."""
+        if ctx.session is not None:
+            return stable_hash(f"session:{ctx.session}")
+        return stable_hash(self._key_text(ctx))
+
+    async def _admit(
+        self, ctx: RequestContext, candidates: Callable[[], list[BackendState]]
+    ) -> web.Response | None:
+        """KV-aware admission (a no-op unless enabled): wait until some candidate has KV
+        headroom; None = go on, else the client's 503."""
+        try:
+            await self.admission.wait_open(
+                lambda: [b for b in candidates() if b.usable], ctx.tokens
+            )
+        except AdmissionRejected as exc:
+            ctx.outcome = "rejected"
+            self.metrics.admission_rejected.labels(exc.reason).inc()
+            return error_response(
+                503,
+                str(exc),
+                "server_error",
+                headers={
+                    "Retry-After": str(self.config.retry_after_s),
+                    "X-Request-Id": ctx.request_id,
+                },
+            )
+        return None
+
+    def _pick_decoder(
+        self, ctx: RequestContext, decoders: list[BackendState]
+    ) -> BackendState | None:
+        """A decoder among ``decoders``: those with KV headroom first; by session affinity
+        (bounded load) when the request names a session, else power of two choices."""
+        open_ones = self.admission.open_among(decoders, ctx.tokens) or decoders
+        if ctx.session is not None:
+            ring = self._ring_for("decode")
+            chosen = pick_bounded_load(
+                ring, self._affinity_hash(ctx), {d.name: d for d in open_ones},
+                self.config.load_factor,
+            )
+            if chosen is not None:
+                return chosen
+        return pick_p2c(open_ones, self.rng)
+
+    def _ring_for(self, role: str) -> HashRing:
+        version, ring = self._rings.get(role, (-1, HashRing(())))
+        if version != self.registry.version:
+            ring = HashRing(b.name for b in self.registry.backends.values() if b.role == role)
+            self._rings[role] = (self.registry.version, ring)
+        return ring
 
     def _hashes(self, ctx: RequestContext) -> list[int]:
         if ctx.text is None:
@@ -688,11 +764,13 @@ class Proxy:
         pairs.sort(key=lambda pair: pair[1] != "shared-l1")
         return pairs
 
-    def _pick_affinity(self, role: str, key_hash: int, tried: set[str]) -> BackendState | None:
+    def _pick_affinity(
+        self, role: str, key_hash: int, tried: set[str], tokens: int | None = None
+    ) -> BackendState | None:
+        """Bounded-load consistent hashing over usable ``role`` backends; with ``tokens``
+        (gated roles) the ones with KV headroom for it come first."""
         registry = self.registry
-        if self._ring is None or self._ring_version != registry.version:
-            self._ring = HashRing(b.name for b in registry.backends.values() if b.role == role)
-            self._ring_version = registry.version
+        ring = self._ring_for(role)
         if role == "prefill":
             candidates = {
                 b.name: b
@@ -703,7 +781,11 @@ class Proxy:
             candidates = {
                 b.name: b for b in registry.by_role(role) if b.usable and b.name not in tried
             }
-        return pick_bounded_load(self._ring, key_hash, candidates, self.config.load_factor)
+        if tokens is not None:
+            open_names = {b.name for b in self.admission.open_among(candidates.values(), tokens)}
+            if open_names:
+                candidates = {n: b for n, b in candidates.items() if n in open_names}
+        return pick_bounded_load(ring, key_hash, candidates, self.config.load_factor)
 
     async def _try_skip_prefill(
         self, request: web.Request, ctx: RequestContext
@@ -799,6 +881,7 @@ class Proxy:
             if attempt:
                 self.metrics.retries.labels("decode").inc()
             tried.add(backend.name)
+            self.admission.reserve(backend, ctx.request_id, ctx.tokens)
             try:
                 return await self._stream_leg(request, ctx, backend, payload(backend))
             except _Retryable as exc:
@@ -806,6 +889,8 @@ class Proxy:
             except _Passthrough as exc:
                 ctx.outcome = "client_error"
                 return self._passthrough(exc, ctx)
+            finally:
+                self.admission.release(backend, ctx.request_id)
         headers = {"X-Request-Id": ctx.request_id}
         if last_error:
             ctx.outcome = "upstream_error"
@@ -861,6 +946,7 @@ class Proxy:
                 response.force_close()  # HTTP/1.0: the body ends when the connection does
             await response.prepare(request)
             await response.write(first)
+            self.admission.landed(backend, ctx.request_id)
             now = time.perf_counter()
             metrics.ttft_route[ctx.route].observe(now - ctx.started)
             metrics.leg_decode_first.observe(now - started)

@@ -13,11 +13,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdstack import kvmodes
+
 log = logging.getLogger("pdstack.proxy")
 
-KV_MODES = ("colocated", "nixl", "shared-l1", "shared-l1+nixl", "lmcache-pd")
 ROLES = ("prefill", "decode", "colocated")
-SHARED_L1_MODES = ("shared-l1", "shared-l1+nixl")
 
 
 @dataclass(eq=False)
@@ -104,16 +104,7 @@ def lmcache_pd_receiver(name: str, value: Any) -> dict[str, Any] | None:
 
 def derive_kv_path(kv_mode: str, prefill: BackendState, decode: BackendState) -> str | None:
     """The KV path between a prefiller and a decoder under ``kv_mode``; None = no pairing."""
-    same_node = prefill.node == decode.node
-    if kv_mode == "nixl":
-        return "nixl"
-    if kv_mode == "shared-l1":
-        return "shared-l1" if same_node else None
-    if kv_mode == "shared-l1+nixl":
-        return "shared-l1" if same_node else "nixl"
-    if kv_mode == "lmcache-pd":
-        return "lmcache-pd"
-    return None
+    return kvmodes.kv_path(kv_mode, same_node=prefill.node == decode.node)
 
 
 @dataclass
@@ -131,14 +122,17 @@ class BackendRegistry:
     # lmcache-pd: where the planner told the prefillers to PUSH ProxyNotif ({"host", "port"})
     lmcache_pd_notify: dict[str, Any] | None = None
 
+    @property
+    def mode(self) -> kvmodes.KvMode:
+        return kvmodes.get(self.kv_mode)
+
     # ------------------------------------------------------------ construction
     @classmethod
     def from_table(cls, table: Any) -> BackendRegistry:
         """From a ``pdstack.plan.BackendTable`` (or its JSON dict)."""
         data = table if isinstance(table, dict) else table.model_dump(mode="json")
         kv_mode = data["kv_mode"]
-        if kv_mode not in KV_MODES:
-            raise ValueError(f"unknown kv_mode {kv_mode!r} (one of {', '.join(KV_MODES)})")
+        kvmodes.get(kv_mode)  # UnknownKvMode (a ValueError) names the valid ones
         reg = cls(
             kv_mode=kv_mode,
             served_model_name=data.get("served_model_name") or "",
@@ -164,10 +158,14 @@ class BackendRegistry:
     def _add(self, backend: BackendState) -> None:
         if backend.role not in ROLES:
             raise ValueError(f"backend {backend.name}: unknown role {backend.role!r}")
-        if self.kv_mode == "colocated" and backend.role != "colocated":
-            raise ValueError(f"backend {backend.name}: kv_mode colocated needs role colocated")
-        if self.kv_mode != "colocated" and backend.role == "colocated":
-            raise ValueError(f"backend {backend.name}: role colocated needs kv_mode colocated")
+        disaggregated = self.mode.disaggregated
+        if not disaggregated and backend.role != "colocated":
+            raise ValueError(f"backend {backend.name}: kv_mode {self.kv_mode} needs role colocated")
+        if disaggregated and backend.role == "colocated":
+            raise ValueError(
+                f"backend {backend.name}: role colocated needs a colocated kv_mode "
+                f"(kv_mode is {self.kv_mode})"
+            )
         self.backends[backend.name] = backend
         self.version += 1
 
@@ -199,7 +197,7 @@ class BackendRegistry:
 
     def describe_unroutable(self) -> str:
         """Why no request can be routed now (an operator-readable sentence)."""
-        if self.kv_mode == "colocated":
+        if not self.mode.disaggregated:
             engines = self.by_role("colocated")
             return f"no healthy engine ({_summary(engines)})"
         prefillers = self.by_role("prefill")
@@ -262,7 +260,7 @@ class BackendRegistry:
         )
         if old is not None and old.role != role:
             raise ValueError(f"backend {name} exists with role {old.role}; remove it first")
-        if role == "decode" and self.kv_mode == "lmcache-pd":
+        if role == "decode" and self.mode.lmcache_push:
             receiver = lmcache_pd_receiver(name, spec.get("lmcache_pd"))
             if receiver is None:
                 # a replacement keeps its receiver; a stand-in (another name, an existing

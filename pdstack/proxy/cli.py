@@ -36,10 +36,12 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from pdstack import kvmodes
+from pdstack.proxy.admission import AdmissionConfig
 from pdstack.proxy.config import ProxyConfig, load_secrets
 
 DEFAULT_ENV_FILE = "/etc/pdstack/secrets.env"
-KV_MODE_CHOICES = ("nixl", "shared-l1", "shared-l1+nixl", "colocated", "lmcache-pd")
+KV_MODE_CHOICES = kvmodes.NAMES
 
 
 def register(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentParser:
@@ -139,6 +141,24 @@ def register(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentPar
         default=d.request_timeout_s,
         help="whole non-streaming decode leg",
     )
+    adm = p.add_argument_group(
+        "KV-aware admission",
+        "hold requests in the proxy while every decoder / colocated engine is near its KV "
+        "limit (read from the engines' own /metrics), instead of pushing them into preemption",
+    )
+    a = d.admission
+    adm.add_argument("--admission", choices=("off", "kv"), default="kv" if a.enabled else "off",
+                     help="off (default) or kv")
+    adm.add_argument("--admission-kv-high", type=float, default=a.kv_high, metavar="RATIO",
+                     help="KV usage watermark, reservations included (default %(default)s)")
+    adm.add_argument("--admission-max-waiting", type=int, default=a.max_waiting, metavar="N",
+                     help="requests an engine may queue itself (default %(default)s)")
+    adm.add_argument("--admission-scrape-interval", type=float, default=a.scrape_interval_s,
+                     metavar="S", help="engine /metrics scrape interval (default %(default)s)")
+    adm.add_argument("--admission-queue-max", type=int, default=a.queue_max, metavar="N",
+                     help="requests the proxy holds at most; more: 503 (default %(default)s)")
+    adm.add_argument("--admission-queue-timeout", type=float, default=a.queue_timeout_s,
+                     metavar="S", help="longest wait in the queue; then 503 (default %(default)s)")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run)
     return p
@@ -160,10 +180,10 @@ def backend_table_from_args(args: argparse.Namespace) -> Any:
         return BackendTable.model_validate(json.loads(Path(args.backends).read_text()))
     if not args.kv_mode:
         raise SystemExit("pdstack proxy: --kv-mode is required with --prefill/--decode")
-    if args.kv_mode != "colocated" and not (args.prefill and args.decode):
+    if kvmodes.get(args.kv_mode).disaggregated and not (args.prefill and args.decode):
         raise SystemExit("pdstack proxy: P/D modes need at least one --prefill and one --decode")
     table = BackendTable.adhoc(args.prefill, args.decode, args.kv_mode, args.served_model_name)
-    if args.kv_mode == "lmcache-pd":
+    if kvmodes.get(args.kv_mode).lmcache_push:
         return _adhoc_lmcache_pd(table, args)
     if args.lmcache_pd_receiver:
         raise SystemExit("pdstack proxy: --lmcache-pd-receiver needs --kv-mode lmcache-pd")
@@ -213,6 +233,28 @@ def _adhoc_lmcache_pd(table: Any, args: argparse.Namespace) -> Any:
     return table.model_copy(update={"backends": backends, "lmcache_pd_notify": notify})
 
 
+def admission_from_args(args: argparse.Namespace) -> AdmissionConfig:
+    for flag, value, lo, hi in (
+        ("--admission-kv-high", args.admission_kv_high, 0.05, 1.0),
+        ("--admission-scrape-interval", args.admission_scrape_interval, 0.01, 10.0),
+        ("--admission-queue-timeout", args.admission_queue_timeout, 0.0, 3600.0),
+    ):
+        if not lo <= value <= hi:
+            raise SystemExit(f"pdstack proxy: {flag} must be within [{lo:g}, {hi:g}], got {value}")
+    for flag, ivalue in (("--admission-max-waiting", args.admission_max_waiting),
+                         ("--admission-queue-max", args.admission_queue_max)):
+        if ivalue < 0:
+            raise SystemExit(f"pdstack proxy: {flag} must be >= 0, got {ivalue}")
+    return AdmissionConfig(
+        enabled=args.admission == "kv",
+        kv_high=args.admission_kv_high,
+        max_waiting=args.admission_max_waiting,
+        scrape_interval_s=args.admission_scrape_interval,
+        queue_max=args.admission_queue_max,
+        queue_timeout_s=args.admission_queue_timeout,
+    )
+
+
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     config = ProxyConfig(
         host=args.host,
@@ -235,6 +277,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         lmcache_pd_notify_host=args.lmcache_pd_notify_host,
         lmcache_pd_notify_port=args.lmcache_pd_notify_port,
         lmcache_pd_notify_timeout_s=args.lmcache_pd_notify_timeout,
+        admission=admission_from_args(args),
     )
     env_file = args.env_file
     if env_file is None and Path(DEFAULT_ENV_FILE).exists():

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdstack.proxy.admission import AdmissionConfig
+
 ADMIN_TOKEN_ENV = "PDSTACK_ADMIN_TOKEN"
 API_KEYS_ENV = "PDSTACK_API_KEYS"
 ENGINE_API_KEY_ENV = "PDSTACK_ENGINE_API_KEY"
@@ -26,6 +28,8 @@ class ProxyConfig:
     # admission
     max_concurrency: int = 2048
     retry_after_s: int = 1
+    # KV-aware admission (off unless enabled: ``--admission kv``)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     # routing
     prefix_chars: int = 1024  # leading characters hashed for prefill affinity
     load_factor: float = 1.25  # bounded-load factor c (>= 1)

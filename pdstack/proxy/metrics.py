@@ -15,6 +15,11 @@ Metric names (all prefixed ``pdstack_proxy_``):
 - ``prefix_index_lookups_total``, ``prefix_index_hits_total`` counters and
   ``prefix_index_hit_ratio`` gauge (hits / lookups; a hit = some prefix cached).
 - ``retries_total`` counter {leg}; ``ejections_total`` counter {backend}.
+- KV-aware admission (``--admission kv``): ``admission_rejected_total`` counter {reason}
+  (``queue_full``, ``timeout``: answered 503); ``admission_waited_total`` counter (requests
+  that waited in the proxy's queue) and ``admission_wait_seconds_total``;
+  ``admission_queued`` gauge; ``engine_kv_usage`` / ``engine_reserved_tokens`` gauges
+  {backend}: what the gate last read from each gated engine and what it reserved there.
 - ``pairs_total`` counter {prefill, decode, prefill_generation, decode_generation}: which
   prefiller/decoder pairs served requests (proves generations never mix).
 - kv_mode ``lmcache-pd``: ``lmcache_pd_notify_total`` counter {outcome}: ``received`` (the
@@ -129,6 +134,12 @@ class ProxyMetrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
+        self.admission_rejected = Counter(
+            "pdstack_proxy_admission_rejected",
+            "requests answered 503 by KV-aware admission",
+            ["reason"],
+            registry=r,
+        )
         r.register(_BackendCollector(backends, in_flight))
         # pre-bound children: label lookups off the hot path
         self.outcome = {o: self.requests.labels(o) for o in OUTCOMES}
@@ -155,5 +166,41 @@ class ProxyMetrics:
             self.index_hits.inc()
         self.index_hit_ratio.set(self._hits / self._lookups)
 
+    def watch_admission(self, admission: Any) -> None:
+        """Export the KV-aware admission gate's state (a collector reading it live)."""
+        self.registry.register(_AdmissionCollector(admission))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _AdmissionCollector(Collector):
+    def __init__(self, admission: Any) -> None:
+        self._admission = admission
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily
+
+        a = self._admission
+        queued = GaugeMetricFamily("pdstack_proxy_admission_queued", "requests waiting for KV")
+        queued.add_metric([], a.queued)
+        waited = CounterMetricFamily(
+            "pdstack_proxy_admission_waited", "requests that waited for KV headroom"
+        )
+        waited.add_metric([], a.admitted_after_wait)
+        wait_s = CounterMetricFamily(
+            "pdstack_proxy_admission_wait_seconds", "seconds requests waited for KV headroom"
+        )
+        wait_s.add_metric([], a.wait_seconds_sum)
+        usage = GaugeMetricFamily(
+            "pdstack_proxy_engine_kv_usage", "KV usage the gate last read", labels=["backend"]
+        )
+        reserved = GaugeMetricFamily(
+            "pdstack_proxy_engine_reserved_tokens",
+            "prompt tokens reserved by requests not yet in the engine's KV usage",
+            labels=["backend"],
+        )
+        for name, load in a.loads.items():
+            usage.add_metric([name], load.kv_usage)
+            reserved.add_metric([name], load.reserved_tokens())
+        yield from (queued, waited, wait_s, usage, reserved)

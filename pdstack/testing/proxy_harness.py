@@ -12,6 +12,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from pdstack import kvmodes
 from pdstack.proxy.app import Proxy
 from pdstack.proxy.backends import BackendRegistry
 from pdstack.proxy.config import ProxyConfig
@@ -53,11 +54,9 @@ def table(
         pairings = []
         for p in (b for b in backends if b["role"] == "prefill"):
             for d in (b for b in backends if b["role"] == "decode"):
-                same = p["node"] == d["node"]
-                if kv_mode == "shared-l1" and not same:
-                    continue
-                path = "nixl" if kv_mode == "nixl" else ("shared-l1" if same else "nixl")
-                pairings.append((p["name"], d["name"], path))
+                path = kvmodes.kv_path(kv_mode, same_node=p["node"] == d["node"])
+                if path is not None:
+                    pairings.append((p["name"], d["name"], path))
     return {
         "kv_mode": kv_mode,
         "served_model_name": "fake",

@@ -44,11 +44,11 @@ def fake_engine() -> Iterator[FakeFactory]:
     procs: list[subprocess.Popen[bytes]] = []
 
     def start(ttft_ms: float = 0.0, itl_ms: float = 0.0, output_tokens: int = 16,
-              name: str | None = None) -> str:
+              name: str | None = None, record: bool = False) -> str:
         port = free_port()
         cmd = [sys.executable, "-m", "pdstack.testing.fake_engine", "--port", str(port),
                "--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms),
-               "--output-tokens", str(output_tokens), "--no-record"]
+               "--output-tokens", str(output_tokens)] + ([] if record else ["--no-record"])
         if name:
             cmd += ["--name", name]
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL,

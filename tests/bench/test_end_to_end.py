@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -175,3 +176,46 @@ async def test_closed_loop_keeps_n_streams(fake_engine: FakeFactory) -> None:
     spans = sorted((r.send_time, r.end_time or end) for r in results)
     for i, (t, _) in enumerate(spans):
         assert sum(1 for s, e in spans[:i] if e > t) < 8
+
+
+def test_multi_turn_scenario_sends_sessions_and_records_gauges(
+    fake_engine: FakeFactory, tmp_path: Path
+) -> None:
+    """The multi-turn scenario end to end against the fake engine (a test double):
+    every turn carries its conversation's id as ``user`` and ``X-Session-ID``, a later
+    turn's prompt extends the earlier one's, and the load gauges were sampled."""
+    url = fake_engine(ttft_ms=5.0, itl_ms=1.0, output_tokens=1000, record=True)
+    out = tmp_path / "mt.json"
+    proc = bench("--target", url, "--rates", "6", "--duration", "3", "--warmup", "1",
+                 "--scenario", "multi-turn", "--turns", "4", "--think-time", "0.4",
+                 "--system-len", "24", "--user-len", "6", "--output-len", "5", "--token-ids",
+                 "--metrics-url", url + "/metrics", "--output", str(out))
+    assert proc.returncode == 0, proc.stderr
+    doc = load(out)
+    assert doc["config"]["scenario"] == "multi-turn"
+    assert (doc["config"]["workload"]["turns"], doc["config"]["workload"]["think_time_s"]) == (
+        "4", 0.4)
+    r = doc["results"][0]
+    assert r["failed"] == 0 and r["completed"] > 5
+    gauges = r["prometheus"]["total"]["gauges"]
+    assert gauges["samples"] >= 3  # one a second over the 3 s window
+    assert gauges["num_requests_running"]["peak"] >= 0.0
+    assert gauges["kv_cache_usage"] == {"peak": None, "mean": None}  # the fake has none
+    assert "preempt" in proc.stdout.splitlines()[0]
+    with urllib.request.urlopen(url + "/fake/requests") as resp:
+        seen = json.loads(resp.read())
+    by_session: dict[str, list[list[int]]] = {}
+    for s in seen:
+        if s["body"] is None or "prompt" not in s["body"]:
+            continue
+        session = s["headers"]["x-session-id"]
+        assert s["body"]["user"] == session
+        by_session.setdefault(session, []).append(s["body"]["prompt"])
+    assert len(by_session) >= 3
+    extended = 0
+    for prompts in by_session.values():
+        prompts.sort(key=len)
+        for a, b in itertools.pairwise(prompts):
+            assert b[: len(a)] == a
+            extended += 1
+    assert extended >= 3

@@ -1,0 +1,130 @@
+"""The KV modes: one frozen object per ``pdstack_kv_mode``, the one home of what a mode means.
+
+Topology validation, the planner, the proxy and the upgrade read these objects instead of
+comparing mode strings. Stdlib only, so node-side code can import it.
+
+A mode says:
+- whether engines are split into prefillers and decoders (``disaggregated``) or every engine
+  serves whole requests (role ``colocated``);
+- whether each node with engines runs an LMCache MP server that its engines connect to
+  (``lmcache_server``: the node's reuse tier in host RAM, shared over CUDA IPC, so same node
+  only);
+- which KV path joins a prefiller and a decoder on the same node and across nodes
+  (:func:`kv_path`, the one pairing rule; ``None``: that pair is not allowed);
+- whether the proxy may skip the prefill leg for prompts the node's L1 already holds
+  (``skip_prefill``: only where the decoder loads from the node's store).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NIXL = "nixl"
+SHARED_L1 = "shared-l1"
+LMCACHE_PD = "lmcache-pd"
+
+
+@dataclass(frozen=True)
+class KvMode:
+    name: str
+    disaggregated: bool
+    lmcache_server: bool
+    same_node_path: str | None = None
+    cross_node_path: str | None = None
+    skip_prefill: bool = False
+    needs_gpu: bool = False
+    # roles whose engines connect to the node's LMCache server (when ``lmcache_server``)
+    tier_roles: tuple[str, ...] = ("prefill", "decode", "colocated")
+    # vLLM's ``kv_load_failure_policy`` on the engines' kv-transfer-config (None: not set)
+    load_failure_policy: str | None = None
+    # LMCache's legacy push (LMCacheConnectorV1 + disagg_spec + the proxy's ProxyNotif socket)
+    lmcache_push: bool = False
+    summary: str = ""
+
+    def kv_path(self, same_node: bool) -> str | None:
+        """The KV path between a prefiller and a decoder (None: they do not pair)."""
+        if not self.disaggregated:
+            return None
+        return self.same_node_path if same_node else self.cross_node_path
+
+    def nixl_for(self, cross_node_partner: bool) -> bool:
+        """Does an engine of a P/D role run the NixlConnector? ``cross_node_partner``: its
+        role has a partner on another node."""
+        if self.same_node_path == NIXL:
+            return True
+        return cross_node_partner and self.cross_node_path == NIXL
+
+    @property
+    def cross_node(self) -> bool:
+        """May a prefiller pair with a decoder on another node?"""
+        return self.cross_node_path is not None
+
+
+MODES: dict[str, KvMode] = {
+    m.name: m
+    for m in (
+        KvMode(
+            "colocated", disaggregated=False, lmcache_server=False,
+            summary="every engine serves whole requests; GPU prefix cache only",
+        ),
+        KvMode(
+            "colocated+l1", disaggregated=False, lmcache_server=True,
+            summary="every engine serves whole requests; the node's LMCache MP server is the "
+            "reuse tier in host RAM (LMCacheMPConnector)",
+        ),
+        KvMode(
+            "nixl", disaggregated=True, lmcache_server=False,
+            same_node_path=NIXL, cross_node_path=NIXL,
+            summary="prefill -> decode handoff over NIXL (vLLM NixlConnector)",
+        ),
+        KvMode(
+            "nixl+l1", disaggregated=True, lmcache_server=True,
+            same_node_path=NIXL, cross_node_path=NIXL,
+            # Decoders get NIXL only: with LMCache 0.5.3 (the pinned GPU build) a decoder
+            # whose LMCache server already holds the prompt loads the same blocks through
+            # both connectors and the duplicate completion kills EngineCore (LMCache PR
+            # #4355, fixed in 0.5.5). The tier's job, saving prefill compute, is the
+            # prefillers'; the decoder receives the whole prompt's KV over NIXL anyway.
+            tier_roles=("prefill",),
+            load_failure_policy="fail",
+            summary="LMCache's P/D recipe: NIXL hands off every request, the node's LMCache "
+            "MP server is the prefillers' reuse tier "
+            "(MultiConnector[NixlConnector, LMCacheMPConnector])",
+        ),
+        KvMode(
+            "shared-l1", disaggregated=True, lmcache_server=True,
+            same_node_path=SHARED_L1, cross_node_path=None, skip_prefill=True,
+            summary="prefiller and decoder share the node's LMCache store (same node only)",
+        ),
+        KvMode(
+            "shared-l1+nixl", disaggregated=True, lmcache_server=True,
+            same_node_path=SHARED_L1, cross_node_path=NIXL, skip_prefill=True,
+            summary="shared L1 within a node, NIXL for pairs across nodes",
+        ),
+        KvMode(
+            "lmcache-pd", disaggregated=True, lmcache_server=False,
+            same_node_path=LMCACHE_PD, cross_node_path=LMCACHE_PD, needs_gpu=True,
+            lmcache_push=True,
+            summary="LMCache's legacy P/D push (LMCacheConnectorV1)",
+        ),
+    )
+}
+NAMES: tuple[str, ...] = tuple(sorted(MODES))
+
+
+class UnknownKvMode(ValueError):
+    def __init__(self, name: object) -> None:
+        super().__init__(f"unknown KV mode {name!r}; use one of {', '.join(NAMES)}")
+
+
+def get(name: str) -> KvMode:
+    """The mode called ``name``; :class:`UnknownKvMode` names the valid ones."""
+    try:
+        return MODES[name]
+    except (KeyError, TypeError):
+        raise UnknownKvMode(name) from None
+
+
+def kv_path(mode: str, same_node: bool) -> str | None:
+    """The one pairing rule: the KV path joining a prefiller and a decoder under ``mode``."""
+    return get(mode).kv_path(same_node)

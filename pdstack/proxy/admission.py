@@ -1,0 +1,329 @@
+"""KV-aware admission: hold requests in the proxy instead of pushing engines into preemption.
+
+vLLM admits a request as soon as its prompt fits in free KV blocks, so under load it fills
+GPU KV with prompts and then preempts running requests to find room for their decode
+tokens (measured on one H200 with an LMCache tier: 20-30x more preemptions, served load
+flat). This gate keeps every gated engine below a KV watermark:
+
+- every ``scrape_interval_s`` it reads each gated engine's own ``/metrics``
+  (``vllm:kv_cache_usage_perc``, ``vllm:num_requests_waiting``,
+  ``vllm:num_requests_running``, and once ``vllm:cache_config_info`` for the capacity);
+- a request sent to an engine reserves its prompt tokens there until a scrape that began
+  after its first byte (by then its KV is in the engine's own usage);
+- an engine is *open* for a request while ``usage + reserved + this request <= kv_high``
+  and it has at most ``max_waiting`` requests queued; an idle engine is always open (a
+  request larger than the watermark still runs);
+- when no candidate is open the request waits in a bounded FIFO queue with a deadline
+  (``queue_max``, ``queue_timeout_s``); past either, the proxy answers 503 (OpenAI JSON,
+  ``Retry-After``). A stale or failed scrape never blocks: that engine is judged by the
+  proxy's own counts only.
+
+Which engines are gated: the ones whose KV a request fills for its whole life (decoders,
+colocated engines). Prefillers hand their KV off and are not gated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from pdstack.proxy.backends import BackendState
+
+log = logging.getLogger("pdstack.proxy")
+
+GATED_ROLES = ("decode", "colocated")
+
+
+class AdmissionRejected(Exception):
+    """No gated engine had KV headroom within the deadline, or the queue was full."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason  # "queue_full" | "timeout"
+
+
+@dataclass
+class AdmissionConfig:
+    enabled: bool = False
+    kv_high: float = 0.85  # watermark on the engine's KV usage (0..1), reservations included
+    max_waiting: int = 0  # requests the engine itself may hold in its waiting queue
+    scrape_interval_s: float = 0.1
+    scrape_timeout_s: float = 1.0
+    stale_after_s: float = 2.0  # an older scrape is not trusted (the engine is judged open)
+    queue_max: int = 4096
+    queue_timeout_s: float = 60.0
+
+
+@dataclass
+class EngineLoad:
+    """One gated engine as its own /metrics and the proxy's reservations describe it."""
+
+    kv_usage: float = 0.0
+    waiting: float = 0.0
+    running: float = 0.0
+    capacity_tokens: int = 0
+    scraped_at: float = 0.0  # monotonic time the last good scrape started
+    # request id -> (tokens, first byte time or None)
+    reserved: dict[str, tuple[int, float | None]] = field(default_factory=dict)
+
+    def reserved_tokens(self) -> int:
+        return sum(tokens for tokens, _ in self.reserved.values())
+
+
+def parse_engine_metrics(text: str) -> dict[str, float]:
+    """The few vLLM gauges admission reads, summed over label sets (one engine)."""
+    out: dict[str, float] = {}
+    wanted = {
+        "vllm:kv_cache_usage_perc": "kv_usage",
+        "vllm:gpu_cache_usage_perc": "kv_usage",
+        "vllm:num_requests_waiting": "waiting",
+        "vllm:num_requests_running": "running",
+    }
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        head, _, raw_value = line.rpartition(" ")
+        name, _, rest = head.partition("{")
+        if name == "vllm:cache_config_info":
+            labels = _labels(rest)
+            try:
+                blocks = int(float(labels.get("num_gpu_blocks", "0")))
+                size = int(float(labels.get("block_size", "0")))
+            except ValueError:
+                continue
+            if blocks and size:
+                out["capacity_tokens"] = float(blocks * size)
+            continue
+        key = wanted.get(name)
+        if key is None:
+            continue
+        try:
+            value = float(raw_value)
+        except ValueError:
+            continue
+        out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def _labels(rest: str) -> dict[str, str]:
+    body = rest.split("}", 1)[0]
+    labels: dict[str, str] = {}
+    for part in body.split('",'):
+        key, _, value = part.partition("=")
+        if key:
+            labels[key.strip()] = value.strip().strip('"')
+    return labels
+
+
+def prompt_tokens(body: dict[str, Any], text_len: int, chars_per_token: float) -> int:
+    """The request's prompt in tokens: exact for token-id prompts, else estimated."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return len(prompt)
+    return max(1, int(text_len / chars_per_token))
+
+
+class KvAdmission:
+    """The gate. One per proxy; single-threaded (asyncio)."""
+
+    def __init__(
+        self,
+        config: AdmissionConfig,
+        backends: Callable[[], Iterable[BackendState]],
+        headers: Callable[[], dict[str, str]] | None = None,
+    ) -> None:
+        self.config = config
+        self._backends = backends
+        self._headers = headers or dict
+        self.loads: dict[str, EngineLoad] = {}
+        self._queue: deque[_Waiter] = deque()
+        self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+        # counters for the proxy's /metrics
+        self.admitted_direct = 0
+        self.admitted_after_wait = 0
+        self.rejected: dict[str, int] = {"queue_full": 0, "timeout": 0}
+        self.wait_seconds_sum = 0.0
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        if not self.config.enabled:
+            return
+        self._session = session
+        await self.scrape_once()
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for waiter in self._queue:
+            if not waiter.future.done():
+                waiter.future.cancel()
+        self._queue.clear()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.scrape_interval_s)
+            try:
+                await self.scrape_once()
+            except Exception:  # never let the loop die
+                log.exception("admission scrape failed")
+
+    async def scrape_once(self) -> None:
+        gated = [b for b in self._backends() if b.role in GATED_ROLES and not b.removed]
+        await asyncio.gather(*(self._scrape(b) for b in gated))
+        self.pump()
+
+    async def _scrape(self, backend: BackendState) -> None:
+        assert self._session is not None
+        load = self.loads.setdefault(backend.name, EngineLoad())
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(self.config.scrape_timeout_s):
+                async with self._session.get(
+                    f"{backend.url}/metrics", headers=self._headers()
+                ) as resp:
+                    if resp.status != 200:
+                        return
+                    text = await resp.text()
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return
+        values = parse_engine_metrics(text)
+        if "kv_usage" not in values:
+            return
+        usage = values["kv_usage"]
+        load.kv_usage = usage / 100.0 if usage > 1.0 else usage
+        load.waiting = values.get("waiting", 0.0)
+        load.running = values.get("running", 0.0)
+        if values.get("capacity_tokens"):
+            load.capacity_tokens = int(values["capacity_tokens"])
+        load.scraped_at = started
+        # reservations whose first byte came before this scrape began are in kv_usage now
+        for rid, (_, landed) in list(load.reserved.items()):
+            if landed is not None and landed < started:
+                del load.reserved[rid]
+
+    # ------------------------------------------------------------ decisions
+    def is_open(self, backend: BackendState, tokens: int) -> bool:
+        if not self.config.enabled:
+            return True
+        load = self.loads.get(backend.name)
+        if load is None or (not load.reserved and backend.in_flight == 0):
+            return True  # idle (or never scraped): always open
+        fresh = time.monotonic() - load.scraped_at <= self.config.stale_after_s
+        if not fresh or load.capacity_tokens <= 0:
+            return True  # no trustworthy numbers: do not block on them
+        if load.waiting > self.config.max_waiting:
+            return False
+        need = (load.reserved_tokens() + tokens) / load.capacity_tokens
+        return load.kv_usage + need <= self.config.kv_high
+
+    def open_among(self, candidates: Iterable[BackendState], tokens: int) -> list[BackendState]:
+        return [b for b in candidates if b.usable and self.is_open(b, tokens)]
+
+    def reserve(self, backend: BackendState, request_id: str, tokens: int) -> None:
+        if self.config.enabled and backend.role in GATED_ROLES:
+            self.loads.setdefault(backend.name, EngineLoad()).reserved[request_id] = (tokens, None)
+            self.pump()  # the next waiter sees this reservation
+
+    def landed(self, backend: BackendState, request_id: str) -> None:
+        """The request's first byte came back: its KV is allocated on ``backend``."""
+        load = self.loads.get(backend.name)
+        if load is not None and request_id in load.reserved:
+            tokens, _ = load.reserved[request_id]
+            load.reserved[request_id] = (tokens, time.monotonic())
+
+    def release(self, backend: BackendState, request_id: str) -> None:
+        """The request ended (or failed) on ``backend``."""
+        load = self.loads.get(backend.name)
+        if load is not None and load.reserved.pop(request_id, None) is not None:
+            self.pump()
+
+    async def wait_open(
+        self, candidates: Callable[[], list[BackendState]], tokens: int
+    ) -> None:
+        """Return once some candidate is open for ``tokens`` (FIFO behind earlier waiters),
+        or raise :class:`AdmissionRejected`."""
+        if not self.config.enabled:
+            return
+        if not self._queue and self._fits(candidates(), tokens):
+            self.admitted_direct += 1
+            return
+        if len(self._queue) >= self.config.queue_max:
+            self.rejected["queue_full"] += 1
+            raise AdmissionRejected(
+                "queue_full",
+                f"every engine is near its KV limit and {len(self._queue)} requests wait "
+                "already; retry later",
+            )
+        waiter = _Waiter(candidates, tokens, asyncio.get_running_loop().create_future())
+        self._queue.append(waiter)
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(self.config.queue_timeout_s):
+                await waiter.future
+        except TimeoutError:
+            self.rejected["timeout"] += 1
+            raise AdmissionRejected(
+                "timeout",
+                f"no engine had KV headroom within {self.config.queue_timeout_s:g} s; "
+                "retry later",
+            ) from None
+        finally:
+            with contextlib.suppress(ValueError):
+                self._queue.remove(waiter)
+            self.wait_seconds_sum += time.monotonic() - started
+        self.admitted_after_wait += 1
+
+    def pump(self) -> None:
+        """Admit the head waiter if it fits somewhere. One at a time: the admitted request
+        reserves its tokens on the engine it picks, then calls :meth:`pump` again, so two
+        waiters never take the same headroom."""
+        while self._queue:
+            head = self._queue[0]
+            if head.future.done():
+                self._queue.popleft()
+                continue
+            if self._fits(head.candidates(), head.tokens):
+                self._queue.popleft()
+                head.future.set_result(None)
+            return
+
+    def _fits(self, candidates: list[BackendState], tokens: int) -> bool:
+        """Some usable candidate is open, or there is none at all (then routing answers
+        503 at once: admission never holds a request that no engine could take)."""
+        usable = [b for b in candidates if b.usable]
+        return not usable or any(self.is_open(b, tokens) for b in usable)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            name: {
+                "kv_usage": round(load.kv_usage, 4),
+                "waiting": load.waiting,
+                "running": load.running,
+                "capacity_tokens": load.capacity_tokens,
+                "reserved_tokens": load.reserved_tokens(),
+            }
+            for name, load in self.loads.items()
+        }
+
+
+@dataclass
+class _Waiter:
+    candidates: Callable[[], list[BackendState]]
+    tokens: int
+    future: asyncio.Future[None]
