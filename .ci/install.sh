@@ -5,8 +5,9 @@
 #   2. Docker engine + Compose v2 + local base image + pdstack images   (.ci/install-docker.sh)
 #   3. the Python 3.11 vLLM CPU venv for real-engine tests              (.ci/install-vllm-venv.sh)
 #   4. the network-namespace lab's packages (sshd, iproute2, iptables)  (.ci/install-ansible-lab.sh)
-# Step 3 (pip downloads and unpacking, ~4 GB) runs in the background while 1, 2 and 4 run
-# (apt, debootstrap, image builds); each step is cached by its content (see the scripts).
+#   5. Prometheus + promtool (Debian package) for the monitoring tests   (.ci/install-prometheus.sh)
+# Step 3 (pip downloads and unpacking, ~4 GB) runs in the background while 1, 2, 4 and 5
+# run (apt, debootstrap, image builds); each step is cached by its content (see the scripts).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -45,6 +46,8 @@ step "docker engine, compose, images"
 bash .ci/install-docker.sh
 step "lab packages"
 bash .ci/install-ansible-lab.sh
+step "prometheus (promtool + server for the monitoring tests)"
+bash .ci/install-prometheus.sh
 step "waiting for the vLLM CPU venv"
 if ! wait "$vllm_pid"; then
   vllm_pid=""
