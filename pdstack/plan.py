@@ -204,6 +204,9 @@ def make_node_ports(topo: Topology, node: NodeSpec) -> dict[str, int]:
         ports["proxy http"] = d.ports.proxy
         if _push(d):
             ports["proxy lmcache-pd notify"] = lmcache_pd_notify_port(d)
+        if d.monitoring:
+            ports["prometheus http"] = d.observability.prometheus_port
+            ports["grafana http"] = d.observability.grafana_port
     return ports
 
 
@@ -407,6 +410,8 @@ def _engine_service(
     ktc = kv_transfer_config(topo, node, eng.role, node.private_address)
     if ktc is not None:
         cmd += ["--kv-transfer-config", json.dumps(ktc, separators=(",", ":"))]
+    if d.observability.otlp_traces_endpoint:
+        cmd += ["--otlp-traces-endpoint", d.observability.otlp_traces_endpoint]
     cmd += [*m.extra_args, *eng.extra_args]
 
     env = {"VLLM_NO_USAGE_STATS": "1", "LMCACHE_TRACK_USAGE": "false"}
@@ -418,6 +423,9 @@ def _engine_service(
         env["NIXL_PTHR_DELAY_US"] = "1000"
     if _push(d):
         env |= _lmcache_pd_env(topo, node, index, proxy_addr)
+    if d.observability.otlp_traces_endpoint:
+        # the endpoint is OTLP/HTTP (vLLM's exporter defaults to gRPC)
+        env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
     service_ports = {"http": http}
     if "VLLM_NIXL_SIDE_CHANNEL_PORT" in env:
         service_ports["nixl_side_channel"] = int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
@@ -491,7 +499,11 @@ def _proxy_service(topo: Topology, node: NodeSpec) -> Service:
         node=node.name,
         image=d.proxy_image,
         command=cmd,
-        env={},
+        env=(
+            {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": d.observability.otlp_traces_endpoint}
+            if d.observability.otlp_traces_endpoint
+            else {}
+        ),
         ports=ports,
         bind_address=bind,
         healthcheck_url=f"http://{bind}:{d.ports.proxy}/health",

@@ -13,11 +13,13 @@ from pathlib import Path
 
 import jinja2
 
+from pdstack import monitoring
 from pdstack.plan import SECRETS_ENV_FILE, Plan, Service, model_path
 from pdstack.topology import Topology
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "compose" / "templates"
 STACK_FILES = ("compose.yaml", ".env", "backends.json")
+STACK_DIRS = ("monitoring",)  # replaced as a whole
 
 
 def env_prefix(svc: Service) -> str:
@@ -68,13 +70,16 @@ def render_node(topo: Topology, plan: Plan, node_name: str) -> dict[str, str]:
         "env_prefix": env_prefix,
         "engine_command": lambda svc: engine_command(svc, model_arg),
     }
+    has_proxy = any(s.kind == "proxy" for s in node.services)
+    # the monitoring profile (Prometheus + Grafana) lives on the proxy's node
+    ctx["monitoring"] = monitoring.compose_context(d, plan) if has_proxy else None
     files = {
         "compose.yaml": env.get_template("node-compose.yaml.j2").render(ctx),
         ".env": env.get_template("node.env.j2").render(ctx),
     }
-    has_proxy = any(s.kind == "proxy" for s in node.services)
     if has_proxy:
         files["backends.json"] = plan.backend_table.model_dump_json(indent=2) + "\n"
+        files |= monitoring.render_monitoring(d, plan)
     return files
 
 
@@ -101,6 +106,7 @@ def write_stacks(rendered: dict[str, dict[str, str]], dirs: dict[str, Path]) -> 
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         for fname, text in files.items():
+            (tmp / fname).parent.mkdir(parents=True, exist_ok=True)
             (tmp / fname).write_text(text)
             written.append(target / fname)
         staged.append((tmp, target))
@@ -109,6 +115,8 @@ def write_stacks(rendered: dict[str, dict[str, str]], dirs: dict[str, Path]) -> 
             # keep files we do not own (e.g. a local .hf-cache or README) in place
             for fname in STACK_FILES:
                 (target / fname).unlink(missing_ok=True)
+            for dname in STACK_DIRS:
+                shutil.rmtree(target / dname, ignore_errors=True)
             for f in tmp.iterdir():
                 os.replace(f, target / f.name)
             shutil.rmtree(tmp)

@@ -121,6 +121,23 @@ class LmcacheSpec(_Strict):
     pd_buffer_size_gb: float = Field(default=4.0, gt=0, description="lmcache-pd receive buffer")
 
 
+class ObservabilitySpec(_Strict):
+    """``pdstack_observability``: the monitoring stack (Compose profile ``monitoring`` on the
+    proxy's node, started by Ansible when ``pdstack_monitoring: true``) and tracing."""
+
+    prometheus_port: int = Field(default=9090, ge=1, le=65535)
+    grafana_port: int = Field(default=3000, ge=1, le=65535)
+    prometheus_image: str = "prom/prometheus:v2.42.0"
+    grafana_image: str = "grafana/grafana-oss:11.6.0"
+    scrape_interval_s: int = Field(default=15, ge=1, le=300)
+    retention: str = Field(default="15d", pattern=r"^[0-9]+[smhdwy]$")
+    ttft_p50_slo_ms: float = Field(default=2000.0, gt=0)
+    ttft_p99_slo_ms: float = Field(default=3500.0, gt=0)
+    # OTLP/HTTP traces endpoint (http://collector:4318/v1/traces); None = no tracing. The
+    # proxy exports its spans there and every engine gets ``--otlp-traces-endpoint``.
+    otlp_traces_endpoint: str | None = Field(default=None, pattern=r"^https?://[^\s/]+(/\S*)?$")
+
+
 class DeploymentSpec(_Strict):
     name: str
     profile: Profile = "gpu"
@@ -136,6 +153,8 @@ class DeploymentSpec(_Strict):
     shm_size: str = "16g"
     # the proxy's KV-aware admission (pdstack.proxy.admission): results/h200x1/README.md
     proxy_admission: Literal["off", "kv"] = "off"
+    monitoring: bool = False
+    observability: ObservabilitySpec = ObservabilitySpec()
 
 
 class Topology(_Strict):
@@ -243,6 +262,8 @@ def load_topology(inventory: str | Path) -> Topology:
         "proxy_bind_address": allvars.get("pdstack_proxy_bind_address"),
         "shm_size": allvars.get("pdstack_shm_size", "16g"),
         "proxy_admission": allvars.get("pdstack_proxy_admission"),
+        "monitoring": allvars.get("pdstack_monitoring", False),
+        "observability": allvars.get("pdstack_observability", {}),
     }
     deployment_raw = {k: v for k, v in deployment_raw.items() if v is not None}
     deployment: DeploymentSpec | None = None

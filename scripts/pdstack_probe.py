@@ -17,6 +17,7 @@ Subcommands::
   interfaces  interfaces, MTU, addresses (``ip -j addr`` or /sys/class/net)
   gpu         ``nvidia-smi`` GPUs and driver, when present
   rdma        /dev/infiniband and ``ibv_devinfo``, when present
+  ucx         ``ucx_info -v`` / ``-d`` (version, transports, cuda_ipc), when present
   free-ports  [--address A] [--start P --end P --count N]
   resources   memory (/proc/meminfo), disk (--path ...), CPUs
   batch       reads {"timeout": s, "connect": [...], "ping": [...], "throughput": [...]}
@@ -508,29 +509,323 @@ def list_v4_addresses(ifname: str) -> list[Json]:
         sock.close()
 
 
+# --------------------------------------------------------------------------- parsers
+# One home for reading what nvidia-smi, ibv_devinfo and ucx_info print: the probe uses
+# these functions on the node, and Ansible's filter plugin (ansible/plugins/filter/
+# pdstack_host.py) loads this file so that the roles gpu_host and rdma_ucx parse with the
+# same code.  tests/host/ feeds real outputs (tests/fixtures/h200/) through them.
+
+# Fields of the GPU query, in this order; ``nvidia_smi_query_argv`` builds the command.
+NVSMI_GPU_FIELDS = ("index", "name", "uuid", "driver_version", "persistence_mode",
+                    "mig.mode.current", "memory.total")
+# nvidia-smi's CSV field name -> the key of a parsed GPU
+NVSMI_KEYS = {"index": "index", "name": "name", "uuid": "uuid",
+              "driver_version": "driver_version", "persistence_mode": "persistence_mode",
+              "mig.mode.current": "mig_mode", "memory.total": "memory_mib"}
+# What nvidia-smi prints for a value it does not have
+NVSMI_MISSING = {"n/a", "[n/a]", "[not supported]", "not supported", "[unknown error]",
+                 "[insufficient permissions]", "[gpu requires reset]", "[gpu is lost]", ""}
+_UNIT_MIB = {"mib": 1.0, "gib": 1024.0, "kib": 1.0 / 1024, "mb": 1.0, "gb": 1024.0}
+ANSI_ESCAPE = re.compile(r"(?:\x1b)?\[[0-9;]*m")
+
+
+def nvidia_smi_query_argv(binary: str = "nvidia-smi",
+                          fields: tuple[str, ...] | list[str] = NVSMI_GPU_FIELDS) -> list[str]:
+    """The GPU query, exactly as the probe and the gpu_host role run it."""
+    return [binary, "--query-gpu=" + ",".join(fields), "--format=csv,noheader,nounits"]
+
+
+def _nvsmi_value(text: str) -> str | None:
+    text = text.strip()
+    return None if text.lower() in NVSMI_MISSING else text
+
+
+def parse_memory_mib(text: str | None) -> int | None:
+    """``143771``, ``143771 MiB``, ``140.4 GiB`` -> MiB (int); N/A -> None."""
+    value = _nvsmi_value(text or "")
+    if value is None:
+        return None
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)", value)
+    if not m:
+        return None
+    unit = m.group(2).lower() or "mib"
+    if unit not in _UNIT_MIB:
+        return None
+    return int(float(m.group(1)) * _UNIT_MIB[unit])
+
+
+def parse_driver_version(text: str | None) -> tuple[int, ...] | None:
+    """``580.159.04`` -> (580, 159, 4); ``570.86.15`` / ``550.54`` alike; else None."""
+    m = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", text or "")
+    if not m:
+        return None
+    return tuple(int(g) for g in m.groups() if g is not None)
+
+
+def driver_at_least(version: str | None, minimum: str) -> bool:
+    have, want = parse_driver_version(version), parse_driver_version(minimum)
+    if want is None:
+        raise ValueError(f"minimum driver version {minimum!r} is not N.N[.N]")
+    return have is not None and have >= want
+
+
+NVSMI_HEADER_COL = re.compile(r"([a-z][a-z0-9_.]*)(?: \[([^\]]+)\])?")
+
+
+def _nvsmi_header(cols: list[str]) -> list[tuple[str, str | None]] | None:
+    """``index, name, memory.total [MiB]`` -> [(field, unit)]; None when not a header."""
+    out = []
+    for c in cols:
+        m = NVSMI_HEADER_COL.fullmatch(c)
+        if not m:
+            return None
+        out.append((m.group(1), m.group(2)))
+    return out
+
+
+def _nvsmi_key(field: str) -> str:
+    if field in NVSMI_KEYS:
+        return NVSMI_KEYS[field]
+    key = field.replace(".", "_")
+    return key + "_mib" if field.startswith("memory.") else key
+
+
+def parse_nvidia_smi_csv(text: str, fields: tuple[str, ...] | list[str] = NVSMI_GPU_FIELDS,
+                         ) -> list[Json]:
+    """``nvidia-smi --query-gpu=FIELDS --format=csv[,noheader][,nounits]`` -> one dict per GPU.
+
+    Keys: NVSMI_KEYS for the fields it names (``mig.mode.current`` -> ``mig_mode``,
+    ``memory.total`` -> ``memory_mib``), else the field with ``_`` for ``.``.  ``index`` is
+    an int; ``memory.*`` are ints in MiB, with or without the unit (``143771 MiB``); other
+    values lose the unit the header names (``1980 MHz`` -> ``1980``); what nvidia-smi does
+    not have (``N/A``, ``[N/A]``, ``[Not Supported]``) is None.  A header line
+    (``--format=csv``) sets the fields and their order, whatever ``fields`` says.  A name
+    with commas in it is put back together.  Raises ValueError, quoting the line, on a line
+    with fewer columns than fields (e.g. ``No devices were found``).
+    """
+    cols_of = [[c.strip() for c in raw.split(",")] for raw in text.splitlines() if raw.strip()]
+    spec: list[tuple[str, str | None]] = [(f, None) for f in fields]
+    gpus: list[Json] = []
+    for n, cols in enumerate(cols_of):
+        header = _nvsmi_header(cols) if n == 0 else None
+        if header:
+            spec = header
+            continue
+        names = [f for f, _ in spec]
+        line = ", ".join(cols)
+        if len(cols) < len(spec):
+            raise ValueError(f"nvidia-smi line has {len(cols)} of {len(spec)} fields "
+                             f"({','.join(names)}): {line[:200]!r}")
+        if len(cols) > len(spec) and "name" in names:  # a comma inside the name
+            at = names.index("name")
+            extra = len(cols) - len(spec)
+            cols = [*cols[:at], ", ".join(cols[at:at + extra + 1]), *cols[at + extra + 1:]]
+        gpu: Json = {}
+        for i, (field, unit) in enumerate(spec):  # no zip(strict=): the probe runs on 3.9
+            col = cols[i]
+            key = _nvsmi_key(field)
+            if field == "index":
+                gpu[key] = int(col)
+            elif field.startswith("memory."):
+                gpu[key] = parse_memory_mib(col)
+            else:
+                value = _nvsmi_value(col)
+                if value is not None and unit and value.endswith(" " + unit):
+                    value = value[: -len(unit) - 1]
+                gpu[key] = value
+        gpus.append(gpu)
+    return gpus
+
+
+def gpu_problems(gpus: list[Json], expected_count: int, expected_model: str = "",
+                 min_driver: str = "0.0", fail_on_mig: bool = True) -> list[str]:
+    """What is wrong with the node's GPUs against the inventory; empty when all is well.
+
+    Every message names the inventory field (pdstack_gpu_count, pdstack_gpu_model) or the
+    setting it contradicts; the gpu_host role fails with them.
+    """
+    problems: list[str] = []
+    if len(gpus) != int(expected_count):
+        problems.append(f"nvidia-smi shows {len(gpus)} GPU(s), the inventory says "
+                        f"pdstack_gpu_count={int(expected_count)}")
+    old = sorted({str(g.get("driver_version")) for g in gpus
+                  if not driver_at_least(g.get("driver_version"), min_driver)})
+    if old:
+        problems.append(f"driver {', '.join(old)} is older than {min_driver} "
+                        "(the engine image's minimum, gpu_host_min_driver_version)")
+    names = [str(g.get("name")) for g in gpus]
+    if expected_model and any(n != expected_model for n in names):
+        problems.append(f"GPU model {', '.join(sorted(set(names)))}, the inventory says "
+                        f"pdstack_gpu_model={expected_model}")
+    mig_on = [str(g["index"]) for g in gpus if str(g.get("mig_mode") or "").lower() == "enabled"]
+    if fail_on_mig and mig_on:
+        problems.append(f"MIG is enabled on GPU(s) {','.join(mig_on)} "
+                        "(disable it: nvidia-smi -mig 0, or set gpu_host_fail_on_mig: false)")
+    return problems
+
+
+def parse_nvidia_smi_topo(text: str) -> Json:
+    """``nvidia-smi topo -m`` -> {"gpus": [...], "links": {"GPU0": {"GPU1": "NV18"}},
+    "cpu_affinity": {...}, "numa_affinity": {...}, "nics": [...]}.
+
+    The header line of a real terminal-less run still carries ANSI underline escapes
+    (``\x1b[4m`` ... ``\x1b[0m``); they are removed.  Columns are tab-separated.
+    """
+    lines = [ANSI_ESCAPE.sub("", ln).rstrip() for ln in text.splitlines()]
+    header: list[str] = []
+    res: Json = {"gpus": [], "nics": [], "links": {}, "cpu_affinity": {}, "numa_affinity": {}}
+    for ln in lines:
+        if not ln.strip():
+            if header:
+                break  # the legend follows the matrix after a blank line
+            continue
+        cols = [c.strip() for c in ln.split("\t")]
+        if not header:
+            if cols and cols[0] == "" and any(c.startswith("GPU") for c in cols):
+                header = cols[1:]
+            continue
+        name = cols[0]
+        if not re.fullmatch(r"(GPU|NIC|mlx)\w*", name):
+            continue
+        # nvidia-smi pads with an empty column before "GPU NUMA ID": values are never empty
+        cols = [name, *(c for c in cols[1:] if c)]
+        row = {h: cols[i + 1] for i, h in enumerate(header) if i + 1 < len(cols)}
+        peers = {k: v for k, v in row.items() if re.fullmatch(r"(GPU|NIC)\d+", k)}
+        if name.startswith("GPU"):
+            res["gpus"].append(name)
+            res["links"][name] = {k: v for k, v in peers.items() if k != name}
+            res["cpu_affinity"][name] = row.get("CPU Affinity")
+            numa = row.get("NUMA Affinity")
+            res["numa_affinity"][name] = None if numa in (None, "N/A") else numa
+        else:
+            res["nics"].append(name)
+    return res
+
+
+def parse_ibv_devinfo(text: str) -> list[Json]:
+    """``ibv_devinfo`` -> [{"hca", "port", "state", "link_layer"}] (state e.g. PORT_ACTIVE)."""
+    ports: list[Json] = []
+    hca = None
+    port = None
+    for line in text.splitlines():
+        s = line.strip()
+        if s.startswith("hca_id:"):
+            hca = s.split(":", 1)[1].strip()
+        elif s.startswith("port:"):
+            port = s.split(":", 1)[1].strip()
+        elif s.startswith("state:") and hca is not None:
+            ports.append({"hca": hca, "port": port,
+                          "state": (s.split(":", 1)[1].strip().split() or [""])[0]})
+        elif s.startswith("link_layer:") and ports:
+            ports[-1]["link_layer"] = s.split(":", 1)[1].strip()
+    return ports
+
+
+# A node offers RDMA verbs when /dev/infiniband has a uverbsN node (an HCA's verbs device);
+# rdma_cm alone (the RDMA CM module loaded, no HCA) is not RDMA.
+RDMA_VERBS_PREFIX = "uverbs"
+
+
+def rdma_verbs_devices(names: list[str]) -> list[str]:
+    """The verbs devices among the names in /dev/infiniband (``uverbs0``...), sorted."""
+    return sorted(n for n in names if n.startswith(RDMA_VERBS_PREFIX))
+
+
+UCX_RDMA_PREFIXES = ("rc", "ud", "dc")
+
+
+def parse_ucx_info_devices(text: str) -> list[Json]:
+    """``ucx_info -d`` -> [{"transport": "rc_mlx5", "device": "mlx5_0:1"}, ...] in order."""
+    found: list[Json] = []
+    transport = None
+    for line in text.splitlines():
+        s = line.lstrip("#").strip()
+        m = re.match(r"Transport:\s*(\S+)", s)
+        if m:
+            transport = m.group(1)
+            continue
+        m = re.match(r"Device:\s*(\S+)", s)
+        if m and transport is not None:
+            found.append({"transport": transport, "device": m.group(1)})
+    return found
+
+
+def ucx_rdma_transports(text: str) -> list[str]:
+    """RDMA transports (rc*, ud*, dc*) that ``ucx_info -d`` lists, unique and sorted."""
+    return sorted({d["transport"] for d in parse_ucx_info_devices(text)
+                   if d["transport"].startswith(UCX_RDMA_PREFIXES)})
+
+
+def parse_ucx_info_version(text: str) -> str | None:
+    """``ucx_info -v`` (``# Library version: 1.18.0``) -> ``1.18.0``."""
+    m = re.search(r"Library version:\s*(\S+)", text)
+    return m.group(1) if m else None
+
+
+def parse_nvidia_proc_version(text: str) -> str | None:
+    """/proc/driver/nvidia/version (``NVRM version: NVIDIA UNIX ... 580.159.04  Release
+    Build ...``) -> ``580.159.04``."""
+    for line in text.splitlines():
+        if line.startswith("NVRM version:"):
+            m = re.search(r"\s(\d+\.\d+(?:\.\d+)?)\s", line + " ")
+            return m.group(1) if m else None
+    return None
+
+
+# --------------------------------------------------------------------------- host facts (GPU)
+
 def gpu() -> Json:
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return {"present": False, "reason": "nvidia-smi not found"}
-    fields = "index,name,uuid,memory.total,driver_version,persistence_mode,mig.mode.current"
-    rc, out, err = run_cmd([smi, "--query-gpu=" + fields, "--format=csv,noheader,nounits"],
-                           timeout=20.0)
+    rc, out, err = run_cmd(nvidia_smi_query_argv(smi), timeout=20.0)
     if rc != 0:
         return {"present": False, "reason": f"nvidia-smi failed: {(err or out).strip()[:300]}"}
-    gpus = []
-    for line in out.strip().splitlines():
-        cols = [c.strip() for c in line.split(",")]
-        if len(cols) < 5:
-            continue
-        gpus.append({
-            "index": int(cols[0]), "name": cols[1], "uuid": cols[2],
-            "memory_mib": int(float(cols[3])) if cols[3].replace(".", "").isdigit() else None,
-            "driver_version": cols[4],
-            "persistence_mode": cols[5] if len(cols) > 5 else None,
-            "mig_mode": cols[6] if len(cols) > 6 else None,
-        })
-    return {"present": bool(gpus), "count": len(gpus),
-            "driver_version": gpus[0]["driver_version"] if gpus else None, "gpus": gpus}
+    try:
+        gpus = parse_nvidia_smi_csv(out)
+    except ValueError as exc:
+        return {"present": False, "reason": str(exc)}
+    res: Json = {"present": bool(gpus), "count": len(gpus),
+                 "driver_version": gpus[0]["driver_version"] if gpus else None, "gpus": gpus}
+    try:
+        with open("/proc/driver/nvidia/version") as fh:
+            res["kernel_module_version"] = parse_nvidia_proc_version(fh.read())
+    except OSError:
+        res["kernel_module_version"] = None
+    rc, out, _ = run_cmd([smi, "topo", "-m"], timeout=20.0)
+    res["topology"] = parse_nvidia_smi_topo(out) if rc == 0 else None
+    # /dev/nvidia-uvm is needed by every CUDA process (and CUDA IPC), /dev/nvidiaN per GPU
+    res["device_nodes"] = sorted(n for n in os.listdir("/dev") if n.startswith("nvidia")) \
+        if os.path.isdir("/dev") else []
+    return res
+
+
+def ucx(ucx_info: str | None = None) -> Json:
+    """UCX on the host (``ucx_info -v`` / ``-d``), when a ucx_info binary is there.
+
+    ``cuda_ipc`` tells whether UCX can move GPU memory between processes of one node
+    (NIXL and LMCache on one node), ``rdma_transports`` the rc/ud/dc transports.
+    """
+    binary = ucx_info or shutil.which("ucx_info")
+    if binary is None:
+        return {"present": False, "reason": "ucx_info not found"}
+    rc, out, err = run_cmd([binary, "-v"], timeout=10.0)
+    res: Json = {"present": rc == 0, "binary": binary,
+                 "version": parse_ucx_info_version(out) if rc == 0 else None}
+    if rc != 0:
+        res["reason"] = f"ucx_info -v failed (rc {rc}): {(err or out).strip()[:300]}"
+        return res
+    rc, out, err = run_cmd([binary, "-d"], timeout=20.0)
+    devices = parse_ucx_info_devices(out) if rc == 0 else []
+    res.update({
+        "devices_rc": rc, "devices": devices,
+        "transports": sorted({d["transport"] for d in devices}),
+        "rdma_transports": ucx_rdma_transports(out) if rc == 0 else [],
+        "cuda_ipc": any(d["transport"] == "cuda_ipc" for d in devices),
+    })
+    if rc != 0:
+        res["reason"] = f"ucx_info -d failed (rc {rc}): {(err or out).strip()[:300]}"
+    return res
 
 
 def rdma() -> Json:
@@ -539,25 +834,13 @@ def rdma() -> Json:
     sysdir = "/sys/class/infiniband"
     hcas = sorted(os.listdir(sysdir)) if os.path.isdir(sysdir) else []
     res: Json = {
-        "dev_infiniband": devices, "present": any(d.startswith("uverbs") for d in devices),
+        "dev_infiniband": devices, "present": bool(rdma_verbs_devices(devices)),
         "hcas": hcas, "ibv_devinfo": None, "ports": [],
     }
     if shutil.which("ibv_devinfo"):
         rc, out, err = run_cmd(["ibv_devinfo"], timeout=10.0)
         res["ibv_devinfo"] = {"rc": rc, "error": err.strip()[:300] if rc else None}
-        hca = None
-        port = None
-        for line in out.splitlines():
-            s = line.strip()
-            if s.startswith("hca_id:"):
-                hca = s.split(":", 1)[1].strip()
-            elif s.startswith("port:"):
-                port = s.split(":", 1)[1].strip()
-            elif s.startswith("state:") and hca is not None:
-                res["ports"].append({"hca": hca, "port": port,
-                                     "state": s.split(":", 1)[1].strip().split()[0]})
-            elif s.startswith("link_layer:") and res["ports"]:
-                res["ports"][-1]["link_layer"] = s.split(":", 1)[1].strip()
+        res["ports"] = parse_ibv_devinfo(out)
     res["active_ports"] = sum(1 for p in res["ports"] if p.get("state") == "PORT_ACTIVE")
     return res
 
@@ -637,10 +920,11 @@ def host_info(paths: list[str]) -> Json:
         "interfaces": interfaces(),
         "gpu": gpu(),
         "rdma": rdma(),
+        "ucx": ucx(),
         "resources": resources(paths),
         "listening": listening_ports(),
         "tools": {t: shutil.which(t) is not None
-                  for t in ("ip", "ping", "nvidia-smi", "ibv_devinfo", "docker")},
+                  for t in ("ip", "ping", "nvidia-smi", "ibv_devinfo", "ucx_info", "docker")},
     }
 
 
@@ -706,6 +990,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("interfaces", help="interfaces, MTU, addresses")
     sub.add_parser("gpu", help="nvidia-smi GPUs and driver")
     sub.add_parser("rdma", help="/dev/infiniband and ibv_devinfo")
+    p = sub.add_parser("ucx", help="ucx_info -v / -d: UCX version and transports")
+    p.add_argument("--ucx-info", default=None, help="ucx_info binary (default: on PATH)")
     p = sub.add_parser("free-ports", help="free TCP ports")
     p.add_argument("--address", default="0.0.0.0")
     p.add_argument("--start", type=int, default=20000)
@@ -743,6 +1029,8 @@ def main(argv: list[str] | None = None) -> int:
             emit(gpu(), pretty)
         elif args.cmd == "rdma":
             emit(rdma(), pretty)
+        elif args.cmd == "ucx":
+            emit(ucx(args.ucx_info), pretty)
         elif args.cmd == "free-ports":
             emit(free_ports(args.address, args.start, args.end, args.count), pretty)
         elif args.cmd == "resources":

@@ -43,7 +43,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from pdstack.proxy import affinity
+from pdstack.proxy import affinity, tracing
 from pdstack.proxy.admission import AdmissionRejected, KvAdmission, prompt_tokens
 from pdstack.proxy.backends import BackendRegistry, BackendState
 from pdstack.proxy.config import ProxyConfig
@@ -110,6 +110,7 @@ class RequestContext:
     session: str | None = None  # session affinity key (X-Session-ID header or `user`)
     tokens: int = 0  # prompt tokens (exact for token-id prompts, else estimated)
     upstream_headers: dict[str, str] = field(default_factory=dict)
+    trace: Any = None  # tracing.RequestTrace while traced
 
 
 class _IdleWatchdog:
@@ -465,7 +466,8 @@ class Proxy:
                 "X-Request-Id": request_id,
                 **self._auth_headers(),
             }
-            response = await self._serve(request, ctx)
+            with tracing.request(ctx, request.headers):
+                response = await self._serve(request, ctx)
             metrics.outcome[ctx.outcome].inc()
             return response
         except asyncio.CancelledError:
@@ -596,7 +598,8 @@ class Proxy:
             if decoder is not None and decoder.lmcache_pd is None:
                 self.metrics.lmcache_pd_notify.labels("no_receiver").inc()
             elif waiter is not None:
-                await self._await_notify(waiter, req_id, prefill, decoder)
+                with tracing.kv_wait(ctx):
+                    await self._await_notify(waiter, req_id, prefill, decoder)
         finally:
             if notifier is not None and waiter is not None and not waiter.done():
                 notifier.forget(req_id)
@@ -650,7 +653,8 @@ class Proxy:
                 self.metrics.retries.labels("prefill").inc()
             tried.add(prefill.name)
             try:
-                await leg(prefill, attempt)
+                with tracing.leg(ctx, prefill):
+                    await leg(prefill, attempt)
                 return prefill
             except _Retryable as exc:
                 last_error = str(exc)
@@ -886,7 +890,8 @@ class Proxy:
             tried.add(backend.name)
             self.admission.reserve(backend, ctx.request_id, ctx.tokens)
             try:
-                return await self._stream_leg(request, ctx, backend, payload(backend))
+                with tracing.leg(ctx, backend):
+                    return await self._stream_leg(request, ctx, backend, payload(backend))
             except _Retryable as exc:
                 last_error = str(exc)
             except _Passthrough as exc:
@@ -950,6 +955,7 @@ class Proxy:
             await response.prepare(request)
             await response.write(first)
             self.admission.landed(backend, ctx.request_id)
+            tracing.first_byte(ctx)
             now = time.perf_counter()
             metrics.ttft_route[ctx.route].observe(now - ctx.started)
             metrics.leg_decode_first.observe(now - started)
@@ -1143,6 +1149,7 @@ class Proxy:
             self._upstream_status(backend, status, data, headers)
         _mark_success(backend)
         backend.served += 1
+        tracing.first_byte(ctx)
         now = time.perf_counter()
         self.metrics.ttft_route[ctx.route].observe(now - ctx.started)
         self.metrics.leg_decode.observe(now - started)

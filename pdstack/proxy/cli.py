@@ -332,6 +332,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdstack proxy: {exc}")
         return 2
     config = config_from_args(args)
+    from pdstack.proxy import tracing
+
+    try:
+        tracing.configure_from_env()  # OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, off when unset
+    except tracing.TracingUnavailable as exc:
+        print(f"pdstack proxy: {exc}")
+        return 2
     proxy = Proxy(registry, config)
     loop_factory = None
     try:

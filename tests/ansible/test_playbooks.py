@@ -75,7 +75,7 @@ def test_syntax_check(play):
 
 def test_ansible_lint_production():
     proc = subprocess.run([str(ANSIBLE_LINT), "--profile", "production", "--nocolor",
-                           "site.yml", "upgrade.yml", "ansible/"], cwd=REPO,
+                           "site.yml", "upgrade.yml", "ansible/", "gpu/host_path.yml"], cwd=REPO,
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}"})
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
@@ -152,6 +152,13 @@ def test_converge_idempotent_and_check_mode(clean_alab, tmp_path):
         assert node_path(lab, node, f"{stack_dir}/.env").is_file()
         has_proxy = any(s["kind"] == "proxy" for s in plan["nodes"][node]["services"])
         assert node_path(lab, node, f"{stack_dir}/backends.json").is_file() == has_proxy
+        # the monitoring files (Prometheus config/rules, Grafana) live on the proxy's node
+        rendered_mon = tmp_path / "r" / node / "monitoring"
+        for f in ("prometheus.yml", "rules.yml", "grafana/dashboards/overview.json"):
+            placed = node_path(lab, node, f"{stack_dir}/monitoring/{f}")
+            assert placed.is_file() == has_proxy, (node, f)
+            if has_proxy:
+                assert placed.read_text() == (rendered_mon / f).read_text(), (node, f)
         secrets = node_path(lab, node, "/etc/pdstack/secrets.env")
         assert stat.S_IMODE(secrets.stat().st_mode) == 0o600
     # every node's state is its own: the machine's /opt and /etc are untouched

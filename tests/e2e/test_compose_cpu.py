@@ -226,3 +226,14 @@ def test_logprobs_requests_keep_every_engine_up(cpu_stack: dict[str, float]) -> 
         assert http_get(url + "/health") is not None, f"{url} died after logprobs requests"
     states = {s.service: s.state for s in service_states(CPU_STACK)}
     assert all(v == "running" for v in states.values()), states
+
+
+def test_prometheus_scrapes_the_stack_and_every_rule_and_panel_has_data(
+    cpu_stack: dict[str, float], tmp_path
+) -> None:
+    """A real Prometheus with the rendered monitoring config against this running stack
+    (tests/e2e/monitoring_check.py): every target up, every recording rule and dashboard
+    panel returns data after a short burst, every alert empty (healthy stack)."""
+    from .monitoring_check import check_prometheus_against_stack
+
+    check_prometheus_against_stack(_proxy_url(), _backends()["model"][0], tmp_path)

@@ -1,0 +1,273 @@
+"""Grafana dashboards as code (grafana-foundation-sdk), from the plan: overview, KV,
+engines, proxy. Panels exist only for the metric families the plan's services expose
+(no NIXL panel on a shared-l1 stack), so every panel query returns data on a live stack.
+
+Written for Grafana 11.6 (dashboard schemaVersion 41, file provisioning apiVersion 1)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from grafana_foundation_sdk.builders import dashboard, prometheus, stat, timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.dashboard import DataSourceRef
+
+from pdstack.monitoring.prometheus import Features
+from pdstack.topology import DeploymentSpec
+
+DATASOURCE_UID = "pdstack-prometheus"
+DATASOURCE = DataSourceRef(type_val="prometheus", uid=DATASOURCE_UID)
+GRAFANA_VERSION = "11.6"
+
+
+@dataclass(frozen=True)
+class Query:
+    expr: str
+    legend: str
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    unit: str
+    queries: list[Query]
+    kind: str = "timeseries"  # or "stat"
+    description: str = ""
+    width: int = 12
+
+
+@dataclass(frozen=True)
+class Board:
+    uid: str
+    title: str
+    rows: list[tuple[str, list[Panel]]] = field(default_factory=list)
+
+
+def _q(expr: str, legend: str) -> Query:
+    return Query(expr, legend)
+
+
+def boards(d: DeploymentSpec, f: Features) -> list[Board]:
+    o = d.observability
+    p50, p99 = o.ttft_p50_slo_ms / 1000, o.ttft_p99_slo_ms / 1000
+    overview = Board(
+        "pdstack-overview",
+        f"pdstack overview ({d.name})",
+        [
+            ("Traffic", [
+                Panel("Asked vs served", "reqps", [
+                    _q("pdstack:asked_rps", "asked"),
+                    _q("pdstack:served_rps", "served"),
+                ], description="asked = requests arriving at the proxy; served = answered OK"),
+                Panel("Errors by outcome", "reqps", [
+                    _q('sum by (outcome) (rate(pdstack_proxy_requests_total'
+                       '{outcome!="ok"}[1m]))', "{{outcome}}"),
+                ]),
+            ]),
+            ("Latency", [
+                Panel("TTFT P50 / P99 (proxy) with the SLO", "s", [
+                    _q("pdstack:ttft_seconds:p50", "P50"),
+                    _q("pdstack:ttft_seconds:p99", "P99"),
+                    _q(f"vector({p50:g})", "SLO P50"),
+                    _q(f"vector({p99:g})", "SLO P99"),
+                ]),
+                Panel("Inter-token latency P50 / P99 (engines)", "s", [
+                    _q("pdstack:itl_seconds:p50", "P50"),
+                    _q("pdstack:itl_seconds:p99", "P99"),
+                ]),
+                Panel("Error ratio", "percentunit", [
+                    _q("pdstack:error_ratio", "5xx from the proxy"),
+                ], kind="stat", width=8),
+                Panel("Targets up", "none", [
+                    _q('sum(up{job=~"pdstack-.*"})', "up"),
+                    _q('count(up{job=~"pdstack-.*"})', "configured"),
+                ], kind="stat", width=8),
+                Panel("Requests in flight (proxy)", "none", [
+                    _q("sum(pdstack_proxy_in_flight)", "in flight"),
+                ], kind="stat", width=8),
+            ]),
+        ],
+    )
+
+    kv_panels = [
+        Panel("Prompt tokens by source, per engine", "short", [
+            _q("sum by (service, source) (rate(vllm:prompt_tokens_by_source_total[1m]))",
+               "{{service}} {{source}}"),
+        ], description="local_compute = computed here; local_cache_hit = GPU prefix cache; "
+                       "external_kv_transfer = from LMCache / NIXL"),
+        Panel("GPU prefix-cache hit ratio", "percentunit", [
+            _q("pdstack:prefix_cache_hit_ratio", "{{service}}"),
+        ]),
+    ]
+    if f.connector:
+        kv_panels.append(Panel("External prefix-cache hit ratio (LMCache / NIXL)",
+                               "percentunit", [
+            _q("pdstack:external_prefix_cache_hit_ratio", "{{service}}"),
+        ]))
+    if f.nixl:
+        kv_panels += [
+            Panel("NIXL transfers", "ops", [
+                _q("sum by (service) (rate(vllm:nixl_xfer_time_seconds_count[1m]))",
+                   "{{service}}"),
+            ]),
+            Panel("NIXL transfer time P99", "s", [
+                _q("histogram_quantile(0.99, sum by (le, service) "
+                   "(rate(vllm:nixl_xfer_time_seconds_bucket[5m])))", "{{service}}"),
+            ]),
+        ]
+    if f.lmcache:
+        kv_panels += [
+            Panel("LMCache L1 use", "percentunit", [
+                _q("pdstack:lmcache_l1_usage_ratio", "{{node}}"),
+            ]),
+            Panel("LMCache lookups: hit tokens / asked tokens", "short", [
+                _q("sum by (node) (rate(lmcache_mp_lookup_hit_tokens_total[1m]))",
+                   "{{node}} hit"),
+                _q("sum by (node) (rate(lmcache_mp_lookup_requested_tokens_total[1m]))",
+                   "{{node}} asked"),
+            ]),
+            Panel("LMCache L1 chunks written / read", "short", [
+                _q("sum by (node) (rate(lmcache_mp_l1_write_chunks_total[1m]))",
+                   "{{node}} written"),
+                _q("sum by (node) (rate(lmcache_mp_l1_read_chunks_total[1m]))",
+                   "{{node}} read"),
+            ]),
+        ]
+    if f.lmcache_pd:
+        kv_panels.append(Panel("lmcache-pd ProxyNotif by outcome", "ops", [
+            _q("sum by (outcome) (rate(pdstack_proxy_lmcache_pd_notify_total[1m]))",
+               "{{outcome}}"),
+        ]))
+    kv = Board("pdstack-kv", f"pdstack KV ({d.name})", [("KV cache", kv_panels)])
+
+    engines = Board(
+        "pdstack-engines",
+        f"pdstack engines ({d.name})",
+        [
+            ("Per engine", [
+                Panel("Running requests", "none", [
+                    _q("sum by (service, role) (vllm:num_requests_running)",
+                       "{{service}} ({{role}})"),
+                ]),
+                Panel("Waiting requests", "none", [
+                    _q("sum by (service, role) (vllm:num_requests_waiting)",
+                       "{{service}} ({{role}})"),
+                ]),
+                Panel("KV cache usage", "percentunit", [
+                    _q("pdstack:kv_cache_usage:max", "{{service}} ({{role}})"),
+                ]),
+                Panel("Engine TTFT P99", "s", [
+                    _q("histogram_quantile(0.99, sum by (le, service) "
+                       "(rate(vllm:time_to_first_token_seconds_bucket[5m])))", "{{service}}"),
+                ]),
+                Panel("Generated tokens", "short", [
+                    _q("sum by (service) (rate(vllm:generation_tokens_total[1m]))",
+                       "{{service}}"),
+                ]),
+                Panel("Engine up", "none", [
+                    _q('up{job="pdstack-engine"}', "{{service}} ({{generation}})"),
+                ]),
+            ]),
+        ],
+    )
+
+    proxy_panels = [
+        Panel("Leg latency P50 / P99", "s", [
+            _q("histogram_quantile(0.5, sum by (le, leg) "
+               "(rate(pdstack_proxy_leg_seconds_bucket[5m])))", "{{leg}} P50"),
+            _q("histogram_quantile(0.99, sum by (le, leg) "
+               "(rate(pdstack_proxy_leg_seconds_bucket[5m])))", "{{leg}} P99"),
+        ]),
+        Panel("In flight per backend", "none", [
+            _q("sum by (backend) (pdstack_proxy_backend_in_flight)", "{{backend}}"),
+        ]),
+        Panel("Retries", "ops", [
+            # retries/ejections exist only after the first one: 0 until then
+            _q("sum(rate(pdstack_proxy_retries_total[5m])) or vector(0)", "retries"),
+        ]),
+        Panel("Ejections", "short", [
+            _q("sum(increase(pdstack_proxy_ejections_total[5m])) or vector(0)", "ejections"),
+        ]),
+        Panel("Backend healthy / drained", "none", [
+            _q("sum by (backend) (pdstack_proxy_backend_healthy)", "{{backend}} healthy"),
+            _q("sum by (backend) (pdstack_proxy_backend_drained)", "{{backend}} drained"),
+        ]),
+        Panel("Outcomes", "reqps", [
+            _q("sum by (outcome) (rate(pdstack_proxy_requests_total[1m]))", "{{outcome}}"),
+        ]),
+    ]
+    if f.pd:
+        proxy_panels.append(Panel("Requests per prefiller/decoder pair", "reqps", [
+            _q("sum by (prefill, decode) (rate(pdstack_proxy_pairs_total[1m]))",
+               "{{prefill}} -> {{decode}}"),
+        ]))
+    if f.skip_prefill:
+        proxy_panels += [
+            Panel("Skip-prefill requests", "reqps", [
+                _q("sum(rate(pdstack_proxy_skip_prefill_total[1m]))", "skip prefill"),
+            ]),
+            Panel("Prefix-index hit ratio", "percentunit", [
+                _q("max(pdstack_proxy_prefix_index_hit_ratio)", "hit ratio"),
+            ]),
+        ]
+    if f.admission:
+        proxy_panels += [
+            Panel("KV admission: queued / waited", "none", [
+                _q("sum(pdstack_proxy_admission_queued)", "queued now"),
+                _q("sum(rate(pdstack_proxy_admission_waited_total[1m]))", "waited /s"),
+            ]),
+            Panel("KV admission: rejected (503) by reason", "reqps", [
+                _q("sum by (reason) (rate(pdstack_proxy_admission_rejected_total[5m]))"
+                   " or vector(0)", "{{reason}}"),
+            ]),
+            Panel("KV usage the gate reads, per engine", "percentunit", [
+                _q("max by (backend) (pdstack_proxy_engine_kv_usage)", "{{backend}}"),
+            ]),
+        ]
+    proxy = Board("pdstack-proxy", f"pdstack proxy ({d.name})", [("Proxy", proxy_panels)])
+    return [overview, kv, engines, proxy]
+
+
+def build(board: Board) -> dict[str, Any]:
+    """One board as Grafana dashboard JSON (a dict)."""
+    b = (
+        dashboard.Dashboard(board.title)
+        .uid(board.uid)
+        .tags(["pdstack"])
+        .refresh("30s")
+        .time("now-1h", "now")
+        .timezone("browser")
+    )
+    panel_id = 1
+    for row_title, panels in board.rows:
+        b = b.with_row(dashboard.Row(row_title).id(panel_id))
+        panel_id += 1
+        for p in panels:
+            builder: Any = timeseries.Panel() if p.kind == "timeseries" else stat.Panel()
+            builder = (
+                builder.id(panel_id).title(p.title).description(p.description)
+                .datasource(DATASOURCE).unit(p.unit).height(8).span(p.width)
+            )
+            for i, q in enumerate(p.queries):
+                builder = builder.with_target(
+                    prometheus.Dataquery()
+                    .expr(q.expr)
+                    .legend_format(q.legend)
+                    .ref_id(chr(ord("A") + i))
+                    .datasource(DATASOURCE)
+                )
+            b = b.with_panel(builder)
+            panel_id += 1
+    doc: dict[str, Any] = json.loads(JSONEncoder(sort_keys=True).encode(b.build()))
+    return doc
+
+
+def render_dashboards(d: DeploymentSpec, f: Features) -> dict[str, str]:
+    """``<name>.json`` per board (name = uid without the ``pdstack-`` prefix)."""
+    return {
+        f"{bd.uid.removeprefix('pdstack-')}.json": json.dumps(build(bd), indent=2, sort_keys=True)
+        + "\n"
+        for bd in boards(d, f)
+    }
