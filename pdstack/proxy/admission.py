@@ -79,7 +79,9 @@ class EngineLoad:
 
 
 def parse_engine_metrics(text: str) -> dict[str, float]:
-    """The few vLLM gauges admission reads, summed over label sets (one engine)."""
+    """The few vLLM gauges admission reads. Request counts are summed over label sets
+    (an API server fronting data-parallel engines lists one per engine); KV usage is the
+    fullest engine's (a fraction per engine: summing would pass 1 and read as percent)."""
     out: dict[str, float] = {}
     wanted = {
         "vllm:kv_cache_usage_perc": "kv_usage",
@@ -109,7 +111,10 @@ def parse_engine_metrics(text: str) -> dict[str, float]:
             value = float(raw_value)
         except ValueError:
             continue
-        out[key] = out.get(key, 0.0) + value
+        if key == "kv_usage":
+            out[key] = max(out.get(key, 0.0), value)
+        else:
+            out[key] = out.get(key, 0.0) + value
     return out
 
 
@@ -232,9 +237,38 @@ class KvAdmission:
         return [b for b in candidates if b.usable and self.is_open(b, tokens)]
 
     def reserve(self, backend: BackendState, request_id: str, tokens: int) -> None:
+        """The request goes to ``backend``: its tokens count there (and nowhere else)."""
         if self.config.enabled and backend.role in GATED_ROLES:
+            for name, other in self.loads.items():
+                if name != backend.name:
+                    other.reserved.pop(request_id, None)  # its hold, or an earlier try
             self.loads.setdefault(backend.name, EngineLoad()).reserved[request_id] = (tokens, None)
             self.pump()  # the next waiter sees this reservation
+
+    def hold(self, candidates: Iterable[BackendState], request_id: str, tokens: int) -> None:
+        """An admitted request holds its tokens on the gated candidate with the most
+        headroom until its final leg reserves them on the engine it really goes to. In
+        P/D the decoder is picked only after the prefill leg: without a hold, every request
+        admitted meanwhile (a burst, or one waiter per scrape) would see the same headroom."""
+        if not self.config.enabled:
+            return
+        gated = [b for b in candidates if b.role in GATED_ROLES and b.usable]
+        pool = self.open_among(gated, tokens) or gated
+        if pool:
+            self.reserve(min(pool, key=self._fill), request_id, tokens)
+
+    def forget(self, request_id: str) -> None:
+        """The request is over (answered, failed or cancelled): drop what it holds."""
+        dropped = [load.reserved.pop(request_id, None) for load in self.loads.values()]
+        if any(d is not None for d in dropped):
+            self.pump()
+
+    def _fill(self, backend: BackendState) -> float:
+        load = self.loads.get(backend.name)
+        if load is None:
+            return 0.0
+        cap = load.capacity_tokens
+        return load.kv_usage + (load.reserved_tokens() / cap if cap > 0 else 0.0)
 
     def landed(self, backend: BackendState, request_id: str) -> None:
         """The request's first byte came back: its KV is allocated on ``backend``."""

@@ -330,6 +330,7 @@ class Proxy(AdminAPI, Flows):
                 headers={"Retry-After": str(self.config.retry_after_s), **rid_header},
             )
         self.in_flight += 1
+        ctx: RequestContext | None = None
         try:
             if "kv_transfer_params" in body:
                 # only the proxy decides where KV comes from: never a client
@@ -360,6 +361,8 @@ class Proxy(AdminAPI, Flows):
             raise
         finally:
             self.in_flight -= 1
+            if ctx is not None:
+                self.admission.forget(ctx.request_id)  # a hold its final leg never took
 
     def _served_names(self) -> frozenset[str]:
         name = self.registry.served_model_name

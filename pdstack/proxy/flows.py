@@ -315,10 +315,9 @@ class Flows(Legs):
     ) -> web.Response | None:
         """KV-aware admission (a no-op unless enabled): wait until some candidate has KV
         headroom; None = go on, else the client's 503."""
+        usable = lambda: [b for b in candidates() if b.usable]  # noqa: E731
         try:
-            await self.admission.wait_open(
-                lambda: [b for b in candidates() if b.usable], ctx.tokens
-            )
+            await self.admission.wait_open(usable, ctx.tokens)
         except AdmissionRejected as exc:
             ctx.outcome = "rejected"
             self.metrics.admission_rejected.labels(exc.reason).inc()
@@ -331,6 +330,8 @@ class Flows(Legs):
                     "X-Request-Id": ctx.request_id,
                 },
             )
+        # hold the tokens now (P/D: the decoder is picked after the prefill leg)
+        self.admission.hold(usable(), ctx.request_id, ctx.tokens)
         return None
 
     def _pick_decoder(

@@ -37,7 +37,11 @@ Endpoints
   ``vllm:num_requests_running``, ``vllm:prompt_tokens_total``,
   ``vllm:generation_tokens_total``, ``vllm:request_success_total``,
   ``vllm:prompt_tokens_by_source_total{source="local_compute"|"external_kv_transfer"}``,
-  and ``fake_engine_requests_total``.
+  and ``fake_engine_requests_total``. With ``kv_capacity_tokens`` set, also the gauges
+  KV-aware admission reads: ``vllm:cache_config_info{num_gpu_blocks, block_size="16"} 1``,
+  ``vllm:kv_cache_usage_perc`` = (running requests' prompt tokens + ``kv_held_tokens``)
+  / capacity, capped at 1, and ``vllm:num_requests_waiting`` = ``num_waiting``; tests set
+  ``kv_held_tokens`` (KV "held by other requests") and ``num_waiting`` at any time.
 - ``GET /fake/requests`` (JSON list of what it saw; header names lower-cased),
   ``DELETE /fake/requests``,
   ``GET /fake/faults``, ``PUT /fake/faults`` (JSON body = ``Faults`` fields;
@@ -179,6 +183,7 @@ class FakeEngine:
         lmcache_pd_notify: str | None = None,
         lmcache_pd_notify_delay_ms: float = 0.0,
         api_key: str | None = None,
+        kv_capacity_tokens: int | None = None,
     ) -> None:
         self.name = name
         self.host = host
@@ -211,6 +216,11 @@ class FakeEngine:
         self.lmcache_pd_notified: list[tuple[str, float]] = []
         self._zmq: tuple[Any, Any] | None = None  # (context, PUSH socket)
         self._notify_tasks: set[asyncio.Task[None]] = set()
+        # KV gauges for admission tests (exported only with kv_capacity_tokens)
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.kv_held_tokens = 0
+        self.num_waiting = 0
+        self.running_prompt_tokens = 0
 
     # ----------------------------------------------------------------- lifecycle
     @property
@@ -361,6 +371,14 @@ class FakeEngine:
             f'fake_engine_requests_total{{engine="{self.name}"}} {c["requests"]}',
             f'fake_engine_aborted_total{{engine="{self.name}"}} {c["aborted"]}',
         ]
+        if self.kv_capacity_tokens:
+            blocks = self.kv_capacity_tokens // 16
+            used = (self.running_prompt_tokens + self.kv_held_tokens) / self.kv_capacity_tokens
+            lines += [
+                f'vllm:cache_config_info{{block_size="16",engine="0",num_gpu_blocks="{blocks}"}} 1',
+                f"vllm:kv_cache_usage_perc{{{lbl}}} {min(1.0, used)}",
+                f"vllm:num_requests_waiting{{{lbl}}} {self.num_waiting}",
+            ]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def _handle_get_requests(self, request: web.Request) -> web.Response:
@@ -479,6 +497,7 @@ class FakeEngine:
         created = int(time.time())
 
         self.running += 1
+        self.running_prompt_tokens += prompt_tokens
         try:
             if not body.get("stream"):
                 if fault is not None and fault.close_after_chunks is not None:
@@ -575,6 +594,7 @@ class FakeEngine:
             return web.Response(status=499)
         finally:
             self.running -= 1
+            self.running_prompt_tokens -= prompt_tokens
 
     @staticmethod
     def _abort(transport: asyncio.BaseTransport | None) -> None:

@@ -42,6 +42,7 @@ def _compose_bin() -> list[str]:
     return ["docker", "compose"]
 
 
+@pytest.mark.docker  # `docker compose config` (the Compose CLI from .ci/install.sh)
 @pytest.mark.parametrize("name", INVENTORIES)
 def test_render_every_inventory_and_compose_accepts_it(tmp_path, name):
     out = tmp_path / "build"

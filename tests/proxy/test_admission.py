@@ -1,0 +1,435 @@
+"""KV-aware admission (pdstack.proxy.admission) against FakeEngine test doubles.
+
+The fake engines (pdstack/testing/fake_engine.py, a TEST DOUBLE, no model) export the gauges
+admission reads when built with ``kv_capacity_tokens``; a test fills an engine's KV with
+``kv_held_tokens`` (KV "held by other requests") and keeps the engine busy with one request
+that hangs after its first token (``Faults(hang_after_chunks=1)``), so the engine is not
+idle in the proxy's eyes (an idle engine is always open). No timing is asserted beyond
+"before / after" orderings of events the test itself causes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from multidict import CIMultiDict
+
+from pdstack.proxy.admission import (
+    AdmissionConfig,
+    EngineLoad,
+    KvAdmission,
+    parse_engine_metrics,
+)
+from pdstack.proxy.backends import BackendState
+from pdstack.proxy.routing import stable_hash
+from pdstack.testing.fake_engine import FakeEngine, Faults
+from pdstack.testing.proxy_harness import (
+    RunningProxy,
+    backend,
+    completion_text,
+    engines,
+    metric_value,
+    running_proxy,
+    stream_completion,
+    table,
+)
+
+CAPACITY = 1024  # tokens of KV per fake engine (64 blocks of 16)
+DATA = Path(__file__).parent / "data"
+
+
+def admission(**kw: Any) -> AdmissionConfig:
+    base: dict[str, Any] = {
+        "enabled": True,
+        "kv_high": 0.8,
+        "scrape_interval_s": 0.05,
+        "stale_after_s": 30.0,  # a loaded 2-core machine may stall the loop for a while
+        "queue_timeout_s": 60.0,
+    }
+    return AdmissionConfig(**{**base, **kw})
+
+
+def words(n: int, tag: str) -> str:
+    """``n`` words of 3 characters + a space: the proxy estimates 4 chars per token and the
+    fake engine counts words, so both see ``n`` tokens."""
+    return " ".join(f"{tag}{i % 100:02d}" for i in range(n))
+
+
+async def until(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def hanging(rp: RunningProxy, engine: FakeEngine, tag: str, **headers: str
+                  ) -> AsyncIterator[asyncio.Task[Any]]:
+    """One streaming request that gets its first token from ``engine`` and then hangs
+    (its KV stays allocated there) until the block ends."""
+    seen = len(engine.seen())
+    engine.faults = Faults(hang_after_chunks=1, times=1)
+    task = asyncio.create_task(
+        stream_completion(rp.session, rp.url, words(10, tag), headers=headers, max_tokens=4)
+    )
+    try:
+        await until(lambda: len(engine.seen()) > seen and engine.running > 0, "hanging request")
+        yield task
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+            await task
+
+
+def load_of(rp: RunningProxy, name: str) -> Any:
+    return rp.proxy.admission.loads.get(name)
+
+
+async def full(rp: RunningProxy, engine: FakeEngine, name: str) -> None:
+    """Fill ``engine``'s KV past 90 % and wait until the proxy has scraped it."""
+    engine.kv_held_tokens = CAPACITY - 64
+    await until(
+        lambda: (load := load_of(rp, name)) is not None
+        and load.kv_usage >= 0.9
+        and not load.reserved,
+        f"the proxy to see {name} full",
+    )
+
+
+async def post(
+    rp: RunningProxy, prompt: str, headers: dict[str, str] | None = None, **extra: Any
+) -> tuple[int, CIMultiDict[str], Any]:
+    body = {"model": "fake", "prompt": prompt, "max_tokens": 4, **extra}
+    async with rp.session.post(
+        f"{rp.url}/v1/completions", json=body, headers=headers or {}
+    ) as resp:
+        return resp.status, CIMultiDict(resp.headers), await resp.json(content_type=None)
+
+
+def colocated(*names: str, e: dict[str, FakeEngine]) -> dict:
+    return table("colocated", [backend(n, "colocated", e[n]) for n in names])
+
+
+# ------------------------------------------------------------------ (a) off
+
+
+async def test_admission_off_changes_nothing() -> None:
+    async with (
+        engines("e0", kv_capacity_tokens=CAPACITY, output_tokens=4) as e,
+        running_proxy(colocated("e0", e=e)) as rp,
+    ):
+        assert rp.proxy.config.admission.enabled is False
+        async with hanging(rp, e["e0"], "a"):
+            e["e0"].kv_held_tokens = CAPACITY  # 100 % full: admission would hold
+            status, _, data = await post(rp, words(50, "b"))
+            assert status == 200, data
+            assert len(data["choices"][0]["text"].split()) == 4
+        metrics = await rp.metrics()
+    assert rp.proxy.admission.loads == {}  # never scraped
+    assert "pdstack_proxy_admission_queued" not in metrics  # no gate state exported
+    assert len(e["e0"].seen()) == 2
+
+
+# ------------------------------------------------------------------ (b) waits, then goes
+
+
+async def test_request_waits_while_kv_is_full_and_goes_when_it_drops() -> None:
+    async with engines("e0", kv_capacity_tokens=CAPACITY, output_tokens=4) as e:
+        eng = e["e0"]
+        async with running_proxy(colocated("e0", e=e), admission=admission()) as rp:
+            async with hanging(rp, eng, "a") as first:
+                await full(rp, eng, "e0")
+                waiter = asyncio.create_task(
+                    stream_completion(rp.session, rp.url, words(50, "b"), max_tokens=4)
+                )
+                await until(lambda: rp.proxy.admission.queued == 1, "the request to queue")
+                await asyncio.sleep(0.3)  # several scrapes: still full, still held
+                assert len(eng.seen()) == 1 and not waiter.done()
+                assert metric_value(await rp.metrics(), "pdstack_proxy_admission_queued") == 1
+
+                dropped_at = time.time()
+                eng.kv_held_tokens = 0
+                res = await asyncio.wait_for(waiter, 20)
+                assert not first.done(), "the hanging request still holds its KV"
+            metrics = await rp.metrics()
+    assert res.status == 200, res.text
+    assert res.events[-1] == "[DONE]" and len(completion_text(res.events).split()) == 4
+    second = eng.seen()[1]
+    assert second.body is not None and second.body["prompt"] == words(50, "b")
+    assert second.received_at >= dropped_at, "sent before the engine's KV usage dropped"
+    assert rp.proxy.admission.queued == 0
+    assert metric_value(metrics, "pdstack_proxy_admission_waited_total") == 1
+
+
+# ------------------------------------------------------------------ (c) 503s
+
+
+async def test_queue_full_and_deadline_answer_503() -> None:
+    async with engines("e0", kv_capacity_tokens=CAPACITY, output_tokens=4) as e:
+        eng = e["e0"]
+        config = admission(queue_max=1, queue_timeout_s=1.0)
+        async with running_proxy(colocated("e0", e=e), admission=config) as rp:
+            async with hanging(rp, eng, "a"):
+                await full(rp, eng, "e0")
+                queued = asyncio.create_task(post(rp, words(50, "b")))
+                await until(lambda: rp.proxy.admission.queued == 1, "the first to queue")
+                # the queue holds one: the next is refused at once
+                status, headers, data = await post(
+                    rp, words(50, "c"), headers={"X-Request-Id": "over-the-top"}
+                )
+                assert status == 503
+                assert headers["Retry-After"] == "1"
+                assert headers["X-Request-Id"] == "over-the-top"
+                assert set(data) == {"error"}
+                assert data["error"]["type"] == "server_error"
+                assert data["error"]["code"] == 503
+                assert "retry later" in data["error"]["message"]
+                # the queued one hits its deadline (the engine stays full)
+                status, headers, data = await asyncio.wait_for(queued, 30)
+                assert status == 503, data
+                assert headers["Retry-After"] == "1"
+                assert data["error"]["code"] == 503
+                assert "within 1 s" in data["error"]["message"]
+            metrics = await rp.metrics()
+    assert len(eng.seen()) == 1, "a refused request reached the engine"
+    name = "pdstack_proxy_admission_rejected_total"
+    assert metric_value(metrics, name, reason="queue_full") == 1
+    assert metric_value(metrics, name, reason="timeout") == 1
+    assert metric_value(metrics, "pdstack_proxy_requests_total", outcome="rejected") == 2
+
+
+# ------------------------------------------------------------------ (d) headroom routing
+
+
+async def test_colocated_requests_go_to_the_engine_with_headroom() -> None:
+    async with (
+        engines("e0", "e1", kv_capacity_tokens=CAPACITY, output_tokens=2) as e,
+        running_proxy(colocated("e0", "e1", e=e), admission=admission()) as rp,
+    ):
+        reg = rp.registry
+        await until(lambda: all(b.usable for b in reg.backends.values()), "healthy")
+        # one hanging request on each engine (steered by draining the other)
+        reg.backends["e1"].drained = True
+        async with hanging(rp, e["e0"], "a"):
+            reg.backends["e1"].drained, reg.backends["e0"].drained = False, True
+            async with hanging(rp, e["e1"], "x"):
+                reg.backends["e0"].drained = False
+                await full(rp, e["e0"], "e0")
+                await until(lambda: not load_of(rp, "e1").reserved, "e1 scraped")
+                prompts = [words(20, chr(ord("c") + i)) for i in range(8)]
+                ring = rp.proxy._ring_for("colocated")
+                prefer_e0 = [
+                    p for p in prompts if next(ring.walk(stable_hash(p[:1024]))) == "e0"
+                ]
+                assert prefer_e0, "no prompt prefers e0 by affinity: the test proves nothing"
+                results = await asyncio.gather(*(post(rp, p) for p in prompts))
+    assert [r[0] for r in results] == [200] * len(prompts)
+    assert len(e["e0"].seen()) == 1, "a request went to the full engine"
+    assert len(e["e1"].seen()) == 1 + len(prompts)
+
+
+# ------------------------------------------------------------------ (e) P/D: gate first
+
+
+async def test_pd_gate_is_on_decoders_before_the_prefill_leg() -> None:
+    async with engines("p0", "d0", kv_capacity_tokens=CAPACITY, output_tokens=4) as e:
+        t = table("nixl", [backend("p0", "prefill", e["p0"]), backend("d0", "decode", e["d0"])])
+        async with running_proxy(t, admission=admission()) as rp, hanging(rp, e["d0"], "a"):
+            assert len(e["p0"].seen()) == 1  # the hanging request's prefill leg
+            # a full prefiller does not matter: prefillers hand their KV off
+            e["p0"].kv_held_tokens = CAPACITY
+            await full(rp, e["d0"], "d0")
+            waiter = asyncio.create_task(
+                stream_completion(rp.session, rp.url, words(50, "b"), max_tokens=4)
+            )
+            await until(lambda: rp.proxy.admission.queued == 1, "the request to queue")
+            await asyncio.sleep(0.3)
+            assert len(e["p0"].seen()) == 1, "prefill leg sent while the decoder was full"
+            assert len(e["d0"].seen()) == 1
+            dropped_at = time.time()
+            e["d0"].kv_held_tokens = 0
+            res = await asyncio.wait_for(waiter, 20)
+    assert res.status == 200, res.text
+    assert len(completion_text(res.events).split()) == 4
+    pre, dec = e["p0"].seen()[1], e["d0"].seen()[1]
+    assert pre.received_at >= dropped_at
+    assert pre.body is not None and pre.body["kv_transfer_params"] == {"do_remote_decode": True}
+    assert dec.body is not None and dec.body["kv_transfer_params"]["remote_engine_id"] == "p0"
+    assert "p0" not in rp.proxy.admission.loads  # prefillers are not scraped
+
+
+# ------------------------------------------------------------------ (f) units
+
+# vLLM 0.26.0's exposition, family by family as vllm/v1/metrics/loggers.py of the 0.26.0
+# wheel (the GPU build) writes it: one label set per engine index; cache_config_info is
+# CacheConfig.metrics_info(), every field of 0.26.0's CacheConfig as a string label, with
+# the values of the h200x1 V2-Lite engines (block 64, 10 GiB KV); trimmed to the families
+# next to the ones admission reads.
+VLLM_026_SAMPLE = (DATA / "vllm_0.26_metrics.prom").read_text()
+
+
+def test_parse_engine_metrics_vllm_026() -> None:
+    values = parse_engine_metrics(VLLM_026_SAMPLE)
+    assert values == {
+        "running": 23.0,
+        "waiting": 4.0,  # not the by-reason family
+        "kv_usage": 0.8731,
+        "capacity_tokens": 6032 * 64.0,
+    }
+
+
+def test_parse_engine_metrics_data_parallel_and_garbage() -> None:
+    """An API server fronting two data-parallel engines: counts add up, KV usage is the
+    fullest engine's (a sum would read 0.7 + 0.6 as 1.3, i.e. "1.3 %")."""
+    text = "\n".join(
+        [
+            'vllm:num_requests_running{engine="0",model_name="m"} 30.0',
+            'vllm:num_requests_running{engine="1",model_name="m"} 12.0',
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 4.0',
+            'vllm:num_requests_waiting{engine="1",model_name="m"} 6.0',
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.7',
+            'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.6',
+            'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100"} 1.0',
+            'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="100"} 1.0',
+            'vllm:kv_cache_usage_perc{engine="2"} NaNish',
+            "garbage line",
+        ]
+    )
+    values = parse_engine_metrics(text)
+    assert values["running"] == 42.0 and values["waiting"] == 10.0
+    assert values["kv_usage"] == pytest.approx(0.7)
+    assert values["capacity_tokens"] == 1600.0
+    assert parse_engine_metrics("") == {}
+
+
+def _gate() -> tuple[KvAdmission, BackendState]:
+    engine = BackendState(name="d0", role="decode", node="n1", url="http://127.0.0.1:9",
+                          healthy=True)
+    gate = KvAdmission(admission(kv_high=0.85, stale_after_s=2.0), lambda: [engine])
+    return gate, engine
+
+
+def test_is_open_rules() -> None:
+    gate, engine = _gate()
+    assert gate.is_open(engine, 10)  # never scraped
+    load = gate.loads.setdefault("d0", EngineLoad())
+    load.kv_usage, load.capacity_tokens, load.scraped_at = 0.9, 1000, time.monotonic()
+    assert gate.is_open(engine, 10), "an idle engine is always open"
+    engine.in_flight = 1
+    assert not gate.is_open(engine, 10)
+    load.kv_usage = 0.5
+    assert gate.is_open(engine, 300)  # 0.5 + 0.3 <= 0.85
+    gate.reserve(engine, "r1", 300)
+    assert not gate.is_open(engine, 100)  # 0.5 + (300 + 100) / 1000 > 0.85
+    gate.release(engine, "r1")
+    assert gate.is_open(engine, 100)
+    load.waiting = 1  # max_waiting 0: the engine queues already
+    assert not gate.is_open(engine, 1)
+    load.waiting = 0
+    # prefillers are never gated (reserve is a no-op for them)
+    pre = BackendState(name="p0", role="prefill", node="n1", url="http://x", healthy=True)
+    gate.reserve(pre, "r2", 10_000)
+    assert "p0" not in gate.loads
+    # disabled: always open
+    off = KvAdmission(AdmissionConfig(enabled=False), lambda: [engine])
+    off.loads["d0"] = load
+    load.kv_usage = 1.0
+    assert off.is_open(engine, 10)
+
+
+def test_stale_scrape_never_blocks() -> None:
+    gate, engine = _gate()
+    engine.in_flight = 3
+    load = gate.loads.setdefault("d0", EngineLoad())
+    load.kv_usage, load.capacity_tokens, load.scraped_at = 0.99, 1000, time.monotonic()
+    assert not gate.is_open(engine, 10)
+    load.scraped_at -= 2.5  # older than stale_after_s: not trusted
+    assert gate.is_open(engine, 10)
+    load.scraped_at = time.monotonic()
+    load.capacity_tokens = 0  # capacity unknown: cannot judge
+    assert gate.is_open(engine, 10)
+
+
+async def test_failed_scrape_never_blocks() -> None:
+    """A backend whose /metrics cannot be read (connection refused, no vLLM gauges, the
+    engine gone) keeps no fresh numbers and stays open, however many requests it has."""
+    async with engines("e0") as e:
+        fake = e["e0"]  # built without kv_capacity_tokens: no KV gauges yet
+        dead = BackendState(name="dead", role="decode", node="n1", url="http://127.0.0.1:9",
+                            healthy=True, in_flight=5)
+        eng = BackendState(name="eng", role="colocated", node="n1", url=fake.url,
+                           healthy=True, in_flight=5)
+        gate = KvAdmission(admission(scrape_timeout_s=2.0), lambda: [dead, eng])
+        async with aiohttp.ClientSession() as session:
+            gate._session = session
+            await gate.scrape_once()
+            assert gate.loads["dead"].scraped_at == 0.0
+            assert gate.loads["eng"].scraped_at == 0.0
+            assert gate.is_open(dead, 10) and gate.is_open(eng, 10)
+            # the engine exports the gauges and is full: closed
+            fake.kv_capacity_tokens = CAPACITY
+            fake.kv_held_tokens = CAPACITY
+            await gate.scrape_once()
+            assert gate.loads["eng"].kv_usage == 1.0
+            assert gate.loads["eng"].capacity_tokens == CAPACITY
+            assert not gate.is_open(eng, 10)
+            # then its /metrics goes away: the last numbers go stale and it opens again
+            await fake.kill()
+            gate.loads["eng"].scraped_at -= gate.config.stale_after_s + 1
+            await gate.scrape_once()
+            assert gate.is_open(eng, 10)
+
+
+
+async def test_pd_burst_holds_decoder_headroom_during_prefill() -> None:
+    """P/D picks the decoder after the prefill leg; admitted requests hold their tokens
+    from admission on, so a burst does not all pass on the same headroom while their
+    prefill legs run, and a request cancelled during its prefill gives its hold back."""
+    async with engines("p0", "d0", kv_capacity_tokens=CAPACITY, output_tokens=2) as e:
+        t = table("nixl", [backend("p0", "prefill", e["p0"]), backend("d0", "decode", e["d0"])])
+        async with running_proxy(t, admission=admission()) as rp:
+            await until(lambda: all(b.usable for b in rp.registry.backends.values()), "healthy")
+            e["p0"].faults = Faults(hang=True)  # prefill legs stay in progress
+            # 300 tokens each: two fit under 0.8 x 1024, the third does not
+            tags = [chr(ord("a") + i) for i in range(5)]
+            burst = {tag: asyncio.create_task(post(rp, words(300, tag))) for tag in tags}
+            try:
+                await _burst_checks(rp, e, burst, tags)
+            finally:
+                for task in burst.values():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                        await task
+            await until(lambda: not load_of(rp, "d0").reserved, "every hold released")
+    assert len(e["p0"].seen()) == 5 and len(e["d0"].seen()) == 3
+
+
+async def _burst_checks(
+    rp: RunningProxy, e: dict[str, FakeEngine], burst: dict[str, asyncio.Task[Any]],
+    tags: list[str],
+) -> None:
+    await until(
+        lambda: len(e["p0"].seen()) == 2 and rp.proxy.admission.queued == 3,
+        "two prefills in progress and three held in the proxy",
+        timeout=10,
+    )
+    await asyncio.sleep(0.3)
+    assert len(e["p0"].seen()) == 2, "the burst overran the decoder's headroom"
+    assert load_of(rp, "d0").reserved_tokens() == 2 * (len(words(300, "a")) // 4)
+    # the two in prefill are cancelled by their clients: their holds come back
+    # and the three held go (the prefiller answers again)
+    e["p0"].faults = Faults()
+    first = [r.body["prompt"][0] for r in e["p0"].seen() if r.body]
+    for tag in first:
+        burst[tag].cancel()
+    rest = [burst[tag] for tag in tags if tag not in first]
+    results = await asyncio.wait_for(asyncio.gather(*rest), 30)
+    assert [r[0] for r in results] == [200, 200, 200], results
