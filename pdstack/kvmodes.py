@@ -17,6 +17,7 @@ A mode says:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 NIXL = "nixl"
@@ -53,6 +54,15 @@ class KvMode:
         if self.same_node_path == NIXL:
             return True
         return cross_node_partner and self.cross_node_path == NIXL
+
+    def uses_tier(self, role: str) -> bool:
+        """Does an engine of ``role`` connect to its node's LMCache MP server?"""
+        return self.lmcache_server and role in self.tier_roles
+
+    def runs_lmcache_server(self, roles: Iterable[str]) -> bool:
+        """Does a node with engines of ``roles`` run an LMCache MP server? Only when one
+        of them uses it (nixl+l1: a decoder-only node has none)."""
+        return any(self.uses_tier(r) for r in roles)
 
     @property
     def cross_node(self) -> bool:

@@ -251,8 +251,7 @@ def _push(d: DeploymentSpec) -> bool:
 def _has_lmcache_server(d: DeploymentSpec, node: NodeSpec) -> bool:
     """The node runs an LMCache MP server when some engine on it uses the tier (nixl+l1:
     a decoder-only node has none; its L1 would hold host RAM for nothing)."""
-    mode = kvmodes.get(d.kv_mode)
-    return mode.lmcache_server and any(e.role in mode.tier_roles for e in node.engines)
+    return kvmodes.get(d.kv_mode).runs_lmcache_server(e.role for e in node.engines)
 
 
 def _cross_node_roles(topo_nodes: list[NodeSpec], node: NodeSpec) -> set[str]:
@@ -296,10 +295,15 @@ def kv_transfer_config(
     """The exact ``--kv-transfer-config`` of one engine."""
     d = topo.deployment
     mode = kvmodes.get(d.kv_mode)
-    if mode.lmcache_push:
-        return None if role == "colocated" else _lmcache_push_config(role)
-    cpu = d.profile == "cpu"
     nixl_role = "kv_producer" if role == "prefill" else "kv_consumer"
+    if mode.lmcache_push:
+        # LMCache's legacy push; its settings travel as LMCACHE_* env (_lmcache_pd_env)
+        return {
+            "kv_connector": "LMCacheConnectorV1",
+            "kv_role": nixl_role,
+            "kv_connector_extra_config": {"discard_partial_chunks": False},
+        }
+    cpu = d.profile == "cpu"
     nixl: dict = {"kv_connector": "NixlConnector", "kv_role": nixl_role}
     if cpu:
         nixl["kv_buffer_device"] = "cpu"
@@ -314,7 +318,7 @@ def kv_transfer_config(
     connectors = []
     if _uses_nixl(topo, node, role):
         connectors.append(nixl)
-    if mode.lmcache_server and role in mode.tier_roles:
+    if mode.uses_tier(role):
         connectors.append(lmc_mp)
     if not connectors:
         return None
@@ -329,16 +333,6 @@ def kv_transfer_config(
         # a top-level KVTransferConfig field: only the scheduler reads it (vLLM 0.26)
         config = {**config, "kv_load_failure_policy": mode.load_failure_policy}
     return config
-
-
-def _lmcache_push_config(role: str) -> dict:
-    """kv_mode lmcache-pd: LMCache's legacy push; its settings travel as LMCACHE_* env."""
-    nixl_role = "kv_producer" if role == "prefill" else "kv_consumer"
-    return {
-        "kv_connector": "LMCacheConnectorV1",
-        "kv_role": nixl_role,
-        "kv_connector_extra_config": {"discard_partial_chunks": False},
-    }
 
 
 def _lmcache_pd_env(topo: Topology, node: NodeSpec, index: int, proxy_addr: str) -> dict[str, str]:
@@ -447,11 +441,7 @@ def _engine_service(
         generation=generation_of(d),
         kv_transfer_config=ktc,
         healthcheck_url=f"http://{node.private_address}:{http}/health",
-        depends_on=(
-            ["lmcache"]
-            if _has_lmcache_server(d, node) and eng.role in kvmodes.get(d.kv_mode).tier_roles
-            else []
-        ),
+        depends_on=["lmcache"] if kvmodes.get(d.kv_mode).uses_tier(eng.role) else [],
     )
 
 

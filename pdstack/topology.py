@@ -522,8 +522,7 @@ def check_topology(topo: Topology, hosts_file: str, vars_file: str) -> list[Prob
         )
     for node in topo.nodes:
         too_big = node.host_memory_gb and d.lmcache.l1_size_gb >= node.host_memory_gb
-        runs_server = mode.lmcache_server and any(e.role in mode.tier_roles for e in node.engines)
-        if runs_server and too_big:
+        if mode.runs_lmcache_server(e.role for e in node.engines) and too_big:
             problems.append(
                 Problem(vars_file, "pdstack_lmcache.l1_size_gb",
                         f"{d.lmcache.l1_size_gb} GiB L1 does not fit {node.name}'s "

@@ -68,7 +68,6 @@ class EngineLoad:
 
     kv_usage: float = 0.0
     waiting: float = 0.0
-    running: float = 0.0
     capacity_tokens: int = 0
     scraped_at: float = 0.0  # monotonic time the last good scrape started
     # request id -> (tokens, first byte time or None)
@@ -76,6 +75,13 @@ class EngineLoad:
 
     def reserved_tokens(self) -> int:
         return sum(tokens for tokens, _ in self.reserved.values())
+
+    def fill(self, extra_tokens: int = 0) -> float:
+        """KV usage as the gate sees it: the engine's own, plus what requests sent since
+        its last scrape (and ``extra_tokens``) will take."""
+        if self.capacity_tokens <= 0:
+            return self.kv_usage
+        return self.kv_usage + (self.reserved_tokens() + extra_tokens) / self.capacity_tokens
 
 
 def parse_engine_metrics(text: str) -> dict[str, float]:
@@ -152,10 +158,8 @@ class KvAdmission:
         self._queue: deque[_Waiter] = deque()
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
-        # counters for the proxy's /metrics
-        self.admitted_direct = 0
+        # read by the proxy's /metrics (rejections are counted there, by reason)
         self.admitted_after_wait = 0
-        self.rejected: dict[str, int] = {"queue_full": 0, "timeout": 0}
         self.wait_seconds_sum = 0.0
 
     # ------------------------------------------------------------ lifecycle
@@ -209,7 +213,6 @@ class KvAdmission:
         usage = values["kv_usage"]
         load.kv_usage = usage / 100.0 if usage > 1.0 else usage
         load.waiting = values.get("waiting", 0.0)
-        load.running = values.get("running", 0.0)
         if values.get("capacity_tokens"):
             load.capacity_tokens = int(values["capacity_tokens"])
         load.scraped_at = started
@@ -230,11 +233,15 @@ class KvAdmission:
             return True  # no trustworthy numbers: do not block on them
         if load.waiting > self.config.max_waiting:
             return False
-        need = (load.reserved_tokens() + tokens) / load.capacity_tokens
-        return load.kv_usage + need <= self.config.kv_high
+        return load.fill(tokens) <= self.config.kv_high
 
     def open_among(self, candidates: Iterable[BackendState], tokens: int) -> list[BackendState]:
         return [b for b in candidates if b.usable and self.is_open(b, tokens)]
+
+    def prefer_open(self, candidates: list[BackendState], tokens: int) -> list[BackendState]:
+        """The candidates with KV headroom for ``tokens``, or all of them when none has:
+        routing then picks among these (admission already decided the request goes)."""
+        return self.open_among(candidates, tokens) or candidates
 
     def reserve(self, backend: BackendState, request_id: str, tokens: int) -> None:
         """The request goes to ``backend``: its tokens count there (and nowhere else)."""
@@ -253,7 +260,7 @@ class KvAdmission:
         if not self.config.enabled:
             return
         gated = [b for b in candidates if b.role in GATED_ROLES and b.usable]
-        pool = self.open_among(gated, tokens) or gated
+        pool = self.prefer_open(gated, tokens)
         if pool:
             self.reserve(min(pool, key=self._fill), request_id, tokens)
 
@@ -265,10 +272,7 @@ class KvAdmission:
 
     def _fill(self, backend: BackendState) -> float:
         load = self.loads.get(backend.name)
-        if load is None:
-            return 0.0
-        cap = load.capacity_tokens
-        return load.kv_usage + (load.reserved_tokens() / cap if cap > 0 else 0.0)
+        return 0.0 if load is None else load.fill()
 
     def landed(self, backend: BackendState, request_id: str) -> None:
         """The request's first byte came back: its KV is allocated on ``backend``."""
@@ -291,10 +295,8 @@ class KvAdmission:
         if not self.config.enabled:
             return
         if not self._queue and self._fits(candidates(), tokens):
-            self.admitted_direct += 1
             return
         if len(self._queue) >= self.config.queue_max:
-            self.rejected["queue_full"] += 1
             raise AdmissionRejected(
                 "queue_full",
                 f"every engine is near its KV limit and {len(self._queue)} requests wait "
@@ -307,7 +309,6 @@ class KvAdmission:
             async with asyncio.timeout(self.config.queue_timeout_s):
                 await waiter.future
         except TimeoutError:
-            self.rejected["timeout"] += 1
             raise AdmissionRejected(
                 "timeout",
                 f"no engine had KV headroom within {self.config.queue_timeout_s:g} s; "
@@ -342,18 +343,6 @@ class KvAdmission:
     @property
     def queued(self) -> int:
         return len(self._queue)
-
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            name: {
-                "kv_usage": round(load.kv_usage, 4),
-                "waiting": load.waiting,
-                "running": load.running,
-                "capacity_tokens": load.capacity_tokens,
-                "reserved_tokens": load.reserved_tokens(),
-            }
-            for name, load in self.loads.items()
-        }
 
 
 @dataclass

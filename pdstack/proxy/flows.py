@@ -315,9 +315,8 @@ class Flows(Legs):
     ) -> web.Response | None:
         """KV-aware admission (a no-op unless enabled): wait until some candidate has KV
         headroom; None = go on, else the client's 503."""
-        usable = lambda: [b for b in candidates() if b.usable]  # noqa: E731
         try:
-            await self.admission.wait_open(usable, ctx.tokens)
+            await self.admission.wait_open(candidates, ctx.tokens)
         except AdmissionRejected as exc:
             ctx.outcome = "rejected"
             self.metrics.admission_rejected.labels(exc.reason).inc()
@@ -331,7 +330,7 @@ class Flows(Legs):
                 },
             )
         # hold the tokens now (P/D: the decoder is picked after the prefill leg)
-        self.admission.hold(usable(), ctx.request_id, ctx.tokens)
+        self.admission.hold(candidates(), ctx.request_id, ctx.tokens)
         return None
 
     def _pick_decoder(
@@ -339,7 +338,7 @@ class Flows(Legs):
     ) -> BackendState | None:
         """A decoder among ``decoders``: those with KV headroom first; by session affinity
         (bounded load) when the request names a session, else power of two choices."""
-        open_ones = self.admission.open_among(decoders, ctx.tokens) or decoders
+        open_ones = self.admission.prefer_open(decoders, ctx.tokens)
         if ctx.session is not None:
             ring = self._ring_for("decode")
             chosen = pick_bounded_load(
@@ -358,9 +357,7 @@ class Flows(Legs):
         return ring
 
     def _hashes(self, ctx: RequestContext) -> list[int]:
-        if ctx.text is None:
-            ctx.text = prompt_text(ctx.body)
-        return self.index.block_hashes(ctx.text)
+        return self.index.block_hashes(self._key_text_full(ctx))
 
     def _paired_decoders(self, prefill: BackendState) -> list[tuple[BackendState, str]]:
         """Usable paired decoders, preferring shared-l1 (same-node) pairings first."""
@@ -386,9 +383,9 @@ class Flows(Legs):
                 b.name: b for b in registry.by_role(role) if b.usable and b.name not in tried
             }
         if tokens is not None:
-            open_names = {b.name for b in self.admission.open_among(candidates.values(), tokens)}
-            if open_names:
-                candidates = {n: b for n, b in candidates.items() if n in open_names}
+            candidates = {
+                b.name: b for b in self.admission.prefer_open(list(candidates.values()), tokens)
+            }
         return pick_bounded_load(ring, key_hash, candidates, self.config.load_factor)
 
     async def _try_skip_prefill(
