@@ -264,6 +264,19 @@ run2() {  # variants in priority order; r2- names keep run 1's JSONs beside them
   run_variant r2-mt-v2-tier-adm many-tenants $V2M "$RATES_MT" $A2 $LMA proxy 8032 --kv-mode colocated+l1 --decode $A2 "${ADM[@]}"
   run_variant r2-pd-nixl-l1 seed $V2M "$RATES_PD" $A2,$A3 $LMA proxy 8035 --kv-mode nixl+l1 --prefill $A2 --decode $A3
   run_variant r2-mt-v2-tier many-tenants $V2M "$RATES_MT" $A2 $LMA $A2
+  # the running cap at the engines' CUDA-graph limit (--max-cudagraph-capture-size 128):
+  # past it every decode step runs eager (~10x slower), the collapse of the rows above
+  local CAP=(--admission-max-running 128)
+  run_variant r2-pd-nixl-l1-adm-cap seed $V2M "$RATES_PD" $A2,$A3 $LMA proxy 8038 --kv-mode nixl+l1 --prefill $A2 --decode $A3 "${ADM2[@]}" "${CAP[@]}"
+  run_variant r2-mt-v2-tier-adm2-cap many-tenants $V2M "$RATES_MT" $A2 $LMA proxy 8039 --kv-mode colocated+l1 --decode $A2 "${ADM2[@]}" "${CAP[@]}"
+  run_variant r2-mtt-v2-tier-adm-cap128 multi-turn $V2M "$RATES_TURN" $A2 $LMA proxy 8040 --kv-mode colocated+l1 --decode $A2 "${ADM2[@]}" "${CAP[@]}"
+  run_variant r2-pd-nixl-adm-cap seed $V2M "$RATES_PD" $A1,$A3 - proxy 8044 --kv-mode nixl --prefill $A1 --decode $A3 "${ADM2[@]}" "${CAP[@]}"
+  # shared L1 (the seed's design) with the same admission
+  stop a-nixl inventory/h200x1-nixl; stop a-l1 inventory/h200x1-nixl-l1
+  start b-shared inventory/h200x1-shared-l1 lmcache,prefill-0,decode-0
+  wait_up b-shared || return
+  run_variant r2-pd-shared-l1-adm-cap seed $V2M "$RATES_PD" $B1,$B2 $LMB proxy 8045 --kv-mode shared-l1 --prefill $B1 --decode $B2 "${ADM2[@]}" "${CAP[@]}"
+  run_variant r2-pd-shared-l1 seed $V2M "$RATES_PD" $B1,$B2 $LMB proxy 8046 --kv-mode shared-l1 --prefill $B1 --decode $B2
 }
 
 "run$RUN"
