@@ -31,6 +31,7 @@ from pdstack.plan import Edge, NodePlan, Plan
 from pdstack.preflight.report import (
     CAUSE_TEXT,
     Check,
+    Kind,
     NodeReport,
     PreflightReport,
     is_private_address,
@@ -332,6 +333,12 @@ def _judge_node(plan: Plan, node: _Node, checks: list[Check]) -> None:
     _judge_rdma(node, checks)
 
 
+def _node_fail(kind: Kind, name: str, cause: str, result: str, **more: Any) -> Check:
+    """A failed check about node ``name`` itself (not an edge)."""
+    return Check(kind=kind, status="fail", node=name, cause=cause, subject=name, result=result,
+                 **more)
+
+
 def _judge_reach(node: _Node, checks: list[Check]) -> bool:
     """ssh and the probe: False when nothing more can be judged on this node."""
     name = node.plan.name
@@ -361,16 +368,7 @@ def _judge_reach(node: _Node, checks: list[Check]) -> bool:
         )
     )
     if node.error is not None:
-        checks.append(
-            Check(
-                kind="probe",
-                status="fail",
-                node=name,
-                cause="probe_error",
-                subject=name,
-                result=f"probe failed: {node.error}",
-            )
-        )
+        checks.append(_node_fail("probe", name, "probe_error", f"probe failed: {node.error}"))
         return False
     return True
 
@@ -380,13 +378,9 @@ def _judge_binds(node: _Node, checks: list[Check]) -> None:
     name = node.plan.name
     if node.listener_error:
         checks.append(
-            Check(
-                kind="probe",
-                status="fail",
-                node=name,
-                cause="probe_error",
-                subject=name,
-                result=f"listener did not start: {node.listener_error}",
+            _node_fail(
+                "probe", name, "probe_error",
+                f"listener did not start: {node.listener_error}",
             )
         )
     for b in node.binds:
@@ -436,42 +430,30 @@ def _judge_address(plan: Plan, node: _Node, checks: list[Check]) -> None:
         )
     elif not private:
         checks.append(
-            Check(
-                kind="address",
-                status="fail",
-                node=name,
-                cause="address_not_private",
-                dst_address=addr,
-                subject=name,
-                result=f"address {addr} is not private (RFC 1918, CGNAT 100.64/10 or "
+            _node_fail(
+                "address", name, "address_not_private",
+                f"address {addr} is not private (RFC 1918, CGNAT 100.64/10 or "
                 "IPv6 ULA fc00::/7); engines would expose KV ports publicly",
+                dst_address=addr,
             )
         )
     if holder is None:
         have = _addresses_text(ifaces)
         checks.append(
-            Check(
-                kind="address",
-                status="fail",
-                node=name,
-                cause="address_missing",
+            _node_fail(
+                "address", name, "address_missing",
+                f"private address {addr} is on no interface (has: {have})",
                 dst_address=addr,
-                subject=name,
-                result=f"private address {addr} is on no interface (has: {have})",
             )
         )
         return
     if not (holder.get("up") and holder.get("lower_up")):
         checks.append(
-            Check(
-                kind="address",
-                status="fail",
-                node=name,
-                cause="interface_down",
-                dst_address=addr,
-                subject=name,
-                result=f"{addr} is on {holder.get('name')}, which is down "
+            _node_fail(
+                "address", name, "interface_down",
+                f"{addr} is on {holder.get('name')}, which is down "
                 f"(state {holder.get('state')})",
+                dst_address=addr,
             )
         )
     elif private:
@@ -534,26 +516,18 @@ def _judge_rdma(node: _Node, checks: list[Check]) -> None:
     rdma = node.facts.get("rdma", {})
     if not rdma.get("present"):
         checks.append(
-            Check(
-                kind="rdma",
-                status="fail",
-                node=name,
-                cause="rdma_absent",
-                subject=name,
-                result="RDMA expected (pdstack_rdma: true) but absent: no "
+            _node_fail(
+                "rdma", name, "rdma_absent",
+                "RDMA expected (pdstack_rdma: true) but absent: no "
                 "/dev/infiniband/uverbs* device; NIXL would fall back to TCP",
             )
         )
     elif rdma.get("ibv_devinfo") and not rdma.get("active_ports"):
         checks.append(
-            Check(
-                kind="rdma",
-                status="fail",
-                node=name,
-                cause="rdma_absent",
+            _node_fail(
+                "rdma", name, "rdma_absent",
+                "RDMA expected but no port is PORT_ACTIVE (ibv_devinfo)",
                 detail={"ports": rdma.get("ports", [])},
-                subject=name,
-                result="RDMA expected but no port is PORT_ACTIVE (ibv_devinfo)",
             )
         )
     else:

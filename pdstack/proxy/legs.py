@@ -118,18 +118,9 @@ class Legs:
             body.pop("kv_transfer_params", None)
         started = time.perf_counter()
         timeout = self.config.prefill_timeout_s or ctx.budget_s
-        backend.in_flight += 1
-        try:
-            async with asyncio.timeout(timeout):
-                data, status, headers = await self._call(
-                    backend, ctx.path, json.dumps(body).encode(), ctx.upstream_headers
-                )
-        except (RelayError, OSError, TimeoutError) as exc:
-            error = f"prefill {backend.name}: {_describe(exc, timeout)}"
-            self._record_failure(backend, error)
-            raise Retryable(error, isinstance(exc, TimeoutError)) from exc
-        finally:
-            backend.in_flight -= 1
+        data, status, headers = await self._whole_call(
+            backend, ctx, json.dumps(body).encode(), timeout, "prefill"
+        )
         self.metrics.leg_prefill.observe(time.perf_counter() - started)
         if status != 200:
             await self._upstream_status(backend, status, data, headers)
@@ -335,6 +326,23 @@ class Legs:
                 raise
         raise AssertionError("unreachable")
 
+    async def _whole_call(
+        self, backend: BackendState, ctx: RequestContext, payload: bytes, timeout: float,
+        label: str,
+    ) -> tuple[bytes, int, dict[str, str]]:
+        """One non-streaming leg within ``timeout``, counted in ``backend.in_flight``; a
+        transport error or timeout is recorded against the backend and raised Retryable."""
+        backend.in_flight += 1
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._call(backend, ctx.path, payload, ctx.upstream_headers)
+        except (RelayError, OSError, TimeoutError) as exc:
+            error = f"{label} {backend.name}: {_describe(exc, timeout)}"
+            self._record_failure(backend, error)
+            raise Retryable(error, isinstance(exc, TimeoutError)) from exc
+        finally:
+            backend.in_flight -= 1
+
     async def _call(
         self, backend: BackendState, path: str, payload: bytes, headers: dict[str, str]
     ) -> tuple[bytes, int, dict[str, str]]:
@@ -387,18 +395,9 @@ class Legs:
         if isinstance(max_tokens, int):
             first = config.decode_first_byte_timeout_s or ctx.budget_s
             timeout = min(timeout, first + config.unary_per_token_s * max_tokens)
-        backend.in_flight += 1
-        try:
-            async with asyncio.timeout(timeout):
-                data, status, headers = await self._call(
-                    backend, ctx.path, payload, ctx.upstream_headers
-                )
-        except (RelayError, OSError, TimeoutError) as exc:
-            error = f"{backend.role} {backend.name}: {_describe(exc, timeout)}"
-            self._record_failure(backend, error)
-            raise Retryable(error, isinstance(exc, TimeoutError)) from exc
-        finally:
-            backend.in_flight -= 1
+        data, status, headers = await self._whole_call(
+            backend, ctx, payload, timeout, backend.role
+        )
         if status != 200:
             await self._upstream_status(backend, status, data, headers)
         self.breaker.success(backend)
