@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from pdstack import kvmodes
+from pdstack import kvmodes, naming
 from pdstack.topology import DeploymentSpec, EngineSpec, NodeSpec, Topology
 
 KvPath = Literal["shared-l1", "nixl", "lmcache-pd"]
@@ -277,7 +277,7 @@ def _uses_nixl(topo: Topology, node: NodeSpec, role: str) -> bool:
 
 
 def generation_of(d: DeploymentSpec) -> str:
-    return f"{d.model.revision}@{d.engine_image}"
+    return naming.generation(d.model.revision, d.engine_image)
 
 
 def model_path(d: DeploymentSpec) -> str:
