@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import ErrorDetails
 
 from pdstack import kvmodes
+from pdstack.ports import make_node_ports
 
 KvMode = Literal[
     "colocated", "colocated+l1", "lmcache-pd", "nixl", "nixl+l1", "shared-l1", "shared-l1+nixl"
@@ -363,9 +364,7 @@ def _is_private(address: str) -> bool:
 
 def node_ports(topo: Topology, node: NodeSpec) -> dict[str, int]:
     """Every port a node's stack binds, by owner label (used for collision checks)."""
-    from pdstack.plan import make_node_ports  # single source of port numbering
-
-    return make_node_ports(topo, node)
+    return make_node_ports(topo, node)  # pdstack.ports: the one place ports are numbered
 
 
 def check_topology(topo: Topology, hosts_file: str, vars_file: str) -> list[Problem]:
