@@ -185,15 +185,22 @@ async def run_open_loop(
             task = asyncio.create_task(one(req))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
-        rest = window[1] - time.perf_counter()
-        if rest > 0:
-            await asyncio.sleep(rest)
-        if window_hook is not None:
-            await window_hook
-        await _drain(tasks, drain_timeout)
+        await _close_window(window[1], window_hook, tasks, drain_timeout)
     finally:
         _stop(ticker, tasks, progress, task_id, total)
     return results, window[0], window[1]
+
+
+async def _close_window(end: float, hook: Awaitable[Any] | None, tasks: set[asyncio.Task[Any]],
+                        drain_timeout: float) -> None:
+    """Wait for the measured window's end and its scrape hook, then for the requests still
+    in flight (at most ``drain_timeout`` s)."""
+    rest = end - time.perf_counter()
+    if rest > 0:
+        await asyncio.sleep(rest)
+    if hook is not None:
+        await hook
+    await _drain(tasks, drain_timeout)
 
 
 def _stop(ticker: asyncio.Task[Any], tasks: set[asyncio.Task[Any]], progress: Progress | None,
@@ -253,10 +260,7 @@ async def run_closed_loop(
     hook = asyncio.create_task(_at(window[0], on_window_start)) if on_window_start else None
     tasks = {asyncio.create_task(stream(i)) for i in range(concurrency)}
     try:
-        await asyncio.sleep(max(0.0, window[1] - time.perf_counter()))
-        if hook is not None:
-            await hook
-        await _drain(tasks, drain_timeout)
+        await _close_window(window[1], hook, tasks, drain_timeout)
     finally:
         _stop(ticker, tasks, progress, task_id, total)
     return results, window[0], window[1]

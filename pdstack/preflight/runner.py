@@ -34,6 +34,7 @@ from pdstack.preflight.report import (
     Kind,
     NodeReport,
     PreflightReport,
+    Status,
     is_private_address,
 )
 from pdstack.preflight.transport import Spawned, Transport, TransportError, connect
@@ -714,60 +715,33 @@ def _judge_mtu_paths(nodes: dict[str, _Node], checks: list[Check]) -> None:
                 detail={"mtu": mtu, "size": size, "ping": big, "small_ping": small},
             )
             label = f"{src.plan.name} -> {dst.plan.name} {dst.plan.private_address}"
-            if big.get("status") == "ok":
-                checks.append(
-                    Check(
-                        status="ok",
-                        rtt_ms=big.get("rtt_ms"),
-                        subject=label,
-                        result=f"MTU {mtu} ok (DF ping of {size} bytes)",
-                        **base,
-                    )
-                )
-            elif big.get("status") == "too_big":
-                where = f"local/path MTU {big['mtu']}" if big.get("mtu") else "packet too big"
-                checks.append(
-                    Check(
-                        status="fail",
-                        cause="mtu",
-                        subject=label,
-                        result=f"MTU {mtu} fails at size {size} ({where}; DF ping)",
-                        **base,
-                    )
-                )
-            elif small.get("status") == "ok":
-                checks.append(
-                    Check(
-                        status="fail",
-                        cause="mtu",
-                        subject=label,
-                        result=f"MTU {mtu} fails at size {size} (no reply to a "
-                        f"don't-fragment ping of {big.get('packet_bytes')} bytes, while a "
-                        f"{SMALL_PING}-byte ping answers: a smaller MTU on the path)",
-                        **base,
-                    )
-                )
-            elif big.get("status") == "unavailable":
-                checks.append(
-                    Check(
-                        status="warn",
-                        cause="icmp_blocked",
-                        subject=label,
-                        result=f"MTU {mtu} unverified: {big.get('error')}",
-                        **base,
-                    )
-                )
-            else:
-                checks.append(
-                    Check(
-                        status="warn",
-                        cause="icmp_blocked",
-                        subject=label,
-                        result=f"MTU {mtu} unverified: no ICMP echo reply at any size "
-                        f"({small.get('status')}); ICMP blocked or host unreachable",
-                        **base,
-                    )
-                )
+            status, cause, result = _mtu_verdict(big, small, mtu, size)
+            rtt = {"rtt_ms": big.get("rtt_ms")} if status == "ok" else {}
+            checks.append(
+                Check(status=status, cause=cause, subject=label, result=result, **rtt, **base)
+            )
+
+
+def _mtu_verdict(
+    big: dict[str, Any], small: dict[str, Any], mtu: int, size: Any
+) -> tuple[Status, str | None, str]:
+    """(status, cause, result) of one path's DF ping of the full MTU (``big``) and its
+    small control ping: a smaller MTU on the path is told from ICMP being blocked."""
+    if big.get("status") == "ok":
+        return "ok", None, f"MTU {mtu} ok (DF ping of {size} bytes)"
+    if big.get("status") == "too_big":
+        where = f"local/path MTU {big['mtu']}" if big.get("mtu") else "packet too big"
+        return "fail", "mtu", f"MTU {mtu} fails at size {size} ({where}; DF ping)"
+    if small.get("status") == "ok":
+        return "fail", "mtu", (
+            f"MTU {mtu} fails at size {size} (no reply to a "
+            f"don't-fragment ping of {big.get('packet_bytes')} bytes, while a "
+            f"{SMALL_PING}-byte ping answers: a smaller MTU on the path)")
+    if big.get("status") == "unavailable":
+        return "warn", "icmp_blocked", f"MTU {mtu} unverified: {big.get('error')}"
+    return "warn", "icmp_blocked", (
+        f"MTU {mtu} unverified: no ICMP echo reply at any size "
+        f"({small.get('status')}); ICMP blocked or host unreachable")
 
 
 def _judge_throughput(plan: Plan, nodes: dict[str, _Node], checks: list[Check]) -> None:
