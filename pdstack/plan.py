@@ -7,6 +7,7 @@ launch, upgrade) reads the :class:`Plan`, never the raw inventory.
 from __future__ import annotations
 
 import json
+import itertools
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
@@ -326,6 +327,11 @@ def _engine_service(
     if f"{name} nixl side channel" in ports:
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = node.private_address
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ports[f"{name} nixl side channel"])
+        if d.profile == "gpu":
+            # UCX turns cuda_ipc GET off on GPUs without active NVLinks, and NIXL pulls
+            # (READ): same-host KV then went over TCP, 63-83 MB/s (results/h200x1 run 1);
+            # forced on: ~1 GB/s, TTFT P50 16.4 s -> 151 ms at 8 req/s (run 2)
+            env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "y"
     if d.profile == "cpu":
         env["VLLM_CPU_OMP_THREADS_BIND"] = eng.cpu_threads_bind
         env["NIXL_PTHR_DELAY_US"] = "1000"
@@ -383,6 +389,34 @@ def _lmcache_service(d: DeploymentSpec, node: NodeSpec) -> Service:
     )
 
 
+# vLLM flags that bound how many requests an engine runs well at once: past
+# --max-cudagraph-capture-size every decode step runs outside CUDA graphs (~10x slower:
+# the collapses of results/h200x1 run 2, all with > 128 running), past --max-num-seqs
+# requests wait inside vLLM where the proxy cannot route them elsewhere
+RUNNING_LIMIT_FLAGS = ("--max-cudagraph-capture-size", "--max-num-seqs")
+
+
+def admission_max_running(topo: Topology) -> int:
+    """The proxy's running cap: the smallest running limit any gated engine (decoder or
+    colocated) is started with explicitly; 0 (no cap) when none sets one."""
+    m = topo.deployment.model
+    limits: list[int] = []
+    for node in topo.nodes:
+        for eng in node.engines:
+            if eng.role == "prefill":
+                continue
+            args = [*m.extra_args, *eng.extra_args]
+            for flag in RUNNING_LIMIT_FLAGS:
+                limits += [int(v) for v in _flag_values(args, flag) if v.isdigit()]
+    return min(limits, default=0)
+
+
+def _flag_values(args: list[str], flag: str) -> list[str]:
+    """The values of ``flag`` in an argv list (``--flag V`` and ``--flag=V``)."""
+    out = [b for a, b in itertools.pairwise(args) if a == flag]
+    return out + [a.split("=", 1)[1] for a in args if a.startswith(flag + "=")]
+
+
 def _proxy_service(topo: Topology, node: NodeSpec) -> Service:
     d = topo.deployment
     bind = d.proxy_bind_address or node.private_address
@@ -392,8 +426,11 @@ def _proxy_service(topo: Topology, node: NodeSpec) -> Service:
         "--host", bind,
         "--port", str(d.ports.proxy),
     ]
-    if d.proxy_admission != "off":
-        cmd += ["--admission", d.proxy_admission]
+    if d.admission != "off":
+        cmd += ["--admission", d.admission]
+        cap = admission_max_running(topo)
+        if cap:
+            cmd += ["--admission-max-running", str(cap)]
     ports = {"http": d.ports.proxy}
     if _push(d):
         ports["lmcache_pd_notify"] = lmcache_pd_notify_port(d)

@@ -152,10 +152,19 @@ class DeploymentSpec(_Strict):
     skip_prefill_threshold_tokens: int = Field(default=0, ge=0)
     proxy_bind_address: str | None = None
     shm_size: str = "16g"
-    # the proxy's KV-aware admission (pdstack.proxy.admission): results/h200x1/README.md
-    proxy_admission: Literal["off", "kv"] = "off"
+    # the proxy's KV-aware admission (pdstack.proxy.admission); unset: ``kv`` on GPUs, where
+    # it kept every measured mode off the preemption / eager-step cliff (results/h200x1),
+    # ``off`` on CPU
+    proxy_admission: Literal["off", "kv"] | None = None
     monitoring: bool = False
     observability: ObservabilitySpec = ObservabilitySpec()
+
+    @property
+    def admission(self) -> Literal["off", "kv"]:
+        """``pdstack_proxy_admission``, or its profile's default when unset."""
+        if self.proxy_admission is not None:
+            return self.proxy_admission
+        return "kv" if self.profile == "gpu" else "off"
 
 
 class Topology(_Strict):

@@ -59,7 +59,9 @@ class AdmissionRejected(Exception):
 class AdmissionConfig:
     enabled: bool = False
     kv_high: float = 0.85  # watermark on the engine's KV usage (0..1), reservations included
-    max_waiting: int = 0  # requests the engine itself may hold in its waiting queue
+    # requests the engine itself may queue: 2 held 2 requests at 8 req/s where 0 held 12-16
+    # (vLLM's waiting gauge is non-zero for a step under light load; results/h200x1 run 2)
+    max_waiting: int = 2
     max_running: int = 0  # the proxy's requests active on one engine at once; 0 = no cap
     scrape_interval_s: float = 0.1
     scrape_timeout_s: float = 1.0

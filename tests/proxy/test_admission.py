@@ -313,7 +313,7 @@ def test_parse_engine_metrics_data_parallel_and_garbage() -> None:
 def _gate() -> tuple[KvAdmission, BackendState]:
     engine = BackendState(name="d0", role="decode", node="n1", url="http://127.0.0.1:9",
                           healthy=True)
-    gate = KvAdmission(admission(kv_high=0.85, stale_after_s=2.0), lambda: [engine])
+    gate = KvAdmission(admission(kv_high=0.85, max_waiting=0, stale_after_s=2.0), lambda: [engine])
     return gate, engine
 
 
