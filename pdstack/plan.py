@@ -6,8 +6,8 @@ launch, upgrade) reads the :class:`Plan`, never the raw inventory.
 
 from __future__ import annotations
 
-import json
 import itertools
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
