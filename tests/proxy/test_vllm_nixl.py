@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from pdstack.testing import vllm_engines as ve
 from pdstack.testing.heavy import heavy_lock
 from pdstack.testing.proxy_harness import (
     completion_text,
@@ -22,15 +23,6 @@ from pdstack.testing.proxy_harness import (
     running_proxy,
     stream_completion,
     table,
-)
-from pdstack.testing.vllm_engines import (
-    Proc,
-    free_port,
-    prompt_of,
-    require_venv,
-    scrape,
-    start_engine,
-    wait_ready,
 )
 
 pytestmark = pytest.mark.vllm
@@ -43,10 +35,10 @@ KEYED = {"Authorization": f"Bearer {ENGINE_KEY}"}
 
 
 @pytest.fixture(scope="module")
-def nixl_engines() -> Iterator[tuple[Proc, Proc]]:
-    require_venv()
+def nixl_engines() -> Iterator[tuple[ve.Proc, ve.Proc]]:
+    ve.require_venv()
     with heavy_lock():
-        procs: list[Proc] = []
+        procs: list[ve.Proc] = []
         try:
             for name, role, cpu in (
                 ("nixl-prefill", "kv_producer", "0"),
@@ -54,7 +46,7 @@ def nixl_engines() -> Iterator[tuple[Proc, Proc]]:
             ):
                 side = {
                     "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                    "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+                    "VLLM_NIXL_SIDE_CHANNEL_PORT": str(ve.free_port()),
                     "VLLM_API_KEY": ENGINE_KEY,
                 }
                 config = {
@@ -63,18 +55,18 @@ def nixl_engines() -> Iterator[tuple[Proc, Proc]]:
                     "kv_buffer_device": "cpu",
                 }
                 procs.append(
-                    start_engine(
-                        name, free_port(), cpu, config, side, ["--enable-prompt-tokens-details"]
+                    ve.start_engine(
+                        name, ve.free_port(), cpu, config, side, ["--enable-prompt-tokens-details"]
                     )
                 )
-            wait_ready(procs)
+            ve.wait_ready(procs)
             yield procs[0], procs[1]
         finally:
             for proc in procs:
                 proc.stop()
 
 
-def pd_table(prefill: Proc, decode: Proc) -> dict:
+def pd_table(prefill: ve.Proc, decode: ve.Proc) -> dict:
     return table(
         "nixl",
         [
@@ -107,13 +99,13 @@ def usage_of(events: list[str]) -> dict:
 
 
 async def test_nixl_kv_moves_and_tokens_match_single_engine(
-    nixl_engines: tuple[Proc, Proc],
+    nixl_engines: tuple[ve.Proc, ve.Proc],
 ) -> None:
     prefill, decode = nixl_engines
-    prompt = prompt_of(450, seed=1)
+    prompt = ve.prompt_of(450, seed=1)
     sampling = {"model": "tiny", "max_tokens": 16, "temperature": 0}
     async with running_proxy(pd_table(prefill, decode), engine_api_key=ENGINE_KEY) as rp:
-        before = scrape(decode.url)
+        before = ve.scrape(decode.url)
         res = await stream_completion(
             rp.session,
             rp.url,
@@ -122,7 +114,7 @@ async def test_nixl_kv_moves_and_tokens_match_single_engine(
             stream_options={"include_usage": True},
             **sampling,
         )
-        after = scrape(decode.url)
+        after = ve.scrape(decode.url)
         assert res.status == 200, res.text
         assert res.headers["X-Request-Id"] == "nixl-it-1"
         assert not res.error_events and res.events[-1] == "[DONE]"
@@ -160,29 +152,29 @@ async def test_nixl_kv_moves_and_tokens_match_single_engine(
     assert metric_value(proxy_metrics, "pdstack_proxy_requests_total", outcome="ok") == 2
 
 
-async def test_nixl_chat_through_proxy(nixl_engines: tuple[Proc, Proc]) -> None:
+async def test_nixl_chat_through_proxy(nixl_engines: tuple[ve.Proc, ve.Proc]) -> None:
     prefill, decode = nixl_engines
-    system = prompt_of(300, seed=2)
+    system = ve.prompt_of(300, seed=2)
     async with running_proxy(pd_table(prefill, decode), engine_api_key=ENGINE_KEY) as rp:
-        before = scrape(decode.url)
+        before = ve.scrape(decode.url)
         res = await stream_completion(
             rp.session, rp.url, system, chat=True, model="tiny", max_tokens=8, temperature=0
         )
-        after = scrape(decode.url)
+        after = ve.scrape(decode.url)
     assert res.status == 200 and not res.error_events, res.text
     assert completion_text(res.events)
     assert metric_value(after, SOURCE, **EXT) - metric_value(before, SOURCE, **EXT) > 200
 
 
 async def test_engine_key_refused_without_served_with_and_cached_tokens(
-    nixl_engines: tuple[Proc, Proc],
+    nixl_engines: tuple[ve.Proc, ve.Proc],
 ) -> None:
     """An engine started with VLLM_API_KEY refuses a request without it (the private
     network alone does not reach it); a proxy without the key gets that 401 back to the
     client as is (no retry, no ejection); the proxy with the key is served, and tells
     the client the prefill leg's cached tokens (0, then the prompt's cached blocks)."""
     prefill, decode = nixl_engines
-    prompt = prompt_of(200, seed=14)
+    prompt = ve.prompt_of(200, seed=14)
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}
     async with running_proxy(pd_table(prefill, decode)) as unkeyed:
         for engine in (prefill, decode):
