@@ -15,15 +15,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from pdstack.testing import proxy_harness as ph
 from pdstack.testing import vllm_engines as ve
 from pdstack.testing.heavy import heavy_lock
-from pdstack.testing.proxy_harness import (
-    completion_text,
-    metric_value,
-    running_proxy,
-    stream_completion,
-    table,
-)
 
 pytestmark = pytest.mark.vllm
 
@@ -67,7 +61,7 @@ def nixl_engines() -> Iterator[tuple[ve.Proc, ve.Proc]]:
 
 
 def pd_table(prefill: ve.Proc, decode: ve.Proc) -> dict:
-    return table(
+    return ph.table(
         "nixl",
         [
             {
@@ -104,9 +98,9 @@ async def test_nixl_kv_moves_and_tokens_match_single_engine(
     prefill, decode = nixl_engines
     prompt = ve.prompt_of(450, seed=1)
     sampling = {"model": "tiny", "max_tokens": 16, "temperature": 0}
-    async with running_proxy(pd_table(prefill, decode), engine_api_key=ENGINE_KEY) as rp:
+    async with ph.running_proxy(pd_table(prefill, decode), engine_api_key=ENGINE_KEY) as rp:
         before = ve.scrape(decode.url)
-        res = await stream_completion(
+        res = await ph.stream_completion(
             rp.session,
             rp.url,
             prompt,
@@ -132,9 +126,9 @@ async def test_nixl_kv_moves_and_tokens_match_single_engine(
         proxy_metrics = await rp.metrics()
 
     prompt_tokens = usage_of(res.events)["prompt_tokens"]
-    streamed = completion_text(res.events)
-    ext = metric_value(after, SOURCE, **EXT) - metric_value(before, SOURCE, **EXT)
-    local = metric_value(after, SOURCE, **LOCAL) - metric_value(before, SOURCE, **LOCAL)
+    streamed = ph.completion_text(res.events)
+    ext = ph.metric_value(after, SOURCE, **EXT) - ph.metric_value(before, SOURCE, **EXT)
+    local = ph.metric_value(after, SOURCE, **LOCAL) - ph.metric_value(before, SOURCE, **LOCAL)
     nixl_lines = [ln for ln in after.splitlines() if ln.startswith("vllm:nixl")]
     print(
         f"\nprompt_tokens={prompt_tokens} decoder external_kv_transfer=+{ext:g} "
@@ -144,26 +138,26 @@ async def test_nixl_kv_moves_and_tokens_match_single_engine(
     assert prompt_tokens > 300
     assert ext >= 0.9 * prompt_tokens, "the decoder did not receive the prompt's KV over NIXL"
     assert local <= 0.1 * prompt_tokens
-    assert metric_value(after, "vllm:nixl_bytes_transferred_sum") > metric_value(
+    assert ph.metric_value(after, "vllm:nixl_bytes_transferred_sum") > ph.metric_value(
         before, "vllm:nixl_bytes_transferred_sum"
     )
     assert streamed == reference
     assert non_stream == reference
-    assert metric_value(proxy_metrics, "pdstack_proxy_requests_total", outcome="ok") == 2
+    assert ph.metric_value(proxy_metrics, "pdstack_proxy_requests_total", outcome="ok") == 2
 
 
 async def test_nixl_chat_through_proxy(nixl_engines: tuple[ve.Proc, ve.Proc]) -> None:
     prefill, decode = nixl_engines
     system = ve.prompt_of(300, seed=2)
-    async with running_proxy(pd_table(prefill, decode), engine_api_key=ENGINE_KEY) as rp:
+    async with ph.running_proxy(pd_table(prefill, decode), engine_api_key=ENGINE_KEY) as rp:
         before = ve.scrape(decode.url)
-        res = await stream_completion(
+        res = await ph.stream_completion(
             rp.session, rp.url, system, chat=True, model="tiny", max_tokens=8, temperature=0
         )
         after = ve.scrape(decode.url)
     assert res.status == 200 and not res.error_events, res.text
-    assert completion_text(res.events)
-    assert metric_value(after, SOURCE, **EXT) - metric_value(before, SOURCE, **EXT) > 200
+    assert ph.completion_text(res.events)
+    assert ph.metric_value(after, SOURCE, **EXT) - ph.metric_value(before, SOURCE, **EXT) > 200
 
 
 async def test_engine_key_refused_without_served_with_and_cached_tokens(
@@ -176,7 +170,7 @@ async def test_engine_key_refused_without_served_with_and_cached_tokens(
     prefill, decode = nixl_engines
     prompt = ve.prompt_of(200, seed=14)
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}
-    async with running_proxy(pd_table(prefill, decode)) as unkeyed:
+    async with ph.running_proxy(pd_table(prefill, decode)) as unkeyed:
         for engine in (prefill, decode):
             async with unkeyed.session.post(f"{engine.url}/v1/completions", json=body) as resp:
                 assert resp.status == 401, await resp.text()
@@ -184,11 +178,11 @@ async def test_engine_key_refused_without_served_with_and_cached_tokens(
             assert resp.status == 401  # the engine's answer, passed through
         assert all(b.healthy for b in unkeyed.registry.backends.values())
         text = await unkeyed.metrics()
-        assert metric_value(text, "pdstack_proxy_retries_total") == 0
-    async with running_proxy(pd_table(prefill, decode), engine_api_key=ENGINE_KEY) as rp:
+        assert ph.metric_value(text, "pdstack_proxy_retries_total") == 0
+    async with ph.running_proxy(pd_table(prefill, decode), engine_api_key=ENGINE_KEY) as rp:
         usages = []
         for _ in range(2):
-            res = await stream_completion(
+            res = await ph.stream_completion(
                 rp.session,
                 rp.url,
                 prompt,

@@ -29,14 +29,9 @@ import pytest
 import yaml
 
 from pdstack.plan import Plan, Service, make_plan
+from pdstack.testing import proxy_harness as ph
 from pdstack.testing import vllm_engines as ve
 from pdstack.testing.heavy import heavy_lock
-from pdstack.testing.proxy_harness import (
-    completion_text,
-    metric_value,
-    running_proxy,
-    stream_completion,
-)
 from pdstack.topology import load_topology
 
 pytestmark = pytest.mark.vllm
@@ -159,7 +154,7 @@ def _reset_prefix_cache(engine: ve.Proc) -> None:
 
 
 def _delta(before: str, after: str, name: str, **labels: str) -> float:
-    return metric_value(after, name, **labels) - metric_value(before, name, **labels)
+    return ph.metric_value(after, name, **labels) - ph.metric_value(before, name, **labels)
 
 
 def test_plan_is_the_nixl_l1_recipe(tmp_path: Path) -> None:
@@ -181,9 +176,9 @@ async def test_nixl_l1_handoff_and_prefiller_tier_hit(nixl_l1_stack: Stack) -> N
     first_prompt = shared + " first question about the engine"
     second_prompt = shared + " second question about the cache"
     # the proxy in front, with the planner's own backend table (URLs as planned)
-    async with running_proxy(st.plan.backend_table.model_dump(mode="json")) as rp:
+    async with ph.running_proxy(st.plan.backend_table.model_dump(mode="json")) as rp:
         d0, p0 = ve.scrape(st.decode.url), ve.scrape(st.prefill.url)
-        first = await stream_completion(
+        first = await ph.stream_completion(
             rp.session, rp.url, first_prompt, stream_options={"include_usage": True}, **SAMPLING
         )
         d1, p1 = ve.scrape(st.decode.url), ve.scrape(st.prefill.url)
@@ -194,7 +189,7 @@ async def test_nixl_l1_handoff_and_prefiller_tier_hit(nixl_l1_stack: Stack) -> N
         _reset_prefix_cache(st.prefill)
         _reset_prefix_cache(st.decode)
         d1 = ve.scrape(st.decode.url)
-        second = await stream_completion(rp.session, rp.url, second_prompt, **SAMPLING)
+        second = await ph.stream_completion(rp.session, rp.url, second_prompt, **SAMPLING)
         d2, p2 = ve.scrape(st.decode.url), ve.scrape(st.prefill.url)
         assert second.status == 200 and not second.error_events, second.text
         proxy_metrics = await rp.metrics()
@@ -228,7 +223,7 @@ async def test_nixl_l1_handoff_and_prefiller_tier_hit(nixl_l1_stack: Stack) -> N
     # the handoff: the decoder got (nearly) every prompt token's KV over NIXL, both times
     assert ext1 >= 0.9 * tokens1, "decoder did not receive the first prompt's KV over NIXL"
     assert ext2 >= 0.9 * tokens2, "decoder did not receive the second prompt's KV over NIXL"
-    assert metric_value(d2, "vllm:nixl_bytes_transferred_sum") > metric_value(
+    assert ph.metric_value(d2, "vllm:nixl_bytes_transferred_sum") > ph.metric_value(
         d0, "vllm:nixl_bytes_transferred_sum"
     )
     # the tier: nothing to hit the first time; the shared prefix (>= 2 full 256-token
@@ -239,6 +234,6 @@ async def test_nixl_l1_handoff_and_prefiller_tier_hit(nixl_l1_stack: Stack) -> N
     # the decoder's direct (reference) runs computed locally: no transfer counted
     assert _delta(d2, d3, SOURCE, **EXT) == 0
     # same greedy tokens as the colocated runs
-    assert completion_text(first.events) == ref1
-    assert completion_text(second.events) == ref2
-    assert metric_value(proxy_metrics, "pdstack_proxy_requests_total", outcome="ok") == 2
+    assert ph.completion_text(first.events) == ref1
+    assert ph.completion_text(second.events) == ref2
+    assert ph.metric_value(proxy_metrics, "pdstack_proxy_requests_total", outcome="ok") == 2

@@ -12,15 +12,9 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
+from pdstack.testing import proxy_harness as ph
 from pdstack.testing import vllm_engines as ve
 from pdstack.testing.heavy import heavy_lock
-from pdstack.testing.proxy_harness import (
-    completion_text,
-    metric_value,
-    running_proxy,
-    stream_completion,
-    table,
-)
 
 pytestmark = pytest.mark.vllm
 
@@ -57,7 +51,7 @@ def l1_stack() -> Iterator[tuple[ve.Proc, ve.Proc, ve.Proc]]:
 
 
 def l1_table(prefill: ve.Proc, decode: ve.Proc, threshold: int = 0) -> dict:
-    return table(
+    return ph.table(
         "shared-l1",
         [
             {
@@ -81,7 +75,9 @@ def l1_table(prefill: ve.Proc, decode: ve.Proc, threshold: int = 0) -> dict:
 
 
 def source_delta(before: str, after: str, source: str) -> float:
-    return metric_value(after, SOURCE, source=source) - metric_value(before, SOURCE, source=source)
+    return ph.metric_value(after, SOURCE, source=source) - ph.metric_value(
+        before, SOURCE, source=source
+    )
 
 
 async def direct(session: aiohttp.ClientSession, engine: ve.Proc, prompt: str) -> tuple[str, int]:
@@ -97,11 +93,11 @@ async def test_shared_l1_decoder_reads_prefill_kv_from_store(
 ) -> None:
     _, prefill, decode = l1_stack
     prompt = ve.prompt_of(900, seed=11)
-    async with running_proxy(l1_table(prefill, decode)) as rp:
+    async with ph.running_proxy(l1_table(prefill, decode)) as rp:
         # non-disaggregated reference first: computed from scratch on one engine
         reference, prompt_tokens = await direct(rp.session, prefill, prompt)
         before = ve.scrape(decode.url)
-        res = await stream_completion(rp.session, rp.url, prompt, **SAMPLING)
+        res = await ph.stream_completion(rp.session, rp.url, prompt, **SAMPLING)
         after = ve.scrape(decode.url)
     ext = source_delta(before, after, "external_kv_transfer")
     local = source_delta(before, after, "local_compute")
@@ -115,7 +111,7 @@ async def test_shared_l1_decoder_reads_prefill_kv_from_store(
     assert ext >= (prompt_tokens // 256) * 256 - 256
     assert ext >= 512
     assert local <= prompt_tokens - ext
-    assert completion_text(res.events) == reference
+    assert ph.completion_text(res.events) == reference
 
 
 async def test_skip_prefill_goes_straight_to_decoder(
@@ -123,20 +119,22 @@ async def test_skip_prefill_goes_straight_to_decoder(
 ) -> None:
     _, prefill, decode = l1_stack
     shared = ve.prompt_of(900, seed=23)
-    async with running_proxy(l1_table(prefill, decode, threshold=200)) as rp:
-        first = await stream_completion(rp.session, rp.url, shared + " first question", **SAMPLING)
+    async with ph.running_proxy(l1_table(prefill, decode, threshold=200)) as rp:
+        first = await ph.stream_completion(
+            rp.session, rp.url, shared + " first question", **SAMPLING
+        )
         assert first.status == 200 and not first.error_events, first.text
         p_before, d_before = ve.scrape(prefill.url), ve.scrape(decode.url)
         second_prompt = shared + " second question about the cache"
-        second = await stream_completion(rp.session, rp.url, second_prompt, **SAMPLING)
+        second = await ph.stream_completion(rp.session, rp.url, second_prompt, **SAMPLING)
         p_after, d_after = ve.scrape(prefill.url), ve.scrape(decode.url)
         proxy_metrics = await rp.metrics()
         reference, prompt_tokens = await direct(rp.session, prefill, second_prompt)
     assert second.status == 200 and not second.error_events, second.text
-    assert metric_value(proxy_metrics, "pdstack_proxy_skip_prefill_total") == 1
-    assert metric_value(proxy_metrics, "pdstack_proxy_prefix_index_hit_ratio") > 0
+    assert ph.metric_value(proxy_metrics, "pdstack_proxy_skip_prefill_total") == 1
+    assert ph.metric_value(proxy_metrics, "pdstack_proxy_prefix_index_hit_ratio") > 0
     # the prefiller saw nothing; the decoder reused the prefix instead of computing it
-    assert metric_value(p_after, "vllm:prompt_tokens_total") == metric_value(
+    assert ph.metric_value(p_after, "vllm:prompt_tokens_total") == ph.metric_value(
         p_before, "vllm:prompt_tokens_total"
     )
     local = source_delta(d_before, d_after, "local_compute")
@@ -146,4 +144,4 @@ async def test_skip_prefill_goes_straight_to_decoder(
         f"local_cache_hit=+{source_delta(d_before, d_after, 'local_cache_hit'):g}"
     )
     assert local <= 0.3 * prompt_tokens
-    assert completion_text(second.events) == reference
+    assert ph.completion_text(second.events) == reference
