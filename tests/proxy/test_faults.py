@@ -245,13 +245,7 @@ async def test_generations_pair_only_same_generation() -> None:
                 assert (await ph.stream_completion(rp.session, rp.url, f"a{i}")).status == 200
             assert len(e["d_old"].seen()) == 6 and not e["d_new"].seen()
             # the rolling upgrade adds a new-generation prefiller
-            spec = {
-                "name": "p_new",
-                "role": "prefill",
-                "node": "n1",
-                "url": e["p_new"].url,
-                "generation": "rev2@img1",
-            }
+            spec = ph.backend("p_new", "prefill", e["p_new"], gen="rev2@img1")
             async with rp.session.post(f"{rp.url}/admin/backends", json=spec, headers=h) as r:
                 assert r.status == 201
                 assert (await r.json())["state"] == "healthy"
@@ -294,13 +288,7 @@ async def test_admin_replace_and_remove_backend() -> None:
         ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"])) as rp,
     ):
         h = rp.admin_headers()
-        spec = {
-            "name": "d0",
-            "role": "decode",
-            "node": "n1",
-            "url": e["d0b"].url,
-            "generation": "g1",
-        }
+        spec = ph.backend("d0", "decode", e["d0b"])
         async with rp.session.post(f"{rp.url}/admin/backends", json=spec, headers=h) as r:
             assert r.status == 200
         assert (await ph.stream_completion(rp.session, rp.url, "x")).status == 200

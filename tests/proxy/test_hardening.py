@@ -48,6 +48,19 @@ def assert_openai_error(data: Any, status: int) -> dict:
     return err
 
 
+async def wait_health(url: str, tries: int) -> None:
+    """Poll ``url``/health every 0.1 s, at most ``tries`` times, until it answers 200."""
+    async with aiohttp.ClientSession() as s:
+        for _ in range(tries):
+            try:
+                async with s.get(url + "/health") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
+
+
 async def raw_request(
     port: int, head: bytes, body: bytes = b"", timeout: float = 10.0
 ) -> tuple[int, dict[str, str], bytes]:
@@ -221,14 +234,7 @@ async def test_frozen_prefiller_ejected_at_first_timeout_and_pending_rerouted(tm
     try:
         async with ph.engines("p1", "d0", output_tokens=3) as e:
             url = f"http://127.0.0.1:{port}"
-            async with aiohttp.ClientSession() as s:
-                for _ in range(100):
-                    try:
-                        async with s.get(url + "/health") as r:
-                            if r.status == 200:
-                                break
-                    except aiohttp.ClientError:
-                        await asyncio.sleep(0.1)
+            await wait_health(url, tries=100)
             t = ph.table(
                 "nixl",
                 [
@@ -397,15 +403,8 @@ async def test_big_bodies_bounded_memory_and_health_stays_fast() -> None:
         )
         try:
             url = f"http://127.0.0.1:{port}"
+            await wait_health(url, tries=200)
             async with aiohttp.ClientSession() as s:
-                for _ in range(200):
-                    try:
-                        async with s.get(url + "/health") as r:
-                            if r.status == 200:
-                                break
-                    except aiohttp.ClientError:
-                        pass
-                    await asyncio.sleep(0.1)
                 idle = _rss_kib(proc.pid, "VmRSS")
                 body = b'{"model":"fake","prompt":"' + b"w " * 30_000_000 + b'"}'
                 assert len(body) > 60_000_000

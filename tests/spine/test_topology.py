@@ -26,6 +26,11 @@ def _edit_hosts(inv: Path, fn) -> None:
     (inv / "hosts.yml").write_text(yaml.safe_dump(doc))
 
 
+def _edit_engine(host: str, index: int, **fields):
+    """A mutation: update engine ``index`` of ``host`` in hosts.yml with ``fields``."""
+    return lambda inv: _edit_hosts(inv, lambda h: h[host]["pdstack_engines"][index].update(fields))
+
+
 def _edit_vars(inv: Path, fn) -> None:
     f = inv / "group_vars" / "all.yml"
     doc = yaml.safe_load(f.read_text())
@@ -42,24 +47,21 @@ MALFORMED = [
     (
         "GPU index out of range",
         "a100x3",
-        lambda inv: _edit_hosts(inv, lambda h: h["a100-node1"]["pdstack_engines"][2].update(
-            gpus=[3])),
+        _edit_engine("a100-node1", 2, gpus=[3]),
         "a100-node1.pdstack_engines[2].gpus",
         "GPU index 3 out of range",
     ),
     (
         "GPU used twice",
         "a100x3",
-        lambda inv: _edit_hosts(inv, lambda h: h["a100-node1"]["pdstack_engines"][2].update(
-            gpus=[1])),
+        _edit_engine("a100-node1", 2, gpus=[1]),
         "a100-node1.pdstack_engines[2].gpus",
         "GPU 1 already used by pdstack_engines[1]",
     ),
     (
         "TP not matching the GPU list",
         "b200x1",
-        lambda inv: _edit_hosts(inv, lambda h: h["b200-node1"]["pdstack_engines"][1].update(
-            gpus=[4, 5])),
+        _edit_engine("b200-node1", 1, gpus=[4, 5]),
         "b200-node1.pdstack_engines[1].gpus",
         "pdstack_tensor_parallel.decode is 4",
     ),
@@ -139,8 +141,7 @@ MALFORMED = [
     (
         "misspelt engine field",
         "a100x3",
-        lambda inv: _edit_hosts(inv, lambda h: h["a100-node1"]["pdstack_engines"][0].update(
-            gpu=[0])),
+        _edit_engine("a100-node1", 0, gpu=[0]),
         "a100-node1.pdstack_engines.0.gpu",
         "Extra inputs are not permitted",
     ),
