@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from pdstack.cli import main
+from pdstack.testing.cases import named_cases
 from pdstack.topology import TopologyError, load_topology
 
 REPO = Path(__file__).resolve().parents[2]
@@ -155,11 +156,7 @@ MALFORMED = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("base", "mutate", "field", "message"),
-    [case[1:] for case in MALFORMED],
-    ids=[case[0] for case in MALFORMED],
-)
+@named_cases(("base", "mutate", "field", "message"), MALFORMED)
 def test_malformed_inventory_names_the_culprit(tmp_path, capsys, base, mutate, field, message):
     inv = _copy(tmp_path, base)
     mutate(inv)
