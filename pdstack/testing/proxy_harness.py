@@ -36,6 +36,12 @@ class RunningProxy:
     def admin_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
+    async def backend_action(self, name: str, action: str) -> int:
+        """POST ``/admin/backends/NAME/ACTION`` (drain, undrain, ...); the status."""
+        url = f"{self.url}/admin/backends/{name}/{action}"
+        async with self.session.post(url, headers=self.admin_headers()) as resp:
+            return resp.status
+
     async def metrics(self) -> str:
         async with self.session.get(f"{self.url}/metrics") as resp:
             return await resp.text()

@@ -145,10 +145,8 @@ async def test_drain_and_undrain_with_in_flight_finishing() -> None:
             assert (await r.json())["state"] == "drained"
         long_req = asyncio.create_task(ph.stream_completion(rp.session, rp.url, "long"))
         await asyncio.sleep(0.15)
-        async with rp.session.post(f"{rp.url}/admin/backends/d1/undrain", headers=h) as r:
-            assert r.status == 200
-        async with rp.session.post(f"{rp.url}/admin/backends/d0/drain", headers=h) as r:
-            assert r.status == 200
+        assert await rp.backend_action("d1", "undrain") == 200
+        assert await rp.backend_action("d0", "drain") == 200
         async with rp.session.get(f"{rp.url}/admin/backends", headers=h) as r:
             listing = {b["name"]: b for b in (await r.json())["backends"]}
         assert listing["d0"]["state"] == "drained" and listing["d0"]["in_flight"] == 1
@@ -250,15 +248,12 @@ async def test_generations_pair_only_same_generation() -> None:
                 assert r.status == 201
                 assert (await r.json())["state"] == "healthy"
             for name in ("p_old", "d_old"):
-                async with rp.session.post(f"{rp.url}/admin/backends/{name}/drain", headers=h) as r:
-                    assert r.status == 200
+                assert await rp.backend_action(name, "drain") == 200
             for i in range(6):
                 assert (await ph.stream_completion(rp.session, rp.url, f"b{i}")).status == 200
             # old decoder gone entirely: the old prefiller has no same-generation decoder
-            async with rp.session.post(f"{rp.url}/admin/backends/p_new/drain", headers=h) as r:
-                assert r.status == 200
-            async with rp.session.post(f"{rp.url}/admin/backends/p_old/undrain", headers=h) as r:
-                assert r.status == 200
+            assert await rp.backend_action("p_new", "drain") == 200
+            assert await rp.backend_action("p_old", "undrain") == 200
             res = await ph.stream_completion(rp.session, rp.url, "c")
             text = await rp.metrics()
     assert len(e["d_new"].seen()) == 6 and len(e["p_new"].seen()) == 6

@@ -118,10 +118,7 @@ async def test_shared_l1_plus_nixl_prefers_same_node_and_uses_nixl_across() -> N
             assert ok.status == 200
             assert len(e["d1"].seen()) == 1 and not e["d2"].seen()
             assert "kv_transfer_params" not in e["p1"].seen()[0].body
-            async with rp.session.post(
-                f"{rp.url}/admin/backends/n1/d/drain", headers=rp.admin_headers()
-            ) as resp:
-                assert resp.status == 200
+            assert await rp.backend_action("n1/d", "drain") == 200
             ok = await ph.stream_completion(rp.session, rp.url, "y " * 10)
             assert ok.status == 200
     assert len(e["d2"].seen()) == 1
