@@ -53,24 +53,41 @@ def _share(text: str) -> float:
     return value
 
 
-def _positive_int(text: str) -> int:
+def _positive(text: str, kind: type, noun: str, unit: str = "") -> Any:
+    """``kind(text)`` if it is > 0; else ArgumentTypeError ("not NOUN" / "must be > 0UNIT")."""
     try:
-        value = int(text)
+        value = kind(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from exc
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+        raise argparse.ArgumentTypeError(f"not {noun}: {text!r}") from exc
+    if not value > 0:
+        got = value if kind is int else text
+        raise argparse.ArgumentTypeError(f"must be > 0{unit}, got {got}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return int(_positive(text, int, "an integer"))
 
 
 def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from exc
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
-    return value
+    return float(_positive(text, float, "a number", " seconds"))
+
+
+# the workload knobs a --scenario presets: (flag, type, help)
+_WORKLOAD_FLAGS: tuple[tuple[str, Any, str], ...] = (
+    ("--system-prompts", _positive_int, "K shared system prompts (default 4)"),
+    ("--shared-share", _share, "share of requests that reuse a shared system prompt (default 0.8)"),
+    ("--system-len", _dist,
+     "system prompt length in tokens (default 1024; seed: uniform:2000:6000)"),
+    ("--user-len", _dist, "user message length in tokens (default uniform:32:256)"),
+    ("--output-len", _dist, "answer length (max_tokens) (default uniform:64:256)"),
+    ("--turns", _dist, "multi-turn: turns per conversation (default uniform:3:8)"),
+    ("--think-time", _seconds,
+     "multi-turn: mean seconds between turns, exponential (default 4)"),
+    ("--kv-capacity-tokens", _positive_int,
+     "many-tenants: one engine's GPU KV in tokens (default: from "
+     "vllm:cache_config_info at --metrics-url, the smallest engine)"),
+)
 
 
 def register(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentParser:
@@ -102,23 +119,8 @@ def register(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentPar
                    help="LO:HI range of random token ids (default 10:4000)")
     p.add_argument("--scenario", choices=tuple(scenarios.PRESETS), default=None,
                    help="named preset of the workload knobs below (see the end of --help)")
-    p.add_argument("--system-prompts", type=_positive_int, default=None,
-                   help="K shared system prompts (default 4)")
-    p.add_argument("--shared-share", type=_share, default=None,
-                   help="share of requests that reuse a shared system prompt (default 0.8)")
-    p.add_argument("--system-len", type=_dist, default=None,
-                   help="system prompt length in tokens (default 1024; seed: uniform:2000:6000)")
-    p.add_argument("--user-len", type=_dist, default=None,
-                   help="user message length in tokens (default uniform:32:256)")
-    p.add_argument("--output-len", type=_dist, default=None,
-                   help="answer length (max_tokens) (default uniform:64:256)")
-    p.add_argument("--turns", type=_dist, default=None,
-                   help="multi-turn: turns per conversation (default uniform:3:8)")
-    p.add_argument("--think-time", type=_seconds, default=None,
-                   help="multi-turn: mean seconds between turns, exponential (default 4)")
-    p.add_argument("--kv-capacity-tokens", type=_positive_int, default=None,
-                   help="many-tenants: one engine's GPU KV in tokens (default: from "
-                   "vllm:cache_config_info at --metrics-url, the smallest engine)")
+    for flag, kind, help_ in _WORKLOAD_FLAGS:  # default None: the scenario's, else the help's
+        p.add_argument(flag, type=kind, default=None, help=help_)
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="do not send ignore_eos (answers may end before max_tokens)")
     p.add_argument("--max-concurrency", type=int, default=None,

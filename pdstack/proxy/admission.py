@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -41,8 +40,7 @@ from typing import Any
 import aiohttp
 
 from pdstack.proxy.backends import BackendState
-
-log = logging.getLogger("pdstack.proxy")
+from pdstack.proxy.periodic import every
 
 GATED_ROLES = ("decode", "colocated")
 
@@ -180,7 +178,11 @@ class KvAdmission:
             return
         self._session = session
         await self.scrape_once()
-        self._task = asyncio.create_task(self._loop())
+        self._task = asyncio.create_task(
+            every(
+                lambda: self.config.scrape_interval_s, self.scrape_once, "admission scrape failed"
+            )
+        )
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -191,14 +193,6 @@ class KvAdmission:
             if not waiter.future.done():
                 waiter.future.cancel()
         self._queue.clear()
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.scrape_interval_s)
-            try:
-                await self.scrape_once()
-            except Exception:  # never let the loop die
-                log.exception("admission scrape failed")
 
     async def scrape_once(self) -> None:
         gated = [b for b in self._backends() if b.role in GATED_ROLES and not b.removed]

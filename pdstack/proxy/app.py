@@ -36,6 +36,7 @@ from pdstack.proxy.limits import (
 from pdstack.proxy.limits import request_id as valid_request_id
 from pdstack.proxy.lmcache_pd import NotifyListener
 from pdstack.proxy.metrics import ProxyMetrics
+from pdstack.proxy.periodic import every
 from pdstack.proxy.relay import RelayPool
 from pdstack.proxy.routing import (
     HashRing,
@@ -135,7 +136,9 @@ class Proxy(AdminAPI, Flows):
         if self.registry.mode.lmcache_push:
             await self._start_notifier()
         await self.probe_all()
-        self._health_task = asyncio.create_task(self._health_loop())
+        self._health_task = asyncio.create_task(
+            every(lambda: self.config.health_interval_s, self.probe_all, "health round failed")
+        )
         await self.admission.start(self.session)
 
     async def _start_notifier(self) -> None:
@@ -184,14 +187,6 @@ class Proxy(AdminAPI, Flows):
         )
 
     # ------------------------------------------------------------------ health
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.health_interval_s)
-            try:
-                await self.probe_all()
-            except Exception:  # never let the loop die
-                log.exception("health round failed")
-
     async def probe_all(self) -> None:
         backends = [b for b in self.registry.backends.values() if b.name not in self._probing]
         await asyncio.gather(*(self.probe(b) for b in backends))

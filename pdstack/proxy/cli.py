@@ -33,8 +33,9 @@ import contextlib
 import json
 import logging
 import signal
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pdstack import kvmodes
 from pdstack.proxy.admission import AdmissionConfig
@@ -44,8 +45,148 @@ DEFAULT_ENV_FILE = "/etc/pdstack/secrets.env"
 KV_MODE_CHOICES = kvmodes.NAMES
 
 
+class _Flag(NamedTuple):
+    """A flag for one config field: ``--FIELD`` (dashed, without ``_s``) unless ``flag``
+    names it; its type and default are the dataclass field's."""
+
+    field: str
+    help: str | None = None
+    flag: str | None = None
+    metavar: str | None = None
+
+    def name(self, prefix: str = "") -> str:
+        return self.flag or "--" + prefix + self.field.removesuffix("_s").replace("_", "-")
+
+
+_SERVER = (
+    _Flag("host", "bind address (default %(default)s)"),
+    _Flag("port", "port (default %(default)s)"),
+)
+_TUNING = (
+    _Flag("max_concurrency", "requests in flight before 429 (default %(default)s)"),
+    _Flag("prefix_chars", "leading prompt characters hashed for prefill affinity"),
+    _Flag("load_factor", "bounded-load factor, >= 1 (default %(default)s)"),
+    _Flag(
+        "skip_prefill_threshold_tokens",
+        "skip prefill when the uncached prompt part is below this many tokens "
+        "(shared-l1 modes; default: the backend table's value; 0 = off)",
+        flag="--skip-prefill-threshold",
+        metavar="TOKENS",
+    ),
+    _Flag("chars_per_token"),
+    _Flag("health_interval_s"),
+    _Flag("health_timeout_s"),
+    _Flag("eject_after", "consecutive failures before a backend is ejected"),
+    _Flag("readmit_after", "consecutive passing health checks before re-admission"),
+    _Flag(
+        "close_after", "successful legs before a re-admitted (half-open) backend is closed again"
+    ),
+    _Flag("max_retries"),
+    _Flag("connect_timeout_s"),
+    _Flag(
+        "leg_budget_base_s",
+        "seconds a leg may wait for the prefill answer / first decode byte, plus "
+        "--leg-budget-per-1k-tokens per 1000 prompt tokens (default %(default)s)",
+    ),
+    _Flag("leg_budget_per_1k_tokens_s"),
+    _Flag("prefill_timeout_s", "a fixed prefill-leg timeout instead of the budget"),
+    _Flag(
+        "decode_first_byte_timeout_s", "a fixed decoder first-byte timeout instead of the budget"
+    ),
+    _Flag("stream_idle_timeout_s"),
+    _Flag("request_timeout_s", "whole non-streaming decode leg"),
+)
+_LMCACHE_PD = (
+    _Flag(
+        "lmcache_pd_notify_port",
+        "ZMQ PULL port for the prefillers' ProxyNotif (default: the backend table's)",
+    ),
+    _Flag(
+        "lmcache_pd_notify_host",
+        "address the ProxyNotif socket binds (default: the table's, else --host)",
+    ),
+    _Flag(
+        "lmcache_pd_notify_timeout_s",
+        "seconds the decode leg waits for ProxyNotif; then it goes anyway and the "
+        "decoder recomputes (default %(default)s)",
+    ),
+)
+_CLIENT_TIMEOUTS = (
+    _Flag("header_timeout_s"),
+    _Flag("body_timeout_s"),
+    _Flag("idle_timeout_s", "close a connection without a request this long (default %(default)s)"),
+)
+_CONFIG_FLAGS = _SERVER + _TUNING + _LMCACHE_PD + _CLIENT_TIMEOUTS
+# AdmissionConfig fields, as --admission-FIELD
+_ADMISSION = (
+    _Flag(
+        "kv_high",
+        "KV usage watermark, reservations included (default %(default)s)",
+        metavar="RATIO",
+    ),
+    _Flag("max_waiting", "requests an engine may queue itself (default %(default)s)", metavar="N"),
+    _Flag(
+        "max_running",
+        "the proxy's requests active on one engine at most; 0 = no cap (default %(default)s)",
+        metavar="N",
+    ),
+    _Flag(
+        "scrape_interval_s", "engine /metrics scrape interval (default %(default)s)", metavar="S"
+    ),
+    _Flag(
+        "queue_max",
+        "requests the proxy holds at most; more: 503 (default %(default)s)",
+        metavar="N",
+    ),
+    _Flag(
+        "queue_timeout_s", "longest wait in the queue; then 503 (default %(default)s)", metavar="S"
+    ),
+)
+# float flags that must lie in [lo, hi]; int flags that must be >= 0
+_ADMISSION_RANGES = {
+    "kv_high": (0.05, 1.0),
+    "scrape_interval_s": (0.01, 10.0),
+    "queue_timeout_s": (0.0, 3600.0),
+}
+_ADMISSION_NONNEGATIVE = ("max_waiting", "max_running", "queue_max")
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def _add_fields(group: Any, config: Any, flags: tuple[_Flag, ...], prefix: str = "") -> None:
+    """Add ``flags`` to ``group``, each typed and defaulted by ``config``'s field."""
+    hints = typing.get_type_hints(type(config))
+    for f in flags:
+        hint = hints[f.field]  # ``float | None`` -> float
+        kind = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+        extra = {"metavar": f.metavar} if f.metavar else {}
+        group.add_argument(
+            f.name(prefix), type=kind, default=getattr(config, f.field), help=f.help, **extra
+        )
+
+
 def register(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentParser:
     p = subparsers.add_parser(name, help=help_text, description=__doc__.splitlines()[0])
+    d = ProxyConfig()
+    _add_backend_flags(p)
+    _add_fields(p.add_argument_group("kv_mode lmcache-pd"), d, _LMCACHE_PD)
+    _add_fields(p, d, _SERVER)
+    p.add_argument(
+        "--env-file",
+        default=None,
+        help=f"KEY=VALUE file with secrets (default {DEFAULT_ENV_FILE} if present)",
+    )
+    _add_fields(p, d, _TUNING)
+    _add_limit_flags(p, d)
+    _add_admission_flags(p, d.admission)
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=run)
+    return p
+
+
+def _add_backend_flags(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("backends (pick one source)")
     src.add_argument("-i", "--inventory", help="inventory directory (uses the planner)")
     src.add_argument("--backends", help="backend table JSON file")
@@ -61,112 +202,9 @@ def register(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentPar
         help="lmcache-pd, ad hoc: each --decode's LMCache receiver, in order "
         "(ports comma-separated per TP rank)",
     )
-    lmc = p.add_argument_group("kv_mode lmcache-pd")
-    lmc.add_argument(
-        "--lmcache-pd-notify-port",
-        type=int,
-        default=None,
-        help="ZMQ PULL port for the prefillers' ProxyNotif (default: the backend table's)",
-    )
-    lmc.add_argument(
-        "--lmcache-pd-notify-host",
-        default=None,
-        help="address the ProxyNotif socket binds (default: the table's, else --host)",
-    )
-    lmc.add_argument(
-        "--lmcache-pd-notify-timeout",
-        type=float,
-        default=ProxyConfig().lmcache_pd_notify_timeout_s,
-        help="seconds the decode leg waits for ProxyNotif; then it goes anyway and the "
-        "decoder recomputes (default %(default)s)",
-    )
 
-    d = ProxyConfig()
-    p.add_argument("--host", default=d.host, help="bind address (default %(default)s)")
-    p.add_argument("--port", type=int, default=d.port, help="port (default %(default)s)")
-    p.add_argument(
-        "--env-file",
-        default=None,
-        help=f"KEY=VALUE file with secrets (default {DEFAULT_ENV_FILE} if present)",
-    )
-    p.add_argument(
-        "--max-concurrency",
-        type=int,
-        default=d.max_concurrency,
-        help="requests in flight before 429 (default %(default)s)",
-    )
-    p.add_argument(
-        "--prefix-chars",
-        type=int,
-        default=d.prefix_chars,
-        help="leading prompt characters hashed for prefill affinity",
-    )
-    p.add_argument(
-        "--load-factor",
-        type=float,
-        default=d.load_factor,
-        help="bounded-load factor, >= 1 (default %(default)s)",
-    )
-    p.add_argument(
-        "--skip-prefill-threshold",
-        type=int,
-        default=None,
-        metavar="TOKENS",
-        help="skip prefill when the uncached prompt part is below this many tokens "
-        "(shared-l1 modes; default: the backend table's value; 0 = off)",
-    )
-    p.add_argument("--chars-per-token", type=float, default=d.chars_per_token)
-    p.add_argument("--health-interval", type=float, default=d.health_interval_s)
-    p.add_argument("--health-timeout", type=float, default=d.health_timeout_s)
-    p.add_argument(
-        "--eject-after",
-        type=int,
-        default=d.eject_after,
-        help="consecutive failures before a backend is ejected",
-    )
-    p.add_argument(
-        "--readmit-after",
-        type=int,
-        default=d.readmit_after,
-        help="consecutive passing health checks before re-admission",
-    )
-    p.add_argument(
-        "--close-after",
-        type=int,
-        default=d.close_after,
-        help="successful legs before a re-admitted (half-open) backend is closed again",
-    )
-    p.add_argument("--max-retries", type=int, default=d.max_retries)
-    p.add_argument("--connect-timeout", type=float, default=d.connect_timeout_s)
-    p.add_argument(
-        "--leg-budget-base",
-        type=float,
-        default=d.leg_budget_base_s,
-        help="seconds a leg may wait for the prefill answer / first decode byte, plus "
-        "--leg-budget-per-1k-tokens per 1000 prompt tokens (default %(default)s)",
-    )
-    p.add_argument(
-        "--leg-budget-per-1k-tokens", type=float, default=d.leg_budget_per_1k_tokens_s
-    )
-    p.add_argument(
-        "--prefill-timeout",
-        type=float,
-        default=d.prefill_timeout_s,
-        help="a fixed prefill-leg timeout instead of the budget",
-    )
-    p.add_argument(
-        "--decode-first-byte-timeout",
-        type=float,
-        default=d.decode_first_byte_timeout_s,
-        help="a fixed decoder first-byte timeout instead of the budget",
-    )
-    p.add_argument("--stream-idle-timeout", type=float, default=d.stream_idle_timeout_s)
-    p.add_argument(
-        "--request-timeout",
-        type=float,
-        default=d.request_timeout_s,
-        help="whole non-streaming decode leg",
-    )
+
+def _add_limit_flags(p: argparse.ArgumentParser, d: ProxyConfig) -> None:
     lim = p.add_argument_group("client limits")
     lim.add_argument(
         "--max-body-mb",
@@ -178,41 +216,24 @@ def register(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentPar
         "--max-body-held-mb",
         type=float,
         default=d.max_body_bytes_held / MIB,
-        help="request-body bytes held at once, MiB (503 + Retry-After above; "
-        "default %(default)s)",
+        help="request-body bytes held at once, MiB (503 + Retry-After above; default %(default)s)",
     )
-    lim.add_argument("--header-timeout", type=float, default=d.header_timeout_s)
-    lim.add_argument("--body-timeout", type=float, default=d.body_timeout_s)
-    lim.add_argument(
-        "--idle-timeout",
-        type=float,
-        default=d.idle_timeout_s,
-        help="close a connection without a request this long (default %(default)s)",
-    )
+    _add_fields(lim, d, _CLIENT_TIMEOUTS)
+
+
+def _add_admission_flags(p: argparse.ArgumentParser, a: AdmissionConfig) -> None:
     adm = p.add_argument_group(
         "KV-aware admission",
         "hold requests in the proxy while every decoder / colocated engine is near its KV "
         "limit (read from the engines' own /metrics), instead of pushing them into preemption",
     )
-    a = d.admission
-    adm.add_argument("--admission", choices=("off", "kv"), default="kv" if a.enabled else "off",
-                     help="off (default) or kv")
-    adm.add_argument("--admission-kv-high", type=float, default=a.kv_high, metavar="RATIO",
-                     help="KV usage watermark, reservations included (default %(default)s)")
-    adm.add_argument("--admission-max-waiting", type=int, default=a.max_waiting, metavar="N",
-                     help="requests an engine may queue itself (default %(default)s)")
-    adm.add_argument("--admission-max-running", type=int, default=a.max_running, metavar="N",
-                     help="the proxy's requests active on one engine at most; 0 = no cap "
-                     "(default %(default)s)")
-    adm.add_argument("--admission-scrape-interval", type=float, default=a.scrape_interval_s,
-                     metavar="S", help="engine /metrics scrape interval (default %(default)s)")
-    adm.add_argument("--admission-queue-max", type=int, default=a.queue_max, metavar="N",
-                     help="requests the proxy holds at most; more: 503 (default %(default)s)")
-    adm.add_argument("--admission-queue-timeout", type=float, default=a.queue_timeout_s,
-                     metavar="S", help="longest wait in the queue; then 503 (default %(default)s)")
-    p.add_argument("--log-level", default="INFO")
-    p.set_defaults(func=run)
-    return p
+    adm.add_argument(
+        "--admission",
+        choices=("off", "kv"),
+        default="kv" if a.enabled else "off",
+        help="off (default) or kv",
+    )
+    _add_fields(adm, a, _ADMISSION, prefix="admission-")
 
 
 def backend_table_from_args(args: argparse.Namespace) -> Any:
@@ -285,59 +306,27 @@ def _adhoc_lmcache_pd(table: Any, args: argparse.Namespace) -> Any:
 
 
 def admission_from_args(args: argparse.Namespace) -> AdmissionConfig:
-    for flag, value, lo, hi in (
-        ("--admission-kv-high", args.admission_kv_high, 0.05, 1.0),
-        ("--admission-scrape-interval", args.admission_scrape_interval, 0.01, 10.0),
-        ("--admission-queue-timeout", args.admission_queue_timeout, 0.0, 3600.0),
-    ):
-        if not lo <= value <= hi:
-            raise SystemExit(f"pdstack proxy: {flag} must be within [{lo:g}, {hi:g}], got {value}")
-    for flag, ivalue in (("--admission-max-waiting", args.admission_max_waiting),
-                         ("--admission-max-running", args.admission_max_running),
-                         ("--admission-queue-max", args.admission_queue_max)):
-        if ivalue < 0:
-            raise SystemExit(f"pdstack proxy: {flag} must be >= 0, got {ivalue}")
-    return AdmissionConfig(
-        enabled=args.admission == "kv",
-        kv_high=args.admission_kv_high,
-        max_waiting=args.admission_max_waiting,
-        max_running=args.admission_max_running,
-        scrape_interval_s=args.admission_scrape_interval,
-        queue_max=args.admission_queue_max,
-        queue_timeout_s=args.admission_queue_timeout,
-    )
+    flags = {f.field: f.name("admission-") for f in _ADMISSION}
+    values = {field: getattr(args, _dest(flag)) for field, flag in flags.items()}
+    for field, (lo, hi) in _ADMISSION_RANGES.items():
+        if not lo <= values[field] <= hi:
+            raise SystemExit(
+                f"pdstack proxy: {flags[field]} must be within [{lo:g}, {hi:g}], "
+                f"got {values[field]}"
+            )
+    for field in _ADMISSION_NONNEGATIVE:
+        if values[field] < 0:
+            raise SystemExit(f"pdstack proxy: {flags[field]} must be >= 0, got {values[field]}")
+    return AdmissionConfig(enabled=args.admission == "kv", **values)
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    values = {f.field: getattr(args, _dest(f.name())) for f in _CONFIG_FLAGS}
+    values["load_factor"] = max(1.0, values["load_factor"])
     config = ProxyConfig(
-        host=args.host,
-        port=args.port,
-        max_concurrency=args.max_concurrency,
-        prefix_chars=args.prefix_chars,
-        load_factor=max(1.0, args.load_factor),
-        skip_prefill_threshold_tokens=args.skip_prefill_threshold,
-        chars_per_token=args.chars_per_token,
-        health_interval_s=args.health_interval,
-        health_timeout_s=args.health_timeout,
-        eject_after=args.eject_after,
-        readmit_after=args.readmit_after,
-        max_retries=args.max_retries,
-        connect_timeout_s=args.connect_timeout,
-        close_after=args.close_after,
+        **values,
         max_body_bytes=int(args.max_body_mb * MIB),
         max_body_bytes_held=int(args.max_body_held_mb * MIB),
-        header_timeout_s=args.header_timeout,
-        body_timeout_s=args.body_timeout,
-        idle_timeout_s=args.idle_timeout,
-        leg_budget_base_s=args.leg_budget_base,
-        leg_budget_per_1k_tokens_s=args.leg_budget_per_1k_tokens,
-        prefill_timeout_s=args.prefill_timeout,
-        decode_first_byte_timeout_s=args.decode_first_byte_timeout,
-        stream_idle_timeout_s=args.stream_idle_timeout,
-        request_timeout_s=args.request_timeout,
-        lmcache_pd_notify_host=args.lmcache_pd_notify_host,
-        lmcache_pd_notify_port=args.lmcache_pd_notify_port,
-        lmcache_pd_notify_timeout_s=args.lmcache_pd_notify_timeout,
         admission=admission_from_args(args),
     )
     env_file = args.env_file

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +35,12 @@ class RunningProxy:
 
     def admin_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+    async def backend_action(self, name: str, action: str) -> int:
+        """POST ``/admin/backends/NAME/ACTION`` (drain, undrain, ...); the status."""
+        url = f"{self.url}/admin/backends/{name}/{action}"
+        async with self.session.post(url, headers=self.admin_headers()) as resp:
+            return resp.status
 
     async def metrics(self) -> str:
         async with self.session.get(f"{self.url}/metrics") as resp:
@@ -65,6 +73,28 @@ def table(
         "pairings": [{"prefill": p, "decode": d, "kv_path": k} for p, d, k in pairings],
         "skip_prefill_threshold_tokens": threshold,
     }
+
+
+def pd_table(
+    e: dict[str, FakeEngine], prefill: list[str], decode: list[str], kv_mode: str = "nixl"
+) -> dict[str, Any]:
+    """A P/D table of the engines ``e`` named in ``prefill`` and ``decode`` (node n1)."""
+    return table(
+        kv_mode,
+        [
+            *(backend(n, "prefill", e[n]) for n in prefill),
+            *(backend(n, "decode", e[n]) for n in decode),
+        ],
+    )
+
+
+async def until(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    """Poll ``cond`` until it holds; AssertionError naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
 
 
 @contextlib.asynccontextmanager

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -29,17 +29,8 @@ from pdstack.proxy.admission import (
 )
 from pdstack.proxy.backends import BackendState
 from pdstack.proxy.routing import stable_hash
+from pdstack.testing import proxy_harness as ph
 from pdstack.testing.fake_engine import FakeEngine, Faults
-from pdstack.testing.proxy_harness import (
-    RunningProxy,
-    backend,
-    completion_text,
-    engines,
-    metric_value,
-    running_proxy,
-    stream_completion,
-    table,
-)
 
 CAPACITY = 1024  # tokens of KV per fake engine (64 blocks of 16)
 DATA = Path(__file__).parent / "data"
@@ -62,26 +53,19 @@ def words(n: int, tag: str) -> str:
     return " ".join(f"{tag}{i % 100:02d}" for i in range(n))
 
 
-async def until(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
 @contextlib.asynccontextmanager
-async def hanging(rp: RunningProxy, engine: FakeEngine, tag: str, **headers: str
-                  ) -> AsyncIterator[asyncio.Task[Any]]:
+async def hanging(
+    rp: ph.RunningProxy, engine: FakeEngine, tag: str, **headers: str
+) -> AsyncIterator[asyncio.Task[Any]]:
     """One streaming request that gets its first token from ``engine`` and then hangs
     (its KV stays allocated there) until the block ends."""
     seen = len(engine.seen())
     engine.faults = Faults(hang_after_chunks=1, times=1)
     task = asyncio.create_task(
-        stream_completion(rp.session, rp.url, words(10, tag), headers=headers, max_tokens=4)
+        ph.stream_completion(rp.session, rp.url, words(10, tag), headers=headers, max_tokens=4)
     )
     try:
-        await until(lambda: len(engine.seen()) > seen and engine.running > 0, "hanging request")
+        await ph.until(lambda: len(engine.seen()) > seen and engine.running > 0, "hanging request")
         yield task
     finally:
         task.cancel()
@@ -89,23 +73,23 @@ async def hanging(rp: RunningProxy, engine: FakeEngine, tag: str, **headers: str
             await task
 
 
-def load_of(rp: RunningProxy, name: str) -> Any:
+def load_of(rp: ph.RunningProxy, name: str) -> Any:
     return rp.proxy.admission.loads.get(name)
 
 
-async def full(rp: RunningProxy, engine: FakeEngine, name: str) -> None:
+async def full(rp: ph.RunningProxy, engine: FakeEngine, name: str) -> None:
     """Fill ``engine``'s KV past 90 % and wait until the proxy has scraped it."""
     engine.kv_held_tokens = CAPACITY - 64
-    await until(
-        lambda: (load := load_of(rp, name)) is not None
-        and load.kv_usage >= 0.9
-        and not load.reserved,
+    await ph.until(
+        lambda: (
+            (load := load_of(rp, name)) is not None and load.kv_usage >= 0.9 and not load.reserved
+        ),
         f"the proxy to see {name} full",
     )
 
 
 async def post(
-    rp: RunningProxy, prompt: str, headers: dict[str, str] | None = None, **extra: Any
+    rp: ph.RunningProxy, prompt: str, headers: dict[str, str] | None = None, **extra: Any
 ) -> tuple[int, CIMultiDict[str], Any]:
     body = {"model": "fake", "prompt": prompt, "max_tokens": 4, **extra}
     async with rp.session.post(
@@ -115,7 +99,7 @@ async def post(
 
 
 def colocated(*names: str, e: dict[str, FakeEngine]) -> dict:
-    return table("colocated", [backend(n, "colocated", e[n]) for n in names])
+    return ph.table("colocated", [ph.backend(n, "colocated", e[n]) for n in names])
 
 
 # ------------------------------------------------------------------ (a) off
@@ -123,8 +107,8 @@ def colocated(*names: str, e: dict[str, FakeEngine]) -> dict:
 
 async def test_admission_off_changes_nothing() -> None:
     async with (
-        engines("e0", kv_capacity_tokens=CAPACITY, output_tokens=4) as e,
-        running_proxy(colocated("e0", e=e)) as rp,
+        ph.engines("e0", kv_capacity_tokens=CAPACITY, output_tokens=4) as e,
+        ph.running_proxy(colocated("e0", e=e)) as rp,
     ):
         assert rp.proxy.config.admission.enabled is False
         async with hanging(rp, e["e0"], "a"):
@@ -142,18 +126,18 @@ async def test_admission_off_changes_nothing() -> None:
 
 
 async def test_request_waits_while_kv_is_full_and_goes_when_it_drops() -> None:
-    async with engines("e0", kv_capacity_tokens=CAPACITY, output_tokens=4) as e:
+    async with ph.engines("e0", kv_capacity_tokens=CAPACITY, output_tokens=4) as e:
         eng = e["e0"]
-        async with running_proxy(colocated("e0", e=e), admission=admission()) as rp:
+        async with ph.running_proxy(colocated("e0", e=e), admission=admission()) as rp:
             async with hanging(rp, eng, "a") as first:
                 await full(rp, eng, "e0")
                 waiter = asyncio.create_task(
-                    stream_completion(rp.session, rp.url, words(50, "b"), max_tokens=4)
+                    ph.stream_completion(rp.session, rp.url, words(50, "b"), max_tokens=4)
                 )
-                await until(lambda: rp.proxy.admission.queued == 1, "the request to queue")
+                await ph.until(lambda: rp.proxy.admission.queued == 1, "the request to queue")
                 await asyncio.sleep(0.3)  # several scrapes: still full, still held
                 assert len(eng.seen()) == 1 and not waiter.done()
-                assert metric_value(await rp.metrics(), "pdstack_proxy_admission_queued") == 1
+                assert ph.metric_value(await rp.metrics(), "pdstack_proxy_admission_queued") == 1
 
                 dropped_at = time.time()
                 eng.kv_held_tokens = 0
@@ -161,26 +145,26 @@ async def test_request_waits_while_kv_is_full_and_goes_when_it_drops() -> None:
                 assert not first.done(), "the hanging request still holds its KV"
             metrics = await rp.metrics()
     assert res.status == 200, res.text
-    assert res.events[-1] == "[DONE]" and len(completion_text(res.events).split()) == 4
+    assert res.events[-1] == "[DONE]" and len(ph.completion_text(res.events).split()) == 4
     second = eng.seen()[1]
     assert second.body is not None and second.body["prompt"] == words(50, "b")
     assert second.received_at >= dropped_at, "sent before the engine's KV usage dropped"
     assert rp.proxy.admission.queued == 0
-    assert metric_value(metrics, "pdstack_proxy_admission_waited_total") == 1
+    assert ph.metric_value(metrics, "pdstack_proxy_admission_waited_total") == 1
 
 
 # ------------------------------------------------------------------ (c) 503s
 
 
 async def test_queue_full_and_deadline_answer_503() -> None:
-    async with engines("e0", kv_capacity_tokens=CAPACITY, output_tokens=4) as e:
+    async with ph.engines("e0", kv_capacity_tokens=CAPACITY, output_tokens=4) as e:
         eng = e["e0"]
         config = admission(queue_max=1, queue_timeout_s=1.0)
-        async with running_proxy(colocated("e0", e=e), admission=config) as rp:
+        async with ph.running_proxy(colocated("e0", e=e), admission=config) as rp:
             async with hanging(rp, eng, "a"):
                 await full(rp, eng, "e0")
                 queued = asyncio.create_task(post(rp, words(50, "b")))
-                await until(lambda: rp.proxy.admission.queued == 1, "the first to queue")
+                await ph.until(lambda: rp.proxy.admission.queued == 1, "the first to queue")
                 # the queue holds one: the next is refused at once
                 status, headers, data = await post(
                     rp, words(50, "c"), headers={"X-Request-Id": "over-the-top"}
@@ -201,9 +185,9 @@ async def test_queue_full_and_deadline_answer_503() -> None:
             metrics = await rp.metrics()
     assert len(eng.seen()) == 1, "a refused request reached the engine"
     name = "pdstack_proxy_admission_rejected_total"
-    assert metric_value(metrics, name, reason="queue_full") == 1
-    assert metric_value(metrics, name, reason="timeout") == 1
-    assert metric_value(metrics, "pdstack_proxy_requests_total", outcome="rejected") == 2
+    assert ph.metric_value(metrics, name, reason="queue_full") == 1
+    assert ph.metric_value(metrics, name, reason="timeout") == 1
+    assert ph.metric_value(metrics, "pdstack_proxy_requests_total", outcome="rejected") == 2
 
 
 # ------------------------------------------------------------------ (d) headroom routing
@@ -211,11 +195,11 @@ async def test_queue_full_and_deadline_answer_503() -> None:
 
 async def test_colocated_requests_go_to_the_engine_with_headroom() -> None:
     async with (
-        engines("e0", "e1", kv_capacity_tokens=CAPACITY, output_tokens=2) as e,
-        running_proxy(colocated("e0", "e1", e=e), admission=admission()) as rp,
+        ph.engines("e0", "e1", kv_capacity_tokens=CAPACITY, output_tokens=2) as e,
+        ph.running_proxy(colocated("e0", "e1", e=e), admission=admission()) as rp,
     ):
         reg = rp.registry
-        await until(lambda: all(b.usable for b in reg.backends.values()), "healthy")
+        await ph.until(lambda: all(b.usable for b in reg.backends.values()), "healthy")
         # one hanging request on each engine (steered by draining the other)
         reg.backends["e1"].drained = True
         async with hanging(rp, e["e0"], "a"):
@@ -223,12 +207,10 @@ async def test_colocated_requests_go_to_the_engine_with_headroom() -> None:
             async with hanging(rp, e["e1"], "x"):
                 reg.backends["e0"].drained = False
                 await full(rp, e["e0"], "e0")
-                await until(lambda: not load_of(rp, "e1").reserved, "e1 scraped")
+                await ph.until(lambda: not load_of(rp, "e1").reserved, "e1 scraped")
                 prompts = [words(20, chr(ord("c") + i)) for i in range(8)]
                 ring = rp.proxy._ring_for("colocated")
-                prefer_e0 = [
-                    p for p in prompts if next(ring.walk(stable_hash(p[:1024]))) == "e0"
-                ]
+                prefer_e0 = [p for p in prompts if next(ring.walk(stable_hash(p[:1024]))) == "e0"]
                 assert prefer_e0, "no prompt prefers e0 by affinity: the test proves nothing"
                 results = await asyncio.gather(*(post(rp, p) for p in prompts))
     assert [r[0] for r in results] == [200] * len(prompts)
@@ -240,17 +222,19 @@ async def test_colocated_requests_go_to_the_engine_with_headroom() -> None:
 
 
 async def test_pd_gate_is_on_decoders_before_the_prefill_leg() -> None:
-    async with engines("p0", "d0", kv_capacity_tokens=CAPACITY, output_tokens=4) as e:
-        t = table("nixl", [backend("p0", "prefill", e["p0"]), backend("d0", "decode", e["d0"])])
-        async with running_proxy(t, admission=admission()) as rp, hanging(rp, e["d0"], "a"):
+    async with ph.engines("p0", "d0", kv_capacity_tokens=CAPACITY, output_tokens=4) as e:
+        t = ph.table(
+            "nixl", [ph.backend("p0", "prefill", e["p0"]), ph.backend("d0", "decode", e["d0"])]
+        )
+        async with ph.running_proxy(t, admission=admission()) as rp, hanging(rp, e["d0"], "a"):
             assert len(e["p0"].seen()) == 1  # the hanging request's prefill leg
             # a full prefiller does not matter: prefillers hand their KV off
             e["p0"].kv_held_tokens = CAPACITY
             await full(rp, e["d0"], "d0")
             waiter = asyncio.create_task(
-                stream_completion(rp.session, rp.url, words(50, "b"), max_tokens=4)
+                ph.stream_completion(rp.session, rp.url, words(50, "b"), max_tokens=4)
             )
-            await until(lambda: rp.proxy.admission.queued == 1, "the request to queue")
+            await ph.until(lambda: rp.proxy.admission.queued == 1, "the request to queue")
             await asyncio.sleep(0.3)
             assert len(e["p0"].seen()) == 1, "prefill leg sent while the decoder was full"
             assert len(e["d0"].seen()) == 1
@@ -258,7 +242,7 @@ async def test_pd_gate_is_on_decoders_before_the_prefill_leg() -> None:
             e["d0"].kv_held_tokens = 0
             res = await asyncio.wait_for(waiter, 20)
     assert res.status == 200, res.text
-    assert len(completion_text(res.events).split()) == 4
+    assert len(ph.completion_text(res.events).split()) == 4
     pre, dec = e["p0"].seen()[1], e["d0"].seen()[1]
     assert pre.received_at >= dropped_at
     assert pre.body is not None and pre.body["kv_transfer_params"] == {"do_remote_decode": True}
@@ -311,8 +295,9 @@ def test_parse_engine_metrics_data_parallel_and_garbage() -> None:
 
 
 def _gate() -> tuple[KvAdmission, BackendState]:
-    engine = BackendState(name="d0", role="decode", node="n1", url="http://127.0.0.1:9",
-                          healthy=True)
+    engine = BackendState(
+        name="d0", role="decode", node="n1", url="http://127.0.0.1:9", healthy=True
+    )
     gate = KvAdmission(admission(kv_high=0.85, max_waiting=0, stale_after_s=2.0), lambda: [engine])
     return gate, engine
 
@@ -394,12 +379,12 @@ def test_waiting_gauge_not_read_on_engines_that_wait_for_kv() -> None:
 async def test_running_cap_holds_the_next_request_until_one_ends() -> None:
     """Through the proxy: with ``max_running`` 1 a second request waits in the proxy
     (not in the engine) while the first runs, and goes once the first has ended."""
-    async with engines("e0", kv_capacity_tokens=CAPACITY, output_tokens=4) as e:
+    async with ph.engines("e0", kv_capacity_tokens=CAPACITY, output_tokens=4) as e:
         eng = e["e0"]
-        async with running_proxy(colocated("e0", e=e), admission=admission(max_running=1)) as rp:
+        async with ph.running_proxy(colocated("e0", e=e), admission=admission(max_running=1)) as rp:
             async with hanging(rp, eng, "a"):
                 waiter = asyncio.create_task(post(rp, words(20, "b")))
-                await until(lambda: rp.proxy.admission.queued == 1, "the request to queue")
+                await ph.until(lambda: rp.proxy.admission.queued == 1, "the request to queue")
                 await asyncio.sleep(0.3)
                 assert len(eng.seen()) == 1 and not waiter.done(), "the cap let it through"
                 ended_at = time.time()
@@ -425,12 +410,19 @@ def test_stale_scrape_never_blocks() -> None:
 async def test_failed_scrape_never_blocks() -> None:
     """A backend whose /metrics cannot be read (connection refused, no vLLM gauges, the
     engine gone) keeps no fresh numbers and stays open, however many requests it has."""
-    async with engines("e0") as e:
+    async with ph.engines("e0") as e:
         fake = e["e0"]  # built without kv_capacity_tokens: no KV gauges yet
-        dead = BackendState(name="dead", role="decode", node="n1", url="http://127.0.0.1:9",
-                            healthy=True, in_flight=5)
-        eng = BackendState(name="eng", role="colocated", node="n1", url=fake.url,
-                           healthy=True, in_flight=5)
+        dead = BackendState(
+            name="dead",
+            role="decode",
+            node="n1",
+            url="http://127.0.0.1:9",
+            healthy=True,
+            in_flight=5,
+        )
+        eng = BackendState(
+            name="eng", role="colocated", node="n1", url=fake.url, healthy=True, in_flight=5
+        )
         gate = KvAdmission(admission(scrape_timeout_s=2.0), lambda: [dead, eng])
         async with aiohttp.ClientSession() as session:
             gate._session = session
@@ -452,15 +444,16 @@ async def test_failed_scrape_never_blocks() -> None:
             assert gate.is_open(eng, 10)
 
 
-
 async def test_pd_burst_holds_decoder_headroom_during_prefill() -> None:
     """P/D picks the decoder after the prefill leg; admitted requests hold their tokens
     from admission on, so a burst does not all pass on the same headroom while their
     prefill legs run, and a request cancelled during its prefill gives its hold back."""
-    async with engines("p0", "d0", kv_capacity_tokens=CAPACITY, output_tokens=2) as e:
-        t = table("nixl", [backend("p0", "prefill", e["p0"]), backend("d0", "decode", e["d0"])])
-        async with running_proxy(t, admission=admission()) as rp:
-            await until(lambda: all(b.usable for b in rp.registry.backends.values()), "healthy")
+    async with ph.engines("p0", "d0", kv_capacity_tokens=CAPACITY, output_tokens=2) as e:
+        t = ph.table(
+            "nixl", [ph.backend("p0", "prefill", e["p0"]), ph.backend("d0", "decode", e["d0"])]
+        )
+        async with ph.running_proxy(t, admission=admission()) as rp:
+            await ph.until(lambda: all(b.usable for b in rp.registry.backends.values()), "healthy")
             e["p0"].faults = Faults(hang=True)  # prefill legs stay in progress
             # 300 tokens each: two fit under 0.8 x 1024, the third does not
             tags = [chr(ord("a") + i) for i in range(5)]
@@ -472,15 +465,17 @@ async def test_pd_burst_holds_decoder_headroom_during_prefill() -> None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
                         await task
-            await until(lambda: not load_of(rp, "d0").reserved, "every hold released")
+            await ph.until(lambda: not load_of(rp, "d0").reserved, "every hold released")
     assert len(e["p0"].seen()) == 5 and len(e["d0"].seen()) == 3
 
 
 async def _burst_checks(
-    rp: RunningProxy, e: dict[str, FakeEngine], burst: dict[str, asyncio.Task[Any]],
+    rp: ph.RunningProxy,
+    e: dict[str, FakeEngine],
+    burst: dict[str, asyncio.Task[Any]],
     tags: list[str],
 ) -> None:
-    await until(
+    await ph.until(
         lambda: len(e["p0"].seen()) == 2 and rp.proxy.admission.queued == 3,
         "two prefills in progress and three held in the proxy",
         timeout=10,

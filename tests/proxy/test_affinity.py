@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 from pdstack.proxy.affinity import MAX_SESSION_CHARS, SESSION_HEADER, session_key
 from pdstack.proxy.routing import stable_hash
+from pdstack.testing import proxy_harness as ph
 from pdstack.testing.fake_engine import FakeEngine, Faults
-from pdstack.testing.proxy_harness import RunningProxy, backend, engines, running_proxy, table
 
 NAMES = ("e0", "e1", "e2")
 
@@ -22,16 +20,8 @@ def prompt(i: int) -> str:
     return f"conversation turn {i}: " + f"message {i} " * 30
 
 
-async def until(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
 async def post(
-    rp: RunningProxy, text: str, session: str | None = None, user: Any = None, chat: bool = False
+    rp: ph.RunningProxy, text: str, session: str | None = None, user: Any = None, chat: bool = False
 ) -> int:
     headers = {SESSION_HEADER: session} if session is not None else {}
     body: dict[str, Any] = {"model": "fake", "max_tokens": 2}
@@ -60,7 +50,7 @@ def served_by(e: dict[str, FakeEngine], text: str) -> list[str]:
     return out
 
 
-def home(rp: RunningProxy, role: str, key: str, usable: set[str] | None = None) -> str:
+def home(rp: ph.RunningProxy, role: str, key: str, usable: set[str] | None = None) -> str:
     """The first (usable) member on the proxy's ring for ``key``: where affinity points."""
     ring = rp.proxy._ring_for(role)
     for name in ring.walk(stable_hash(key)):
@@ -69,12 +59,12 @@ def home(rp: RunningProxy, role: str, key: str, usable: set[str] | None = None) 
     raise AssertionError("empty ring")
 
 
-async def healthy(rp: RunningProxy) -> None:
-    await until(lambda: all(b.usable for b in rp.registry.backends.values()), "all healthy")
+async def healthy(rp: ph.RunningProxy) -> None:
+    await ph.until(lambda: all(b.usable for b in rp.registry.backends.values()), "all healthy")
 
 
 def colocated_table(e: dict[str, FakeEngine]) -> dict:
-    return table("colocated", [backend(n, "colocated", e[n]) for n in e])
+    return ph.table("colocated", [ph.backend(n, "colocated", e[n]) for n in e])
 
 
 # ------------------------------------------------------------------ unit
@@ -99,7 +89,7 @@ def test_session_key_rules() -> None:
 
 
 async def test_one_session_one_colocated_engine_and_sessions_spread() -> None:
-    async with engines(*NAMES, output_tokens=2) as e, running_proxy(colocated_table(e)) as rp:
+    async with ph.engines(*NAMES, output_tokens=2) as e, ph.running_proxy(colocated_table(e)) as rp:
         await healthy(rp)
         # without a session, prefix affinity spreads these prompts over the engines
         by_prefix = {home(rp, "colocated", prompt(i)[:1024]) for i in range(8)}
@@ -129,8 +119,8 @@ async def test_one_session_one_colocated_engine_and_sessions_spread() -> None:
 
 async def test_ejected_session_engine_hands_over_and_gets_it_back() -> None:
     async with (
-        engines(*NAMES, output_tokens=2) as e,
-        running_proxy(colocated_table(e), readmit_after=1) as rp,
+        ph.engines(*NAMES, output_tokens=2) as e,
+        ph.running_proxy(colocated_table(e), readmit_after=1) as rp,
     ):
         await healthy(rp)
         sid = "conv-eject"
@@ -139,7 +129,7 @@ async def test_ejected_session_engine_hands_over_and_gets_it_back() -> None:
         assert served_by(e, prompt(1)) == [first]
 
         e[first].faults = Faults(health_status=503)
-        await until(lambda: not rp.registry.backends[first].usable, f"{first} ejected")
+        await ph.until(lambda: not rp.registry.backends[first].usable, f"{first} ejected")
         others = {n for n in NAMES if n != first}
         second = home(rp, "colocated", f"session:{sid}", usable=others)
         for i in range(2, 6):
@@ -147,7 +137,7 @@ async def test_ejected_session_engine_hands_over_and_gets_it_back() -> None:
             assert served_by(e, prompt(i)) == [second], i  # one stand-in, not a scatter
 
         e[first].faults = Faults()
-        await until(lambda: rp.registry.backends[first].usable, f"{first} re-admitted")
+        await ph.until(lambda: rp.registry.backends[first].usable, f"{first} re-admitted")
         assert await post(rp, prompt(6), session=sid) == 200
         assert served_by(e, prompt(6)) == [first]
 
@@ -156,8 +146,8 @@ async def test_hot_session_spills_under_bounded_load() -> None:
     """Requests of one session that pile up (each hangs in its engine) spill to other
     engines once the home engine carries more than load_factor x its fair share."""
     async with (
-        engines(*NAMES, output_tokens=2) as e,
-        running_proxy(colocated_table(e), load_factor=1.25) as rp,
+        ph.engines(*NAMES, output_tokens=2) as e,
+        ph.running_proxy(colocated_table(e), load_factor=1.25) as rp,
     ):
         await healthy(rp)
         for engine in e.values():
@@ -172,7 +162,7 @@ async def test_hot_session_spills_under_bounded_load() -> None:
         try:
             for i in range(9):
                 tasks.append(asyncio.create_task(post(rp, prompt(i), session=sid)))
-                await until(lambda: seen_total() == len(tasks), f"request {i} in flight")
+                await ph.until(lambda: seen_total() == len(tasks), f"request {i} in flight")
             counts = Counter({n: len(x.seen()) for n, x in e.items()})
         finally:
             for task in tasks:
@@ -188,7 +178,7 @@ async def test_hot_session_spills_under_bounded_load() -> None:
 
 
 async def test_invalid_session_ids_are_ignored() -> None:
-    async with engines(*NAMES, output_tokens=2) as e, running_proxy(colocated_table(e)) as rp:
+    async with ph.engines(*NAMES, output_tokens=2) as e, ph.running_proxy(colocated_table(e)) as rp:
         await healthy(rp)
         cases: list[dict[str, Any]] = [
             {"session": "x" * (MAX_SESSION_CHARS + 1)},
@@ -208,12 +198,12 @@ async def test_invalid_session_ids_are_ignored() -> None:
 
 async def test_one_session_one_prefiller_and_one_decoder() -> None:
     names = ("p0", "p1", "p2", "d0", "d1", "d2")
-    async with engines(*names, output_tokens=2) as e:
-        t = table(
+    async with ph.engines(*names, output_tokens=2) as e:
+        t = ph.table(
             "nixl",
-            [backend(n, "prefill" if n[0] == "p" else "decode", e[n]) for n in names],
+            [ph.backend(n, "prefill" if n[0] == "p" else "decode", e[n]) for n in names],
         )
-        async with running_proxy(t) as rp:
+        async with ph.running_proxy(t) as rp:
             await healthy(rp)
             for i in range(6):
                 assert await post(rp, prompt(i), session="conv-pd") == 200
@@ -235,7 +225,7 @@ async def test_one_session_one_prefiller_and_one_decoder() -> None:
 
             # the session's decoder goes down: another decoder serves, the prefiller stays
             e[d_home].faults = Faults(health_status=503)
-            await until(lambda: not rp.registry.backends[d_home].usable, "decoder ejected")
+            await ph.until(lambda: not rp.registry.backends[d_home].usable, "decoder ejected")
             assert await post(rp, prompt(50), session="conv-pd") == 200
             where = served_by(e, prompt(50))
             assert where[0] == p_home and where[1] != d_home and len(where) == 2, where

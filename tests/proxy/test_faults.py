@@ -8,52 +8,33 @@ import asyncio
 import time
 
 from pdstack.proxy.config import ProxyConfig, load_secrets
+from pdstack.testing import proxy_harness as ph
 from pdstack.testing.fake_engine import Faults
-from pdstack.testing.proxy_harness import (
-    ADMIN_TOKEN,
-    backend,
-    completion_text,
-    engines,
-    metric_value,
-    running_proxy,
-    stream_completion,
-    table,
-)
-
-
-def pd_table(e: dict, prefill: list[str], decode: list[str], kv_mode: str = "nixl") -> dict:
-    return table(
-        kv_mode,
-        [
-            *(backend(n, "prefill", e[n]) for n in prefill),
-            *(backend(n, "decode", e[n]) for n in decode),
-        ],
-    )
 
 
 async def test_prefill_500_retried_on_other_prefiller() -> None:
     """A 5xx that the engine's /health confirms: ejected at once, retried elsewhere."""
-    async with engines("p0", "p1", "d0") as e:
+    async with ph.engines("p0", "p1", "d0") as e:
         cfg = {"eject_after": 100}  # only the confirmation ejects it, not probe counting
-        async with running_proxy(pd_table(e, ["p0", "p1"], ["d0"]), **cfg) as rp:
+        async with ph.running_proxy(ph.pd_table(e, ["p0", "p1"], ["d0"]), **cfg) as rp:
             e["p0"].faults = Faults(status=500, health_status=503)
-            results = [await stream_completion(rp.session, rp.url, f"p{i}") for i in range(12)]
+            results = [await ph.stream_completion(rp.session, rp.url, f"p{i}") for i in range(12)]
             text = await rp.metrics()
     assert all(r.status == 200 and r.events[-1] == "[DONE]" for r in results)
     failed_first = len(e["p0"].seen())
     assert failed_first > 0
     assert len(e["p1"].seen()) == 12 and len(e["d0"].seen()) == 12
-    assert metric_value(text, "pdstack_proxy_retries_total", leg="prefill") == failed_first
-    assert metric_value(text, "pdstack_proxy_ejections_total", backend="p0") == 1
+    assert ph.metric_value(text, "pdstack_proxy_retries_total", leg="prefill") == failed_first
+    assert ph.metric_value(text, "pdstack_proxy_ejections_total", backend="p0") == 1
 
 
 async def test_all_prefillers_failing_gives_502_with_reason() -> None:
     async with (
-        engines("p0", "d0") as e,
-        running_proxy(pd_table(e, ["p0"], ["d0"]), eject_after=100) as rp,
+        ph.engines("p0", "d0") as e,
+        ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"]), eject_after=100) as rp,
     ):
         e["p0"].faults = Faults(status=503, health_status=503)
-        res = await stream_completion(rp.session, rp.url, "hello")
+        res = await ph.stream_completion(rp.session, rp.url, "hello")
     assert res.status == 502
     assert "prefill p0 answered 503" in res.text
     assert not e["d0"].seen()
@@ -61,8 +42,8 @@ async def test_all_prefillers_failing_gives_502_with_reason() -> None:
 
 async def test_decode_failure_before_first_byte_retried_elsewhere() -> None:
     async with (
-        engines("p0", "d0", "d1", output_tokens=5) as e,
-        running_proxy(pd_table(e, ["p0"], ["d0", "d1"])) as rp,
+        ph.engines("p0", "d0", "d1", output_tokens=5) as e,
+        ph.running_proxy(ph.pd_table(e, ["p0"], ["d0", "d1"])) as rp,
     ):
         for fault in (Faults(close_after_chunks=0), Faults(hang=True)):
             e["d0"].faults = fault
@@ -73,51 +54,53 @@ async def test_decode_failure_before_first_byte_retried_elsewhere() -> None:
             # only the first decoder tried fails: the fault applies once overall
             fault.times = 1
             e["d1"].faults = e["d0"].faults = fault
-            res = await stream_completion(rp.session, rp.url, "hello", max_tokens=5)
+            res = await ph.stream_completion(rp.session, rp.url, "hello", max_tokens=5)
             assert res.status == 200, (fault, res.text)
             assert res.events[-1] == "[DONE]" and not res.error_events
-            assert len(completion_text(res.events).split()) == 5
+            assert len(ph.completion_text(res.events).split()) == 5
             assert len(e["d0"].seen()) == len(e["d1"].seen()) == 1, fault
         text = await rp.metrics()
-    assert metric_value(text, "pdstack_proxy_retries_total", leg="decode") == 2
+    assert ph.metric_value(text, "pdstack_proxy_retries_total", leg="decode") == 2
 
 
 async def test_no_retry_after_first_byte_error_event_instead() -> None:
-    async with engines("p0", "d0", "d1", output_tokens=8) as e:
+    async with ph.engines("p0", "d0", "d1", output_tokens=8) as e:
         e["d0"].faults = Faults(close_after_chunks=2)
         e["d1"].faults = Faults(close_after_chunks=2)
-        async with running_proxy(pd_table(e, ["p0"], ["d0", "d1"])) as rp:
+        async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0", "d1"])) as rp:
             started = time.monotonic()
-            res = await stream_completion(rp.session, rp.url, "hello")
+            res = await ph.stream_completion(rp.session, rp.url, "hello")
             assert time.monotonic() - started < 5
             text = await rp.metrics()
     assert res.status == 200
-    assert len(completion_text(res.events[:-2]).split()) == 2  # two tokens got through
+    assert len(ph.completion_text(res.events[:-2]).split()) == 2  # two tokens got through
     (err,) = res.error_events
     assert "failed mid-stream" in err["message"]
     assert res.events[-1] == "[DONE]"
     assert len(e["d0"].seen()) + len(e["d1"].seen()) == 1  # never retried
-    assert metric_value(text, "pdstack_proxy_requests_total", outcome="stream_error") == 1
+    assert ph.metric_value(text, "pdstack_proxy_requests_total", outcome="stream_error") == 1
 
 
 async def test_mid_stream_stall_ends_with_error_event_not_hang() -> None:
-    async with engines("p0", "d0", output_tokens=8) as e:
+    async with ph.engines("p0", "d0", output_tokens=8) as e:
         e["d0"].faults = Faults(hang_after_chunks=3)
-        async with running_proxy(pd_table(e, ["p0"], ["d0"]), stream_idle_timeout_s=0.5) as rp:
+        async with ph.running_proxy(
+            ph.pd_table(e, ["p0"], ["d0"]), stream_idle_timeout_s=0.5
+        ) as rp:
             started = time.monotonic()
-            res = await asyncio.wait_for(stream_completion(rp.session, rp.url, "hi"), 10)
+            res = await asyncio.wait_for(ph.stream_completion(rp.session, rp.url, "hi"), 10)
             elapsed = time.monotonic() - started
             await asyncio.sleep(0.1)
             assert e["d0"].running == 0, "the stalled upstream request must be aborted"
     assert 0.4 < elapsed < 3
-    assert len(completion_text(res.events[:-2]).split()) == 3
+    assert len(ph.completion_text(res.events[:-2]).split()) == 3
     assert "no data for 0.5s" in res.error_events[0]["message"]
 
 
 async def test_eject_after_consecutive_failures_and_readmit() -> None:
-    async with engines("p0", "d0", "d1") as e:
+    async with ph.engines("p0", "d0", "d1") as e:
         cfg = {"eject_after": 3, "readmit_after": 2, "health_interval_s": 0.1}
-        async with running_proxy(pd_table(e, ["p0"], ["d0", "d1"]), **cfg) as rp:
+        async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0", "d1"]), **cfg) as rp:
             d0 = rp.registry.backends["d0"]
             assert d0.healthy
             e["d0"].faults = Faults(health_status=503)
@@ -126,7 +109,7 @@ async def test_eject_after_consecutive_failures_and_readmit() -> None:
                 if not d0.healthy:
                     break
             assert not d0.healthy and d0.state == "ejected"
-            results = [await stream_completion(rp.session, rp.url, f"q{i}") for i in range(6)]
+            results = [await ph.stream_completion(rp.session, rp.url, f"q{i}") for i in range(6)]
             assert all(r.status == 200 for r in results)
             assert not e["d0"].seen() and len(e["d1"].seen()) == 6
             e["d0"].faults = Faults()
@@ -136,16 +119,16 @@ async def test_eject_after_consecutive_failures_and_readmit() -> None:
                     break
             assert d0.healthy
             text = await rp.metrics()
-    assert metric_value(text, "pdstack_proxy_ejections_total", backend="d0") == 1
+    assert ph.metric_value(text, "pdstack_proxy_ejections_total", backend="d0") == 1
 
 
 async def test_passive_ejection_from_request_failures() -> None:
-    async with engines("p0", "d0", "d1") as e:
+    async with ph.engines("p0", "d0", "d1") as e:
         cfg = {"eject_after": 2, "health_interval_s": 60}
-        async with running_proxy(pd_table(e, ["p0"], ["d0", "d1"]), **cfg) as rp:
+        async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0", "d1"]), **cfg) as rp:
             e["d0"].faults = Faults(close_after_chunks=0)  # dies before its first byte
             for i in range(8):
-                res = await stream_completion(rp.session, rp.url, f"q{i}")
+                res = await ph.stream_completion(rp.session, rp.url, f"q{i}")
                 assert res.status == 200
             assert not rp.registry.backends["d0"].healthy
     assert len(e["d0"].seen()) == 2  # two failures, then never picked again
@@ -153,24 +136,22 @@ async def test_passive_ejection_from_request_failures() -> None:
 
 async def test_drain_and_undrain_with_in_flight_finishing() -> None:
     async with (
-        engines("p0", "d0", "d1", output_tokens=10, itl_ms=50) as e,
-        running_proxy(pd_table(e, ["p0"], ["d0", "d1"])) as rp,
+        ph.engines("p0", "d0", "d1", output_tokens=10, itl_ms=50) as e,
+        ph.running_proxy(ph.pd_table(e, ["p0"], ["d0", "d1"])) as rp,
     ):
         h = rp.admin_headers()
         # one long request in flight on d0 (d1 drained for the moment)
         async with rp.session.post(f"{rp.url}/admin/backends/d1/drain", headers=h) as r:
             assert (await r.json())["state"] == "drained"
-        long_req = asyncio.create_task(stream_completion(rp.session, rp.url, "long"))
+        long_req = asyncio.create_task(ph.stream_completion(rp.session, rp.url, "long"))
         await asyncio.sleep(0.15)
-        async with rp.session.post(f"{rp.url}/admin/backends/d1/undrain", headers=h) as r:
-            assert r.status == 200
-        async with rp.session.post(f"{rp.url}/admin/backends/d0/drain", headers=h) as r:
-            assert r.status == 200
+        assert await rp.backend_action("d1", "undrain") == 200
+        assert await rp.backend_action("d0", "drain") == 200
         async with rp.session.get(f"{rp.url}/admin/backends", headers=h) as r:
             listing = {b["name"]: b for b in (await r.json())["backends"]}
         assert listing["d0"]["state"] == "drained" and listing["d0"]["in_flight"] == 1
         quick = [
-            await stream_completion(rp.session, rp.url, f"q{i}", max_tokens=1) for i in range(4)
+            await ph.stream_completion(rp.session, rp.url, f"q{i}", max_tokens=1) for i in range(4)
         ]
         res = await long_req
     assert res.status == 200 and res.events[-1] == "[DONE]" and not res.error_events
@@ -180,34 +161,34 @@ async def test_drain_and_undrain_with_in_flight_finishing() -> None:
 
 async def test_concurrency_limit_429_with_retry_after() -> None:
     async with (
-        engines("p0", "d0", output_tokens=5, itl_ms=100) as e,
-        running_proxy(pd_table(e, ["p0"], ["d0"]), max_concurrency=3) as rp,
+        ph.engines("p0", "d0", output_tokens=5, itl_ms=100) as e,
+        ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"]), max_concurrency=3) as rp,
     ):
         slow = [
-            asyncio.create_task(stream_completion(rp.session, rp.url, f"s{i}")) for i in range(3)
+            asyncio.create_task(ph.stream_completion(rp.session, rp.url, f"s{i}")) for i in range(3)
         ]
         await asyncio.sleep(0.1)
-        res = await stream_completion(rp.session, rp.url, "over")
+        res = await ph.stream_completion(rp.session, rp.url, "over")
         done = await asyncio.gather(*slow)
-        after = await stream_completion(rp.session, rp.url, "after")
+        after = await ph.stream_completion(rp.session, rp.url, "after")
         text = await rp.metrics()
     assert res.status == 429
     assert res.headers["Retry-After"] == "1"
     assert "concurrency limit" in res.text
     assert all(d.status == 200 for d in done) and after.status == 200
-    assert metric_value(text, "pdstack_proxy_requests_total", outcome="rejected") == 1
+    assert ph.metric_value(text, "pdstack_proxy_requests_total", outcome="rejected") == 1
 
 
 async def test_api_keys_and_admin_token() -> None:
-    async with engines("p0", "d0") as e:
-        async with running_proxy(
-            pd_table(e, ["p0"], ["d0"]), api_keys=frozenset({"k1", "k2"})
+    async with ph.engines("p0", "d0") as e:
+        async with ph.running_proxy(
+            ph.pd_table(e, ["p0"], ["d0"]), api_keys=frozenset({"k1", "k2"})
         ) as rp:
-            no_key = await stream_completion(rp.session, rp.url, "x")
-            bad = await stream_completion(
+            no_key = await ph.stream_completion(rp.session, rp.url, "x")
+            bad = await ph.stream_completion(
                 rp.session, rp.url, "x", headers={"Authorization": "Bearer nope"}
             )
-            good = await stream_completion(
+            good = await ph.stream_completion(
                 rp.session, rp.url, "x", headers={"Authorization": "Bearer k2"}
             )
             async with rp.session.get(f"{rp.url}/admin/backends") as r:
@@ -217,13 +198,13 @@ async def test_api_keys_and_admin_token() -> None:
             ) as r:
                 admin_client_key = r.status
             async with rp.session.get(
-                f"{rp.url}/admin/backends", headers={"X-Admin-Token": ADMIN_TOKEN}
+                f"{rp.url}/admin/backends", headers={"X-Admin-Token": ph.ADMIN_TOKEN}
             ) as r:
                 admin_ok = r.status
         async with (
-            running_proxy(pd_table(e, ["p0"], ["d0"]), admin_token=None) as rp,
+            ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"]), admin_token=None) as rp,
             rp.session.get(
-                f"{rp.url}/admin/backends", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+                f"{rp.url}/admin/backends", headers={"Authorization": f"Bearer {ph.ADMIN_TOKEN}"}
             ) as r,
         ):
             disabled = r.status, await r.json()
@@ -247,42 +228,33 @@ def test_secrets_from_env_file_not_argv(tmp_path) -> None:
 
 
 async def test_generations_pair_only_same_generation() -> None:
-    async with engines("p_old", "d_old", "p_new", "d_new") as e:
-        t = table(
+    async with ph.engines("p_old", "d_old", "p_new", "d_new") as e:
+        t = ph.table(
             "nixl",
             [
-                backend("p_old", "prefill", e["p_old"], gen="rev1@img1"),
-                backend("d_old", "decode", e["d_old"], gen="rev1@img1"),
-                backend("d_new", "decode", e["d_new"], gen="rev2@img1"),
+                ph.backend("p_old", "prefill", e["p_old"], gen="rev1@img1"),
+                ph.backend("d_old", "decode", e["d_old"], gen="rev1@img1"),
+                ph.backend("d_new", "decode", e["d_new"], gen="rev2@img1"),
             ],
         )
-        async with running_proxy(t) as rp:
+        async with ph.running_proxy(t) as rp:
             h = rp.admin_headers()
             for i in range(6):
-                assert (await stream_completion(rp.session, rp.url, f"a{i}")).status == 200
+                assert (await ph.stream_completion(rp.session, rp.url, f"a{i}")).status == 200
             assert len(e["d_old"].seen()) == 6 and not e["d_new"].seen()
             # the rolling upgrade adds a new-generation prefiller
-            spec = {
-                "name": "p_new",
-                "role": "prefill",
-                "node": "n1",
-                "url": e["p_new"].url,
-                "generation": "rev2@img1",
-            }
+            spec = ph.backend("p_new", "prefill", e["p_new"], gen="rev2@img1")
             async with rp.session.post(f"{rp.url}/admin/backends", json=spec, headers=h) as r:
                 assert r.status == 201
                 assert (await r.json())["state"] == "healthy"
             for name in ("p_old", "d_old"):
-                async with rp.session.post(f"{rp.url}/admin/backends/{name}/drain", headers=h) as r:
-                    assert r.status == 200
+                assert await rp.backend_action(name, "drain") == 200
             for i in range(6):
-                assert (await stream_completion(rp.session, rp.url, f"b{i}")).status == 200
+                assert (await ph.stream_completion(rp.session, rp.url, f"b{i}")).status == 200
             # old decoder gone entirely: the old prefiller has no same-generation decoder
-            async with rp.session.post(f"{rp.url}/admin/backends/p_new/drain", headers=h) as r:
-                assert r.status == 200
-            async with rp.session.post(f"{rp.url}/admin/backends/p_old/undrain", headers=h) as r:
-                assert r.status == 200
-            res = await stream_completion(rp.session, rp.url, "c")
+            assert await rp.backend_action("p_new", "drain") == 200
+            assert await rp.backend_action("p_old", "undrain") == 200
+            res = await ph.stream_completion(rp.session, rp.url, "c")
             text = await rp.metrics()
     assert len(e["d_new"].seen()) == 6 and len(e["p_new"].seen()) == 6
     assert res.status == 503
@@ -295,7 +267,7 @@ async def test_generations_pair_only_same_generation() -> None:
     ]
     assert not mixed
     assert (
-        metric_value(
+        ph.metric_value(
             text,
             "pdstack_proxy_pairs_total",
             prefill_generation="rev2@img1",
@@ -307,24 +279,18 @@ async def test_generations_pair_only_same_generation() -> None:
 
 async def test_admin_replace_and_remove_backend() -> None:
     async with (
-        engines("p0", "d0", "d0b") as e,
-        running_proxy(pd_table(e, ["p0"], ["d0"])) as rp,
+        ph.engines("p0", "d0", "d0b") as e,
+        ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"])) as rp,
     ):
         h = rp.admin_headers()
-        spec = {
-            "name": "d0",
-            "role": "decode",
-            "node": "n1",
-            "url": e["d0b"].url,
-            "generation": "g1",
-        }
+        spec = ph.backend("d0", "decode", e["d0b"])
         async with rp.session.post(f"{rp.url}/admin/backends", json=spec, headers=h) as r:
             assert r.status == 200
-        assert (await stream_completion(rp.session, rp.url, "x")).status == 200
+        assert (await ph.stream_completion(rp.session, rp.url, "x")).status == 200
         assert len(e["d0b"].seen()) == 1 and not e["d0"].seen()
         async with rp.session.delete(f"{rp.url}/admin/backends/d0", headers=h) as r:
             assert r.status == 200
-        res = await stream_completion(rp.session, rp.url, "y")
+        res = await ph.stream_completion(rp.session, rp.url, "y")
         bad = {"name": "x", "role": "decoder", "url": "http://127.0.0.1:1"}
         async with rp.session.post(f"{rp.url}/admin/backends", json=bad, headers=h) as r:
             bad_status = r.status
@@ -334,8 +300,8 @@ async def test_admin_replace_and_remove_backend() -> None:
 
 async def test_client_disconnect_aborts_upstream() -> None:
     async with (
-        engines("p0", "d0", output_tokens=50, itl_ms=20) as e,
-        running_proxy(pd_table(e, ["p0"], ["d0"])) as rp,
+        ph.engines("p0", "d0", output_tokens=50, itl_ms=20) as e,
+        ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"])) as rp,
     ):
         body = {"prompt": "x", "stream": True}
         async with rp.session.post(f"{rp.url}/v1/completions", json=body) as resp:
@@ -350,14 +316,14 @@ async def test_client_disconnect_aborts_upstream() -> None:
         assert rp.proxy.in_flight == 0
         assert rp.registry.backends["d0"].in_flight == 0
         text = await rp.metrics()
-    assert metric_value(text, "pdstack_proxy_requests_total", outcome="client_disconnect") == 1
+    assert ph.metric_value(text, "pdstack_proxy_requests_total", outcome="client_disconnect") == 1
 
 
 async def test_client_disconnect_during_prefill_aborts_prefill() -> None:
-    async with engines("p0", "d0") as e:
+    async with ph.engines("p0", "d0") as e:
         e["p0"].faults = Faults(hang=True)
-        async with running_proxy(pd_table(e, ["p0"], ["d0"])) as rp:
-            task = asyncio.create_task(stream_completion(rp.session, rp.url, "x"))
+        async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"])) as rp:
+            task = asyncio.create_task(ph.stream_completion(rp.session, rp.url, "x"))
             await asyncio.sleep(0.2)
             assert rp.registry.backends["p0"].in_flight == 1
             task.cancel()
@@ -375,8 +341,8 @@ async def test_acceptance_kill_decoder_mid_load() -> None:
     streaming ones end with an error event (never hang), the backend is ejected, and it is
     re-admitted once it is back."""
     async with (
-        engines("p0", output_tokens=1) as pe,
-        engines("d0", "d1", output_tokens=30, itl_ms=30, ttft_ms=50) as de,
+        ph.engines("p0", output_tokens=1) as pe,
+        ph.engines("d0", "d1", output_tokens=30, itl_ms=30, ttft_ms=50) as de,
     ):
         e = {**pe, **de}
         cfg = {
@@ -386,9 +352,9 @@ async def test_acceptance_kill_decoder_mid_load() -> None:
             "decode_first_byte_timeout_s": 5.0,
             "stream_idle_timeout_s": 5.0,
         }
-        async with running_proxy(pd_table(e, ["p0"], ["d0", "d1"]), **cfg) as rp:
+        async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0", "d1"]), **cfg) as rp:
             first_wave = [
-                asyncio.create_task(stream_completion(rp.session, rp.url, f"w1-{i}"))
+                asyncio.create_task(ph.stream_completion(rp.session, rp.url, f"w1-{i}"))
                 for i in range(40)
             ]
             for _ in range(200):  # until the first wave is streaming on d0
@@ -399,7 +365,7 @@ async def test_acceptance_kill_decoder_mid_load() -> None:
             assert on_d0 > 0
             await e["d0"].kill()
             second_wave = [
-                asyncio.create_task(stream_completion(rp.session, rp.url, f"w2-{i}"))
+                asyncio.create_task(ph.stream_completion(rp.session, rp.url, f"w2-{i}"))
                 for i in range(40)
             ]
             started = time.monotonic()
@@ -409,7 +375,7 @@ async def test_acceptance_kill_decoder_mid_load() -> None:
             d0 = rp.registry.backends["d0"]
             assert not d0.healthy, "killed decoder must be ejected"
             text = await rp.metrics()
-            assert metric_value(text, "pdstack_proxy_ejections_total", backend="d0") == 1
+            assert ph.metric_value(text, "pdstack_proxy_ejections_total", backend="d0") == 1
             await e["d0"].start()  # back on the same port
             for _ in range(50):
                 await asyncio.sleep(0.1)
@@ -417,7 +383,7 @@ async def test_acceptance_kill_decoder_mid_load() -> None:
                     break
             assert d0.healthy, "restarted decoder must be re-admitted"
             third = await asyncio.gather(
-                *(stream_completion(rp.session, rp.url, f"w3-{i}") for i in range(20))
+                *(ph.stream_completion(rp.session, rp.url, f"w3-{i}") for i in range(20))
             )
     # every first-wave request either completed or ended with an error event (none hung)
     broken = [r for r in first if r.error_events]
@@ -425,11 +391,11 @@ async def test_acceptance_kill_decoder_mid_load() -> None:
     for r in first:
         assert r.status == 200 and r.events[-1] == "[DONE]"
         if not r.error_events:
-            assert len(completion_text(r.events).split()) == 30
+            assert len(ph.completion_text(r.events).split()) == 30
     for r in broken:
         assert "failed mid-stream" in r.error_events[0]["message"]
     # requests that had not started streaming succeeded elsewhere
     assert all(r.status == 200 and not r.error_events for r in second)
-    assert all(len(completion_text(r.events).split()) == 30 for r in second)
+    assert all(len(ph.completion_text(r.events).split()) == 30 for r in second)
     assert all(r.status == 200 and not r.error_events for r in third)
     assert e["d0"].seen()[-1].body["prompt"].startswith("w3-")

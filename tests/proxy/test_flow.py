@@ -8,24 +8,18 @@ from collections import Counter
 
 import aiohttp
 
-from pdstack.testing.proxy_harness import (
-    backend,
-    completion_text,
-    engines,
-    metric_value,
-    running_proxy,
-    stream_completion,
-    table,
-)
+from pdstack.testing import proxy_harness as ph
 
 SYSTEM = "You are a helpful assistant. " * 40  # ~1200 chars, shared by most requests
 
 
 async def test_nixl_two_leg_flow_exact() -> None:
-    async with engines("p0", "d0", output_tokens=6) as e:
-        t = table("nixl", [backend("p0", "prefill", e["p0"]), backend("d0", "decode", e["d0"])])
-        async with running_proxy(t) as rp:
-            res = await stream_completion(
+    async with ph.engines("p0", "d0", output_tokens=6) as e:
+        t = ph.table(
+            "nixl", [ph.backend("p0", "prefill", e["p0"]), ph.backend("d0", "decode", e["d0"])]
+        )
+        async with ph.running_proxy(t) as rp:
+            res = await ph.stream_completion(
                 rp.session,
                 rp.url,
                 SYSTEM + "question 1",
@@ -38,10 +32,10 @@ async def test_nixl_two_leg_flow_exact() -> None:
             assert res.headers["X-Request-Id"] == "req-abc"
             assert res.events[-1] == "[DONE]"
             # same tokens as asking the decoder directly (the fake is deterministic per prompt)
-            direct = await stream_completion(
+            direct = await ph.stream_completion(
                 rp.session, e["d0"].url, SYSTEM + "question 1", max_tokens=5
             )
-            assert completion_text(res.events) == completion_text(direct.events)
+            assert ph.completion_text(res.events) == ph.completion_text(direct.events)
 
     (pre,) = e["p0"].seen()
     assert pre.request_id == "req-abc"
@@ -62,9 +56,11 @@ async def test_nixl_two_leg_flow_exact() -> None:
 
 
 async def test_request_id_generated_and_non_stream_chat() -> None:
-    async with engines("p0", "d0", output_tokens=4) as e:
-        t = table("nixl", [backend("p0", "prefill", e["p0"]), backend("d0", "decode", e["d0"])])
-        async with running_proxy(t) as rp:
+    async with ph.engines("p0", "d0", output_tokens=4) as e:
+        t = ph.table(
+            "nixl", [ph.backend("p0", "prefill", e["p0"]), ph.backend("d0", "decode", e["d0"])]
+        )
+        async with ph.running_proxy(t) as rp:
             body = {
                 "model": "fake",
                 "messages": [{"role": "user", "content": "hello"}],
@@ -82,21 +78,21 @@ async def test_request_id_generated_and_non_stream_chat() -> None:
 
 
 async def test_shared_l1_pairs_same_node_only_and_no_kv_params() -> None:
-    async with engines("p1", "d1", "p2", "d2") as e:
-        t = table(
+    async with ph.engines("p1", "d1", "p2", "d2") as e:
+        t = ph.table(
             "shared-l1",
             [
-                backend("n1/p", "prefill", e["p1"], node="n1"),
-                backend("n1/d", "decode", e["d1"], node="n1"),
-                backend("n2/p", "prefill", e["p2"], node="n2"),
-                backend("n2/d", "decode", e["d2"], node="n2"),
+                ph.backend("n1/p", "prefill", e["p1"], node="n1"),
+                ph.backend("n1/d", "decode", e["d1"], node="n1"),
+                ph.backend("n2/p", "prefill", e["p2"], node="n2"),
+                ph.backend("n2/d", "decode", e["d2"], node="n2"),
             ],
         )
         # a bogus cross-node shared-l1 pairing must still never be used
         t["pairings"].append({"prefill": "n1/p", "decode": "n2/d", "kv_path": "shared-l1"})
-        async with running_proxy(t) as rp:
+        async with ph.running_proxy(t) as rp:
             results = await asyncio.gather(
-                *(stream_completion(rp.session, rp.url, f"prompt {i} " * 50) for i in range(40))
+                *(ph.stream_completion(rp.session, rp.url, f"prompt {i} " * 50) for i in range(40))
             )
     assert all(r.status == 200 and r.events[-1] == "[DONE]" for r in results)
     ids = {1: {r.request_id for r in e["p1"].seen()}, 2: {r.request_id for r in e["p2"].seen()}}
@@ -108,25 +104,22 @@ async def test_shared_l1_pairs_same_node_only_and_no_kv_params() -> None:
 
 
 async def test_shared_l1_plus_nixl_prefers_same_node_and_uses_nixl_across() -> None:
-    async with engines("p1", "d1", "d2") as e:
-        t = table(
+    async with ph.engines("p1", "d1", "d2") as e:
+        t = ph.table(
             "shared-l1+nixl",
             [
-                backend("n1/p", "prefill", e["p1"], node="n1"),
-                backend("n1/d", "decode", e["d1"], node="n1"),
-                backend("n2/d", "decode", e["d2"], node="n2"),
+                ph.backend("n1/p", "prefill", e["p1"], node="n1"),
+                ph.backend("n1/d", "decode", e["d1"], node="n1"),
+                ph.backend("n2/d", "decode", e["d2"], node="n2"),
             ],
         )
-        async with running_proxy(t) as rp:
-            ok = await stream_completion(rp.session, rp.url, "x " * 10)
+        async with ph.running_proxy(t) as rp:
+            ok = await ph.stream_completion(rp.session, rp.url, "x " * 10)
             assert ok.status == 200
             assert len(e["d1"].seen()) == 1 and not e["d2"].seen()
             assert "kv_transfer_params" not in e["p1"].seen()[0].body
-            async with rp.session.post(
-                f"{rp.url}/admin/backends/n1/d/drain", headers=rp.admin_headers()
-            ) as resp:
-                assert resp.status == 200
-            ok = await stream_completion(rp.session, rp.url, "y " * 10)
+            assert await rp.backend_action("n1/d", "drain") == 200
+            ok = await ph.stream_completion(rp.session, rp.url, "y " * 10)
             assert ok.status == 200
     assert len(e["d2"].seen()) == 1
     assert e["p1"].seen()[1].body["kv_transfer_params"] == {"do_remote_decode": True}
@@ -134,28 +127,29 @@ async def test_shared_l1_plus_nixl_prefers_same_node_and_uses_nixl_across() -> N
 
 
 async def test_colocated_is_one_leg() -> None:
-    async with engines("e0", "e1") as e:
-        t = table(
-            "colocated", [backend("e0", "colocated", e["e0"]), backend("e1", "colocated", e["e1"])]
+    async with ph.engines("e0", "e1") as e:
+        t = ph.table(
+            "colocated",
+            [ph.backend("e0", "colocated", e["e0"]), ph.backend("e1", "colocated", e["e1"])],
         )
-        async with running_proxy(t) as rp:
-            res = await stream_completion(rp.session, rp.url, "hello there", max_tokens=3)
+        async with ph.running_proxy(t) as rp:
+            res = await ph.stream_completion(rp.session, rp.url, "hello there", max_tokens=3)
             assert res.status == 200
             text = await rp.metrics()
     seen = e["e0"].seen() + e["e1"].seen()
     assert len(seen) == 1
     assert seen[0].body["max_tokens"] == 3 and "kv_transfer_params" not in seen[0].body
-    assert metric_value(text, "pdstack_proxy_ttft_seconds_count", route="colocated") == 1
+    assert ph.metric_value(text, "pdstack_proxy_ttft_seconds_count", route="colocated") == 1
 
 
 async def test_prefix_affinity_sticks_and_bounded_load_spreads_hot_prefix() -> None:
-    async with engines("p0", "p1", "p2", "p3", "d0", ttft_ms=0) as e:
-        pre = [backend(f"p{i}", "prefill", e[f"p{i}"]) for i in range(4)]
-        t = table("nixl", [*pre, backend("d0", "decode", e["d0"])])
-        async with running_proxy(t, prefix_chars=256, load_factor=1.25) as rp:
+    async with ph.engines("p0", "p1", "p2", "p3", "d0", ttft_ms=0) as e:
+        pre = [ph.backend(f"p{i}", "prefill", e[f"p{i}"]) for i in range(4)]
+        t = ph.table("nixl", [*pre, ph.backend("d0", "decode", e["d0"])])
+        async with ph.running_proxy(t, prefix_chars=256, load_factor=1.25) as rp:
             # sequential (no load): one shared system prompt -> always one prefiller
             for i in range(8):
-                res = await stream_completion(rp.session, rp.url, SYSTEM + f"user {i}")
+                res = await ph.stream_completion(rp.session, rp.url, SYSTEM + f"user {i}")
                 assert res.status == 200
             used = [n for n in ("p0", "p1", "p2", "p3") if e[n].seen()]
             assert len(used) == 1, used
@@ -165,7 +159,7 @@ async def test_prefix_affinity_sticks_and_bounded_load_spreads_hot_prefix() -> N
                 e[n].requests.clear()
                 e[n].ttft_ms = 150
             results = await asyncio.gather(
-                *(stream_completion(rp.session, rp.url, SYSTEM + f"user {i}") for i in range(16))
+                *(ph.stream_completion(rp.session, rp.url, SYSTEM + f"user {i}") for i in range(16))
             )
             assert all(r.status == 200 for r in results)
     counts = {n: len(e[n].seen()) for n in ("p0", "p1", "p2", "p3")}
@@ -177,16 +171,17 @@ async def test_prefix_affinity_sticks_and_bounded_load_spreads_hot_prefix() -> N
 
 async def test_decode_power_of_two_balances() -> None:
     async with (
-        engines("p0", output_tokens=4) as pe,
-        engines("d0", "d1", "d2", "d3", output_tokens=20, itl_ms=20) as de,
+        ph.engines("p0", output_tokens=4) as pe,
+        ph.engines("d0", "d1", "d2", "d3", output_tokens=20, itl_ms=20) as de,
     ):
-        t = table(
-            "nixl", [backend("p0", "prefill", pe["p0"]), *[backend(n, "decode", de[n]) for n in de]]
+        t = ph.table(
+            "nixl",
+            [ph.backend("p0", "prefill", pe["p0"]), *[ph.backend(n, "decode", de[n]) for n in de]],
         )
-        async with running_proxy(t) as rp:
+        async with ph.running_proxy(t) as rp:
             results = []
             for _ in range(4):  # waves, so that in-flight counts matter
-                wave = [stream_completion(rp.session, rp.url, f"q{i}") for i in range(20)]
+                wave = [ph.stream_completion(rp.session, rp.url, f"q{i}") for i in range(20)]
                 results += await asyncio.gather(*wave)
     assert all(r.status == 200 for r in results)
     counts = Counter({n: len(de[n].seen()) for n in de})
@@ -195,14 +190,16 @@ async def test_decode_power_of_two_balances() -> None:
 
 
 async def test_models_health_metrics_endpoints() -> None:
-    async with engines("p0", "d0") as e:
-        t = table("nixl", [backend("p0", "prefill", e["p0"]), backend("d0", "decode", e["d0"])])
-        async with running_proxy(t) as rp:
+    async with ph.engines("p0", "d0") as e:
+        t = ph.table(
+            "nixl", [ph.backend("p0", "prefill", e["p0"]), ph.backend("d0", "decode", e["d0"])]
+        )
+        async with ph.running_proxy(t) as rp:
             async with rp.session.get(f"{rp.url}/v1/models") as resp:
                 assert (await resp.json())["data"][0]["id"] == "fake"
             async with rp.session.get(f"{rp.url}/health") as resp:
                 assert resp.status == 200
-            await stream_completion(rp.session, rp.url, "hi")
+            await ph.stream_completion(rp.session, rp.url, "hi")
             text = await rp.metrics()
             e["d0"].faults.health_status = 503
             await asyncio.sleep(1.0)
@@ -213,19 +210,21 @@ async def test_models_health_metrics_endpoints() -> None:
                 assert resp.status == 503
                 body = await resp.json()
     assert "no healthy decoder for prefiller p0 on node n1" in body["reason"]
-    assert metric_value(text, "pdstack_proxy_requests_total", outcome="ok") == 1
-    assert metric_value(text, "pdstack_proxy_ttft_seconds_count", route="pd") == 1
-    assert metric_value(text, "pdstack_proxy_leg_seconds_count", leg="prefill") == 1
-    assert metric_value(text, "pdstack_proxy_leg_seconds_count", leg="decode") == 1
+    assert ph.metric_value(text, "pdstack_proxy_requests_total", outcome="ok") == 1
+    assert ph.metric_value(text, "pdstack_proxy_ttft_seconds_count", route="pd") == 1
+    assert ph.metric_value(text, "pdstack_proxy_leg_seconds_count", leg="prefill") == 1
+    assert ph.metric_value(text, "pdstack_proxy_leg_seconds_count", leg="decode") == 1
     assert "pdstack_proxy_backend_in_flight{" in text
-    assert metric_value(text, "pdstack_proxy_pairs_total", prefill="p0", decode="d0") == 1
+    assert ph.metric_value(text, "pdstack_proxy_pairs_total", prefill="p0", decode="d0") == 1
 
 
 async def test_bad_json_is_openai_error() -> None:
-    async with engines("p0", "d0") as e:
-        t = table("nixl", [backend("p0", "prefill", e["p0"]), backend("d0", "decode", e["d0"])])
+    async with ph.engines("p0", "d0") as e:
+        t = ph.table(
+            "nixl", [ph.backend("p0", "prefill", e["p0"]), ph.backend("d0", "decode", e["d0"])]
+        )
         async with (
-            running_proxy(t) as rp,
+            ph.running_proxy(t) as rp,
             rp.session.post(f"{rp.url}/v1/completions", data=b"{nope") as resp,
         ):
             assert resp.status == 400
@@ -235,19 +234,19 @@ async def test_bad_json_is_openai_error() -> None:
 
 
 async def test_upstream_4xx_is_passed_through_not_retried() -> None:
-    async with engines("p0", "p1", "d0") as e:
+    async with ph.engines("p0", "p1", "d0") as e:
         e["p0"].faults.status = 400
         e["p1"].faults.status = 400
-        t = table(
+        t = ph.table(
             "nixl",
             [
-                backend("p0", "prefill", e["p0"]),
-                backend("p1", "prefill", e["p1"]),
-                backend("d0", "decode", e["d0"]),
+                ph.backend("p0", "prefill", e["p0"]),
+                ph.backend("p1", "prefill", e["p1"]),
+                ph.backend("d0", "decode", e["d0"]),
             ],
         )
-        async with running_proxy(t) as rp:
-            res = await stream_completion(rp.session, rp.url, "x")
+        async with ph.running_proxy(t) as rp:
+            res = await ph.stream_completion(rp.session, rp.url, "x")
     assert res.status == 400
     assert "error" in json.loads(res.text)
     assert len(e["p0"].seen()) + len(e["p1"].seen()) == 1
@@ -255,22 +254,24 @@ async def test_upstream_4xx_is_passed_through_not_retried() -> None:
 
 
 async def test_client_kv_transfer_params_are_dropped() -> None:
-    async with engines("p0", "d0") as e:
-        t = table(
-            "shared-l1", [backend("p0", "prefill", e["p0"]), backend("d0", "decode", e["d0"])]
+    async with ph.engines("p0", "d0") as e:
+        t = ph.table(
+            "shared-l1", [ph.backend("p0", "prefill", e["p0"]), ph.backend("d0", "decode", e["d0"])]
         )
-        async with running_proxy(t) as rp:
+        async with ph.running_proxy(t) as rp:
             evil = {"do_remote_prefill": True, "remote_host": "10.9.9.9", "remote_port": 1}
-            res = await stream_completion(rp.session, rp.url, "x", kv_transfer_params=evil)
+            res = await ph.stream_completion(rp.session, rp.url, "x", kv_transfer_params=evil)
     assert res.status == 200
     assert "kv_transfer_params" not in e["p0"].seen()[0].body
     assert "kv_transfer_params" not in e["d0"].seen()[0].body
 
 
 async def test_http10_client_gets_unchunked_stream() -> None:
-    async with engines("p0", "d0", output_tokens=3) as e:
-        t = table("nixl", [backend("p0", "prefill", e["p0"]), backend("d0", "decode", e["d0"])])
-        async with running_proxy(t) as rp:
+    async with ph.engines("p0", "d0", output_tokens=3) as e:
+        t = ph.table(
+            "nixl", [ph.backend("p0", "prefill", e["p0"]), ph.backend("d0", "decode", e["d0"])]
+        )
+        async with ph.running_proxy(t) as rp:
             body = {"prompt": "x", "stream": True}
             async with (
                 aiohttp.ClientSession(version=aiohttp.HttpVersion10) as session,
@@ -280,4 +281,4 @@ async def test_http10_client_gets_unchunked_stream() -> None:
                 assert "chunked" not in resp.headers.get("Transfer-Encoding", "")
                 text = (await resp.read()).decode()
     events = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
-    assert events[-1] == "[DONE]" and len(completion_text(events).split()) == 3
+    assert events[-1] == "[DONE]" and len(ph.completion_text(events).split()) == 3

@@ -28,30 +28,11 @@ import aiohttp
 
 from pdstack.proxy.config import ProxyConfig, load_secrets
 from pdstack.proxy.routing import stable_hash
+from pdstack.testing import proxy_harness as ph
 from pdstack.testing.fake_engine import Faults
-from pdstack.testing.proxy_harness import (
-    ADMIN_TOKEN,
-    backend,
-    completion_text,
-    engines,
-    metric_value,
-    running_proxy,
-    stream_completion,
-    table,
-)
 from pdstack.testing.vllm_engines import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def pd_table(e: dict, prefill: list[str], decode: list[str]) -> dict:
-    return table(
-        "nixl",
-        [
-            *(backend(n, "prefill", e[n]) for n in prefill),
-            *(backend(n, "decode", e[n]) for n in decode),
-        ],
-    )
 
 
 def assert_openai_error(data: Any, status: int) -> dict:
@@ -65,6 +46,19 @@ def assert_openai_error(data: Any, status: int) -> dict:
     assert isinstance(err["type"], str) and err["type"]
     assert err["code"] == status, err
     return err
+
+
+async def wait_health(url: str, tries: int) -> None:
+    """Poll ``url``/health every 0.1 s, at most ``tries`` times, until it answers 200."""
+    async with aiohttp.ClientSession() as s:
+        for _ in range(tries):
+            try:
+                async with s.get(url + "/health") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
 
 
 async def raw_request(
@@ -97,9 +91,9 @@ def port_of(url: str) -> int:
 async def test_slow_body_flood_does_not_lock_out_normal_requests() -> None:
     """More slow-body connections than admission slots: normal requests are still
     served (P99 < 1 s) while the flood lasts, and the flood is cut at the body timeout."""
-    async with engines("p0", "d0", output_tokens=4) as e:
+    async with ph.engines("p0", "d0", output_tokens=4) as e:
         cfg = {"max_concurrency": 40, "body_timeout_s": 3.0}
-        async with running_proxy(pd_table(e, ["p0"], ["d0"]), **cfg) as rp:
+        async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"]), **cfg) as rp:
             port = port_of(rp.url)
             head = (
                 b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -115,7 +109,7 @@ async def test_slow_body_flood_does_not_lock_out_normal_requests() -> None:
             latencies = []
             for i in range(20):
                 started = time.monotonic()
-                res = await stream_completion(rp.session, rp.url, f"normal {i}", max_tokens=4)
+                res = await ph.stream_completion(rp.session, rp.url, f"normal {i}", max_tokens=4)
                 latencies.append(time.monotonic() - started)
                 assert res.status == 200 and res.events[-1] == "[DONE]", res.text
             latencies.sort()
@@ -133,9 +127,9 @@ async def test_slow_body_flood_does_not_lock_out_normal_requests() -> None:
 
 
 async def test_slow_request_heads_are_closed_at_the_header_timeout() -> None:
-    async with engines("p0", "d0") as e:
+    async with ph.engines("p0", "d0") as e:
         cfg = {"header_timeout_s": 1.0}
-        async with running_proxy(pd_table(e, ["p0"], ["d0"]), **cfg) as rp:
+        async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"]), **cfg) as rp:
             port = port_of(rp.url)
             conns = []
             for _ in range(50):
@@ -155,16 +149,16 @@ async def test_slow_request_heads_are_closed_at_the_header_timeout() -> None:
                         assert await reader.read() == b""
                 writer.close()
             assert time.monotonic() - started < 6.0
-            res = await stream_completion(rp.session, rp.url, "still fine", max_tokens=2)
+            res = await ph.stream_completion(rp.session, rp.url, "still fine", max_tokens=2)
             assert res.status == 200
 
 
 async def test_head_timeout_spares_bodies_streams_and_kept_alive_connections() -> None:
     """The head timeout covers the head only: a body sent in pieces, a stream that
     outlasts the timeout and a kept-alive connection between requests are untouched."""
-    async with engines("p0", "d0", output_tokens=8, itl_ms=200) as e:
+    async with ph.engines("p0", "d0", output_tokens=8, itl_ms=200) as e:
         cfg = {"header_timeout_s": 0.5, "idle_timeout_s": 30.0}
-        async with running_proxy(pd_table(e, ["p0"], ["d0"]), **cfg) as rp:
+        async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"]), **cfg) as rp:
             reader, writer = await asyncio.open_connection("127.0.0.1", port_of(rp.url))
             body = json.dumps(
                 {"model": "fake", "prompt": "p " * 50_000, "stream": True, "max_tokens": 8}
@@ -193,8 +187,8 @@ async def test_head_timeout_spares_bodies_streams_and_kept_alive_connections() -
 
 async def test_idle_keepalive_connection_closed() -> None:
     async with (
-        engines("p0", "d0") as e,
-        running_proxy(pd_table(e, ["p0"], ["d0"]), idle_timeout_s=0.5) as rp,
+        ph.engines("p0", "d0") as e,
+        ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"]), idle_timeout_s=0.5) as rp,
     ):
         reader, writer = await asyncio.open_connection("127.0.0.1", port_of(rp.url))
         async with asyncio.timeout(10):
@@ -207,21 +201,21 @@ async def test_hung_prefiller_requests_succeed_elsewhere_within_budget() -> None
     """p0 accepts and never answers (its /health still passes): a request routed there
     waits at most its budget, then p1 serves it; after eject_after timeouts p0 is out
     and its other pending requests are re-routed at once."""
-    async with engines("p0", "p1", "d0", output_tokens=3) as e:
+    async with ph.engines("p0", "p1", "d0", output_tokens=3) as e:
         e["p0"].faults = Faults(hang=True)
         cfg = {"leg_budget_base_s": 1.5, "leg_budget_per_1k_tokens_s": 0.0, "eject_after": 3}
-        async with running_proxy(pd_table(e, ["p0", "p1"], ["d0"]), **cfg) as rp:
+        async with ph.running_proxy(ph.pd_table(e, ["p0", "p1"], ["d0"]), **cfg) as rp:
 
             async def one(i: int) -> float:
                 started = time.monotonic()
-                res = await stream_completion(rp.session, rp.url, f"prompt {i}", max_tokens=3)
+                res = await ph.stream_completion(rp.session, rp.url, f"prompt {i}", max_tokens=3)
                 assert res.status == 200 and res.events[-1] == "[DONE]", res.text
                 return time.monotonic() - started
 
             latencies = await asyncio.gather(*(one(i) for i in range(16)))
             text = await rp.metrics()
     assert len(e["p0"].seen()) >= 3  # some requests did go to the hung prefiller
-    assert metric_value(text, "pdstack_proxy_ejections_total", backend="p0") == 1
+    assert ph.metric_value(text, "pdstack_proxy_ejections_total", backend="p0") == 1
     assert max(latencies) < 1.5 + 2.0, latencies  # the budget + generous service margin
     assert len(e["p1"].seen()) == 16
 
@@ -238,22 +232,15 @@ async def test_frozen_prefiller_ejected_at_first_timeout_and_pending_rerouted(tm
         stderr=subprocess.DEVNULL,
     )
     try:
-        async with engines("p1", "d0", output_tokens=3) as e:
+        async with ph.engines("p1", "d0", output_tokens=3) as e:
             url = f"http://127.0.0.1:{port}"
-            async with aiohttp.ClientSession() as s:
-                for _ in range(100):
-                    try:
-                        async with s.get(url + "/health") as r:
-                            if r.status == 200:
-                                break
-                    except aiohttp.ClientError:
-                        await asyncio.sleep(0.1)
-            t = table(
+            await wait_health(url, tries=100)
+            t = ph.table(
                 "nixl",
                 [
                     {"name": "p0", "role": "prefill", "node": "n1", "url": url, "generation": "g1"},
-                    backend("p1", "prefill", e["p1"]),
-                    backend("d0", "decode", e["d0"]),
+                    ph.backend("p1", "prefill", e["p1"]),
+                    ph.backend("d0", "decode", e["d0"]),
                 ],
             )
             budget = 4.0
@@ -264,7 +251,7 @@ async def test_frozen_prefiller_ejected_at_first_timeout_and_pending_rerouted(tm
                 "health_timeout_s": 0.5,
                 "eject_after": 100,
             }
-            async with running_proxy(t, **cfg) as rp:
+            async with ph.running_proxy(t, **cfg) as rp:
                 # prompts that the affinity ring sends to p0
                 pick = rp.proxy._pick_affinity
                 prompts = [
@@ -278,7 +265,7 @@ async def test_frozen_prefiller_ejected_at_first_timeout_and_pending_rerouted(tm
                 async def one(prompt: str, delay: float) -> float:
                     await asyncio.sleep(delay)
                     started = time.monotonic()
-                    res = await stream_completion(rp.session, rp.url, prompt, max_tokens=3)
+                    res = await ph.stream_completion(rp.session, rp.url, prompt, max_tokens=3)
                     assert res.status == 200 and res.events[-1] == "[DONE]", res.text
                     return time.monotonic() - started
 
@@ -293,19 +280,19 @@ async def test_frozen_prefiller_ejected_at_first_timeout_and_pending_rerouted(tm
         proc.terminate()
         proc.wait(10)
     assert ejected
-    assert metric_value(text, "pdstack_proxy_ejections_total", backend="p0") == 1
+    assert ph.metric_value(text, "pdstack_proxy_ejections_total", backend="p0") == 1
     assert budget <= first_latency < budget + 3.0
     # started 2.5 s before the eject, re-routed then: well below their own 4 s budget
     assert max(later_latencies) < budget - 0.5, later_latencies
 
 
 async def test_hung_only_decoder_answers_504_within_budget() -> None:
-    async with engines("p0", "d0") as e:
+    async with ph.engines("p0", "d0") as e:
         e["d0"].faults = Faults(hang=True)
         cfg = {"leg_budget_base_s": 1.0, "leg_budget_per_1k_tokens_s": 0.0}
-        async with running_proxy(pd_table(e, ["p0"], ["d0"]), **cfg) as rp:
+        async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"]), **cfg) as rp:
             started = time.monotonic()
-            res = await stream_completion(rp.session, rp.url, "hello")
+            res = await ph.stream_completion(rp.session, rp.url, "hello")
             elapsed = time.monotonic() - started
     assert res.status == 504
     err = assert_openai_error(res.text, 504)
@@ -328,18 +315,20 @@ async def test_bad_requests_never_eject_a_backend() -> None:
     """100 requests that make engines answer 500 (prefill leg) or 400 (decode leg) while
     their /health passes: each goes back to its client as the engine answered, never
     retried, no ejection; the 50 good requests meanwhile all succeed."""
-    async with engines("p0", "p1", "d0", "d1", output_tokens=3) as e:
+    async with ph.engines("p0", "p1", "d0", "d1", output_tokens=3) as e:
         for name in ("p0", "p1"):
             e[name].faults = Faults(poison="POISON500", poison_status=500)
         for name in ("d0", "d1"):
             e[name].faults = Faults(poison="POISON400", poison_status=400)
-        async with running_proxy(pd_table(e, ["p0", "p1"], ["d0", "d1"])) as rp:
+        async with ph.running_proxy(ph.pd_table(e, ["p0", "p1"], ["d0", "d1"])) as rp:
             sem = asyncio.Semaphore(10)
 
             async def one(i: int) -> tuple[str, int, str]:
                 kind = ("POISON500", "POISON400", "good")[i % 3]
                 async with sem:
-                    res = await stream_completion(rp.session, rp.url, f"{kind} {i}", max_tokens=3)
+                    res = await ph.stream_completion(
+                        rp.session, rp.url, f"{kind} {i}", max_tokens=3
+                    )
                 return kind, res.status, res.text
 
             results = await asyncio.gather(*(one(i) for i in range(150)))
@@ -354,20 +343,20 @@ async def test_bad_requests_never_eject_a_backend() -> None:
         assert "poisoned request at" in assert_openai_error(body, status)["message"]
     assert [s for s, _ in by_kind["good"]] == [200] * 50
     assert healthy
-    assert metric_value(text, "pdstack_proxy_ejections_total") == 0
-    assert metric_value(text, "pdstack_proxy_retries_total") == 0
+    assert ph.metric_value(text, "pdstack_proxy_ejections_total") == 0
+    assert ph.metric_value(text, "pdstack_proxy_retries_total") == 0
     assert len(e["p0"].seen()) + len(e["p1"].seen()) == 150  # each tried once
     assert len(e["d0"].seen()) + len(e["d1"].seen()) == 100
 
 
 async def test_engine_4xx_passes_through_uncounted() -> None:
     async with (
-        engines("p0", "d0") as e,
-        running_proxy(pd_table(e, ["p0"], ["d0"]), eject_after=1) as rp,
+        ph.engines("p0", "d0") as e,
+        ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"]), eject_after=1) as rp,
     ):
         e["d0"].faults = Faults(poison="bad", poison_status=400)
         for _ in range(5):
-            res = await stream_completion(rp.session, rp.url, "bad input")
+            res = await ph.stream_completion(rp.session, rp.url, "bad input")
             assert res.status == 400
             assert_openai_error(res.text, 400)
         assert rp.registry.backends["d0"].healthy
@@ -387,7 +376,7 @@ async def test_big_bodies_bounded_memory_and_health_stays_fast() -> None:
     """3 x 60 MB bodies at once against a proxy process: each is refused (413, over
     --max-body-mb) without being held, the proxy's peak RSS stays within its documented
     bound (idle + 4 x --max-body-held-mb), and /health answers in < 100 ms meanwhile."""
-    async with engines("p0", "d0") as e:
+    async with ph.engines("p0", "d0") as e:
         port = free_port()
         proc = subprocess.Popen(
             [
@@ -414,15 +403,8 @@ async def test_big_bodies_bounded_memory_and_health_stays_fast() -> None:
         )
         try:
             url = f"http://127.0.0.1:{port}"
+            await wait_health(url, tries=200)
             async with aiohttp.ClientSession() as s:
-                for _ in range(200):
-                    try:
-                        async with s.get(url + "/health") as r:
-                            if r.status == 200:
-                                break
-                    except aiohttp.ClientError:
-                        pass
-                    await asyncio.sleep(0.1)
                 idle = _rss_kib(proc.pid, "VmRSS")
                 body = b'{"model":"fake","prompt":"' + b"w " * 30_000_000 + b'"}'
                 assert len(body) > 60_000_000
@@ -500,9 +482,9 @@ async def test_big_bodies_bounded_memory_and_health_stays_fast() -> None:
 
 
 async def test_bytes_held_at_once_are_capped_with_503_retry_after() -> None:
-    async with engines("p0", "d0", output_tokens=2) as e:
+    async with ph.engines("p0", "d0", output_tokens=2) as e:
         cfg = {"max_body_bytes": 8 << 20, "max_body_bytes_held": 6 << 20}
-        async with running_proxy(pd_table(e, ["p0"], ["d0"]), **cfg) as rp:
+        async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"]), **cfg) as rp:
             port = port_of(rp.url)
             # one 3 MiB body arriving slowly holds half of the budget
             _, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -526,7 +508,7 @@ async def test_bytes_held_at_once_are_capped_with_503_retry_after() -> None:
                 assert resp.headers["Retry-After"] == "1"
                 assert_openai_error(await resp.read(), 503)
             # small requests still fit
-            res = await stream_completion(rp.session, rp.url, "small", max_tokens=2)
+            res = await ph.stream_completion(rp.session, rp.url, "small", max_tokens=2)
             assert res.status == 200
             writer.close()
             for _ in range(100):
@@ -538,9 +520,9 @@ async def test_bytes_held_at_once_are_capped_with_503_retry_after() -> None:
 
 # ---------------------------------------------------------------------- 5. error shapes
 async def test_every_error_reply_is_openai_json() -> None:
-    async with engines("p0", "d0", output_tokens=2) as e:
+    async with ph.engines("p0", "d0", output_tokens=2) as e:
         cfg = {"api_keys": frozenset({"client-key"}), "max_body_bytes": 1 << 20}
-        async with running_proxy(pd_table(e, ["p0"], ["d0"]), **cfg) as rp:
+        async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"]), **cfg) as rp:
             port = port_of(rp.url)
             auth = b"Authorization: Bearer client-key\r\n"
 
@@ -625,19 +607,19 @@ async def test_every_error_reply_is_openai_json() -> None:
 
 async def test_429_502_503_are_openai_json() -> None:
     async with (
-        engines("p0", "d0", output_tokens=2) as e,
-        running_proxy(pd_table(e, ["p0"], ["d0"]), max_concurrency=0) as rp,
+        ph.engines("p0", "d0", output_tokens=2) as e,
+        ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"]), max_concurrency=0) as rp,
     ):
-        res = await stream_completion(rp.session, rp.url, "x")
+        res = await ph.stream_completion(rp.session, rp.url, "x")
         assert res.status == 429 and res.headers["Retry-After"] == "1"
         assert_openai_error(res.text, 429)
         rp.proxy.config.max_concurrency = 10
         e["d0"].faults = Faults(close_after_chunks=0)
-        res = await stream_completion(rp.session, rp.url, "x")
+        res = await ph.stream_completion(rp.session, rp.url, "x")
         assert res.status == 502
         assert_openai_error(res.text, 502)
         rp.registry.backends["d0"].drained = True
-        res = await stream_completion(rp.session, rp.url, "x")
+        res = await ph.stream_completion(rp.session, rp.url, "x")
         assert res.status == 503
         assert_openai_error(res.text, 503)
 
@@ -647,13 +629,15 @@ async def test_engine_key_sent_on_both_legs_and_engines_refuse_without_it() -> N
     config = load_secrets(ProxyConfig(), None, {"VLLM_API_KEY": "engine-secret"})
     assert config.engine_api_key == "engine-secret"
     assert "engine-secret" not in repr(config)
-    async with engines("p0", "d0", output_tokens=2, api_key="engine-secret") as e:
+    async with ph.engines("p0", "d0", output_tokens=2, api_key="engine-secret") as e:
         async with aiohttp.ClientSession() as s:
             body = {"model": "fake", "prompt": "hi"}
             async with s.post(e["d0"].url + "/v1/completions", json=body) as r:
                 assert r.status == 401  # the private network alone is not enough
-        async with running_proxy(pd_table(e, ["p0"], ["d0"]), engine_api_key="engine-secret") as rp:
-            res = await stream_completion(rp.session, rp.url, "hi", max_tokens=2)
+        async with ph.running_proxy(
+            ph.pd_table(e, ["p0"], ["d0"]), engine_api_key="engine-secret"
+        ) as rp:
+            res = await ph.stream_completion(rp.session, rp.url, "hi", max_tokens=2)
             assert res.status == 200 and res.events[-1] == "[DONE]"
             async with rp.session.get(rp.url + "/v1/models") as r:
                 assert (await r.json())["data"][0]["id"] == "fake"
@@ -662,9 +646,9 @@ async def test_engine_key_sent_on_both_legs_and_engines_refuse_without_it() -> N
 
 
 async def test_health_hides_backends_and_admin_failures_are_rate_limited() -> None:
-    async with engines("p0", "d0") as e:
+    async with ph.engines("p0", "d0") as e:
         cfg = {"admin_auth_failures_per_min": 5}
-        async with running_proxy(pd_table(e, ["p0"], ["d0"]), **cfg) as rp:
+        async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"]), **cfg) as rp:
             async with rp.session.get(rp.url + "/health") as r:
                 assert r.status == 200 and await r.json() == {"status": "ok"}
             async with rp.session.get(rp.url + "/health", headers=rp.admin_headers()) as r:
@@ -690,7 +674,7 @@ async def test_health_hides_backends_and_admin_failures_are_rate_limited() -> No
                     assert_openai_error(await r.read(), 429)
             rp.proxy.admin_failures._failures.clear()  # the window passes
             async with rp.session.get(
-                rp.url + "/admin/backends", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+                rp.url + "/admin/backends", headers={"Authorization": f"Bearer {ph.ADMIN_TOKEN}"}
             ) as r:
                 assert r.status == 200
 
@@ -698,17 +682,17 @@ async def test_health_hides_backends_and_admin_failures_are_rate_limited() -> No
 # ---------------------------------------------------------------------- usage
 async def test_cached_tokens_come_from_the_prefill_leg() -> None:
     async with (
-        engines("p0", "d0", output_tokens=2) as e,
-        running_proxy(pd_table(e, ["p0"], ["d0"])) as rp,
+        ph.engines("p0", "d0", output_tokens=2) as e,
+        ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"])) as rp,
     ):
         prompt = "one two three four five six"
         usages = []
         for _ in range(2):
-            res = await stream_completion(
+            res = await ph.stream_completion(
                 rp.session, rp.url, prompt, max_tokens=2, stream_options={"include_usage": True}
             )
             assert res.status == 200
-            assert completion_text(res.events)
+            assert ph.completion_text(res.events)
             (usage,) = [
                 json.loads(ev)["usage"]
                 for ev in res.events

@@ -19,15 +19,8 @@ import pytest
 from pdstack.proxy.backends import BackendRegistry
 from pdstack.proxy.cli import parse_receiver
 from pdstack.proxy.lmcache_pd import decode_notif, disagg_spec, encode_notif
+from pdstack.testing import proxy_harness as ph
 from pdstack.testing.fake_engine import Faults
-from pdstack.testing.proxy_harness import (
-    backend,
-    completion_text,
-    engines,
-    metric_value,
-    running_proxy,
-    stream_completion,
-)
 
 REPO = Path(__file__).resolve().parents[2]
 RX0 = {"host": "127.0.0.1", "init_ports": [7302], "alloc_ports": [7303]}
@@ -39,9 +32,9 @@ LMCACHE_ABC = bytes.fromhex("82a474797065aa50726f78794e6f746966a67265715f6964a36
 
 
 def lmpd_table(engines_by_name: dict, prefill: list[str], decode: dict[str, dict | None]) -> dict:
-    backends = [backend(p, "prefill", engines_by_name[p]) for p in prefill]
+    backends = [ph.backend(p, "prefill", engines_by_name[p]) for p in prefill]
     for name, rx in decode.items():
-        b = backend(name, "decode", engines_by_name[name])
+        b = ph.backend(name, "decode", engines_by_name[name])
         if rx is not None:
             b["lmcache_pd"] = rx
         backends.append(b)
@@ -124,7 +117,9 @@ def test_disagg_spec_shape_and_receiver_parsing() -> None:
     }
     assert parse_receiver("127.0.0.2:7304,7306:7305,7307") == RX1
     assert parse_receiver("[::1]:7302:7303") == {
-        "host": "::1", "init_ports": [7302], "alloc_ports": [7303]
+        "host": "::1",
+        "init_ports": [7302],
+        "alloc_ports": [7303],
     }
     with pytest.raises(SystemExit):
         parse_receiver("127.0.0.1:7302")
@@ -158,26 +153,30 @@ def test_registry_keeps_receivers_and_standins_inherit_them() -> None:
 
 
 async def test_prefill_names_the_decoder_and_decode_waits_for_the_notify() -> None:
-    async with engines("p0", "d0", "d1", output_tokens=5) as e:
+    async with ph.engines("p0", "d0", "d1", output_tokens=5) as e:
         e["p0"].lmcache_pd_notify_delay_ms = 300
         t = lmpd_table(e, ["p0"], {"d0": RX0, "d1": RX1})
-        async with running_proxy(t) as rp:
+        async with ph.running_proxy(t) as rp:
             point_prefillers_at_proxy(e, rp, "p0")
             ids = [f"req-lm-{i}" for i in range(6)]
             results = await asyncio.gather(
                 *(
-                    stream_completion(
-                        rp.session, rp.url, f"prompt {i} " * 20,
-                        headers={"X-Request-Id": rid}, max_tokens=4,
+                    ph.stream_completion(
+                        rp.session,
+                        rp.url,
+                        f"prompt {i} " * 20,
+                        headers={"X-Request-Id": rid},
+                        max_tokens=4,
                     )
                     for i, rid in enumerate(ids)
                 )
             )
             metrics = await rp.metrics()
-            direct = await stream_completion(rp.session, e["d0"].url, "prompt 0 " * 20,
-                                             max_tokens=4)
+            direct = await ph.stream_completion(
+                rp.session, e["d0"].url, "prompt 0 " * 20, max_tokens=4
+            )
     assert all(r.status == 200 and r.events[-1] == "[DONE]" for r in results)
-    assert completion_text(results[0].events) == completion_text(direct.events)
+    assert ph.completion_text(results[0].events) == ph.completion_text(direct.events)
     notified = dict(e["p0"].lmcache_pd_notified)
     assert set(notified) == set(ids)
     receivers = {"d0": RX0, "d1": RX1}
@@ -200,17 +199,18 @@ async def test_prefill_names_the_decoder_and_decode_waits_for_the_notify() -> No
         assert dec.received_at - pre.received_at >= 0.29
         assert "kv_transfer_params" not in dec.body
         assert dec.body["max_tokens"] == 4 and dec.body["stream"] is True
-    assert metric_value(metrics, NOTIFY, outcome="received") == 6
-    assert metric_value(metrics, NOTIFY, outcome="timeout") == 0
-    assert metric_value(metrics, "pdstack_proxy_lmcache_pd_notify_wait_seconds_count") == 6
+    assert ph.metric_value(metrics, NOTIFY, outcome="received") == 6
+    assert ph.metric_value(metrics, NOTIFY, outcome="timeout") == 0
+    assert ph.metric_value(metrics, "pdstack_proxy_lmcache_pd_notify_wait_seconds_count") == 6
 
 
 async def test_notify_timeout_still_serves_and_counts() -> None:
-    async with engines("p0", "d0", output_tokens=4) as e:  # p0 never notifies
+    async with ph.engines("p0", "d0", output_tokens=4) as e:  # p0 never notifies
         t = lmpd_table(e, ["p0"], {"d0": RX0})
-        async with running_proxy(t, lmcache_pd_notify_timeout_s=0.3) as rp:
-            res = await stream_completion(rp.session, rp.url, "a b c " * 10,
-                                          headers={"X-Request-Id": "lost"}, max_tokens=3)
+        async with ph.running_proxy(t, lmcache_pd_notify_timeout_s=0.3) as rp:
+            res = await ph.stream_completion(
+                rp.session, rp.url, "a b c " * 10, headers={"X-Request-Id": "lost"}, max_tokens=3
+            )
             plain = await rp.session.post(
                 f"{rp.url}/v1/completions",
                 json={"model": "fake", "prompt": "x y", "max_tokens": 2},
@@ -219,18 +219,18 @@ async def test_notify_timeout_still_serves_and_counts() -> None:
             metrics = await rp.metrics()
             assert not rp.proxy.notifier.pending, "timed-out waits are forgotten"
     assert res.status == 200 and res.events[-1] == "[DONE]"
-    assert len(completion_text(res.events).split()) == 3
+    assert len(ph.completion_text(res.events).split()) == 3
     assert plain.status == 200 and len(body["choices"][0]["text"].split()) == 2
     assert e["p0"].seen()[0].body["kv_transfer_params"]["disagg_spec"]["req_id"] == "lost"
     assert len(e["d0"].seen()) == 2
-    assert metric_value(metrics, NOTIFY, outcome="timeout") == 2
-    assert metric_value(metrics, NOTIFY, outcome="received") == 0
+    assert ph.metric_value(metrics, NOTIFY, outcome="timeout") == 2
+    assert ph.metric_value(metrics, NOTIFY, outcome="received") == 0
 
 
 async def test_late_and_duplicate_notifies_are_dropped() -> None:
-    async with engines("p0", "d0") as e:
+    async with ph.engines("p0", "d0") as e:
         t = lmpd_table(e, ["p0"], {"d0": RX0})
-        async with running_proxy(t) as rp:
+        async with ph.running_proxy(t) as rp:
             notifier = rp.proxy.notifier
             fut = notifier.expect("dup")
             notifier.notify("dup")
@@ -241,21 +241,25 @@ async def test_late_and_duplicate_notifies_are_dropped() -> None:
             notifier.expect("x")
             assert notifier.unique_id("x") == "x-1"
             metrics = await rp.metrics()
-    assert metric_value(metrics, NOTIFY, outcome="unmatched") == 2
+    assert ph.metric_value(metrics, NOTIFY, outcome="unmatched") == 2
 
 
 async def test_dead_prefiller_retried_same_decoder_new_req_id() -> None:
-    async with engines("p0", "p1", "d0", "d1", output_tokens=3) as e:
+    async with ph.engines("p0", "p1", "d0", "d1", output_tokens=3) as e:
         e["p0"].faults = Faults(close_after_chunks=0)  # dies on every request
         t = lmpd_table(e, ["p0", "p1"], {"d0": RX0, "d1": RX1})
-        async with running_proxy(t, eject_after=100) as rp:
+        async with ph.running_proxy(t, eject_after=100) as rp:
             point_prefillers_at_proxy(e, rp, "p1")
             results = []
             for i in range(16):
-                results.append(await stream_completion(
-                    rp.session, rp.url, f"retry prompt {i} " * 30,
-                    headers={"X-Request-Id": f"rq{i}"},
-                ))
+                results.append(
+                    await ph.stream_completion(
+                        rp.session,
+                        rp.url,
+                        f"retry prompt {i} " * 30,
+                        headers={"X-Request-Id": f"rq{i}"},
+                    )
+                )
                 if e["p0"].seen():
                     break
             metrics = await rp.metrics()
@@ -272,47 +276,55 @@ async def test_dead_prefiller_retried_same_decoder_new_req_id() -> None:
     assert f"{rid}-r1" in dict(e["p1"].lmcache_pd_notified)
     name = "d0" if first["receiver_host"] == RX0["host"] else "d1"
     assert [r.request_id for r in e[name].seen()].count(rid) == 1
-    assert metric_value(metrics, "pdstack_proxy_retries_total", leg="prefill") >= 1
-    assert metric_value(metrics, NOTIFY, outcome="received") == len(results)
+    assert ph.metric_value(metrics, "pdstack_proxy_retries_total", leg="prefill") >= 1
+    assert ph.metric_value(metrics, NOTIFY, outcome="received") == len(results)
 
 
 async def test_decode_failure_before_first_byte_retried_on_other_decoder() -> None:
-    async with engines("p0", "d0", "d1", output_tokens=3) as e:
+    async with ph.engines("p0", "d0", "d1", output_tokens=3) as e:
         e["d0"].faults = Faults(status=503, times=1)
         t = lmpd_table(e, ["p0"], {"d0": RX0, "d1": RX1})
-        async with running_proxy(t, eject_after=100) as rp:
+        async with ph.running_proxy(t, eject_after=100) as rp:
             e["d0"].faults.health_status = 503  # the 5xx is confirmed: d0 is really sick
             rp.proxy.rng = FirstChoice()  # p2c picks d0 (first paired decoder)
             point_prefillers_at_proxy(e, rp, "p0")
-            res = await stream_completion(rp.session, rp.url, "q " * 10,
-                                          headers={"X-Request-Id": "dr"})
+            res = await ph.stream_completion(
+                rp.session, rp.url, "q " * 10, headers={"X-Request-Id": "dr"}
+            )
             metrics = await rp.metrics()
     assert res.status == 200 and res.events[-1] == "[DONE]"
     spec = e["p0"].seen()[0].body["kv_transfer_params"]["disagg_spec"]
     assert spec["receiver_host"] == RX0["host"]
     assert [r.request_id for r in e["d0"].seen()] == ["dr"]  # failed before its first byte
     assert [r.request_id for r in e["d1"].seen()] == ["dr"]  # recomputes there
-    assert metric_value(metrics, "pdstack_proxy_retries_total", leg="decode") == 1
+    assert ph.metric_value(metrics, "pdstack_proxy_retries_total", leg="decode") == 1
 
 
 async def test_decoder_without_receiver_is_served_without_push() -> None:
-    async with engines("p0", "d0") as e:
+    async with ph.engines("p0", "d0") as e:
         t = lmpd_table(e, ["p0"], {"d0": None})
-        async with running_proxy(t) as rp:
+        async with ph.running_proxy(t) as rp:
             point_prefillers_at_proxy(e, rp, "p0")
-            res = await stream_completion(rp.session, rp.url, "hello")
+            res = await ph.stream_completion(rp.session, rp.url, "hello")
             metrics = await rp.metrics()
     assert res.status == 200
     assert "kv_transfer_params" not in e["p0"].seen()[0].body
     assert not e["p0"].lmcache_pd_notified
-    assert metric_value(metrics, NOTIFY, outcome="no_receiver") == 1
+    assert ph.metric_value(metrics, NOTIFY, outcome="no_receiver") == 1
 
 
 def test_cli_adhoc_lmcache_pd_needs_receivers(capsys) -> None:
     from pdstack.cli import main
 
-    base = ["proxy", "--kv-mode", "lmcache-pd", "--prefill", "http://127.0.0.1:1",
-            "--decode", "http://127.0.0.1:2"]
+    base = [
+        "proxy",
+        "--kv-mode",
+        "lmcache-pd",
+        "--prefill",
+        "http://127.0.0.1:1",
+        "--decode",
+        "http://127.0.0.1:2",
+    ]
     with pytest.raises(SystemExit, match="lmcache-pd-receiver"):
         main(base)
     import argparse
@@ -321,8 +333,17 @@ def test_cli_adhoc_lmcache_pd_needs_receivers(capsys) -> None:
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(), "proxy", "")
-    args = parser.parse_args([*base, "--lmcache-pd-receiver", "127.0.0.2:7304,7306:7305,7307",
-                              "--lmcache-pd-notify-port", "7299", "--host", "127.0.0.9"])
+    args = parser.parse_args(
+        [
+            *base,
+            "--lmcache-pd-receiver",
+            "127.0.0.2:7304,7306:7305,7307",
+            "--lmcache-pd-notify-port",
+            "7299",
+            "--host",
+            "127.0.0.9",
+        ]
+    )
     table = backend_table_from_args(args)
     data = table.model_dump(mode="json")
     assert data["lmcache_pd_notify"] == {"host": "127.0.0.9", "port": 7299}
@@ -334,6 +355,8 @@ def test_cli_adhoc_lmcache_pd_needs_receivers(capsys) -> None:
 def test_fake_engine_cli_accepts_notify_flag() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "pdstack.testing.fake_engine", "--help"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert "--lmcache-pd-notify" in out.stdout

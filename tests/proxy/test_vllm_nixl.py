@@ -15,23 +15,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from pdstack.testing import proxy_harness as ph
+from pdstack.testing import vllm_engines as ve
 from pdstack.testing.heavy import heavy_lock
-from pdstack.testing.proxy_harness import (
-    completion_text,
-    metric_value,
-    running_proxy,
-    stream_completion,
-    table,
-)
-from pdstack.testing.vllm_engines import (
-    Proc,
-    free_port,
-    prompt_of,
-    require_venv,
-    scrape,
-    start_engine,
-    wait_ready,
-)
 
 pytestmark = pytest.mark.vllm
 
@@ -43,10 +29,10 @@ KEYED = {"Authorization": f"Bearer {ENGINE_KEY}"}
 
 
 @pytest.fixture(scope="module")
-def nixl_engines() -> Iterator[tuple[Proc, Proc]]:
-    require_venv()
+def nixl_engines() -> Iterator[tuple[ve.Proc, ve.Proc]]:
+    ve.require_venv()
     with heavy_lock():
-        procs: list[Proc] = []
+        procs: list[ve.Proc] = []
         try:
             for name, role, cpu in (
                 ("nixl-prefill", "kv_producer", "0"),
@@ -54,7 +40,7 @@ def nixl_engines() -> Iterator[tuple[Proc, Proc]]:
             ):
                 side = {
                     "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                    "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+                    "VLLM_NIXL_SIDE_CHANNEL_PORT": str(ve.free_port()),
                     "VLLM_API_KEY": ENGINE_KEY,
                 }
                 config = {
@@ -63,19 +49,19 @@ def nixl_engines() -> Iterator[tuple[Proc, Proc]]:
                     "kv_buffer_device": "cpu",
                 }
                 procs.append(
-                    start_engine(
-                        name, free_port(), cpu, config, side, ["--enable-prompt-tokens-details"]
+                    ve.start_engine(
+                        name, ve.free_port(), cpu, config, side, ["--enable-prompt-tokens-details"]
                     )
                 )
-            wait_ready(procs)
+            ve.wait_ready(procs)
             yield procs[0], procs[1]
         finally:
             for proc in procs:
                 proc.stop()
 
 
-def pd_table(prefill: Proc, decode: Proc) -> dict:
-    return table(
+def pd_table(prefill: ve.Proc, decode: ve.Proc) -> dict:
+    return ph.table(
         "nixl",
         [
             {
@@ -107,14 +93,14 @@ def usage_of(events: list[str]) -> dict:
 
 
 async def test_nixl_kv_moves_and_tokens_match_single_engine(
-    nixl_engines: tuple[Proc, Proc],
+    nixl_engines: tuple[ve.Proc, ve.Proc],
 ) -> None:
     prefill, decode = nixl_engines
-    prompt = prompt_of(450, seed=1)
+    prompt = ve.prompt_of(450, seed=1)
     sampling = {"model": "tiny", "max_tokens": 16, "temperature": 0}
-    async with running_proxy(pd_table(prefill, decode), engine_api_key=ENGINE_KEY) as rp:
-        before = scrape(decode.url)
-        res = await stream_completion(
+    async with ph.running_proxy(pd_table(prefill, decode), engine_api_key=ENGINE_KEY) as rp:
+        before = ve.scrape(decode.url)
+        res = await ph.stream_completion(
             rp.session,
             rp.url,
             prompt,
@@ -122,7 +108,7 @@ async def test_nixl_kv_moves_and_tokens_match_single_engine(
             stream_options={"include_usage": True},
             **sampling,
         )
-        after = scrape(decode.url)
+        after = ve.scrape(decode.url)
         assert res.status == 200, res.text
         assert res.headers["X-Request-Id"] == "nixl-it-1"
         assert not res.error_events and res.events[-1] == "[DONE]"
@@ -140,9 +126,9 @@ async def test_nixl_kv_moves_and_tokens_match_single_engine(
         proxy_metrics = await rp.metrics()
 
     prompt_tokens = usage_of(res.events)["prompt_tokens"]
-    streamed = completion_text(res.events)
-    ext = metric_value(after, SOURCE, **EXT) - metric_value(before, SOURCE, **EXT)
-    local = metric_value(after, SOURCE, **LOCAL) - metric_value(before, SOURCE, **LOCAL)
+    streamed = ph.completion_text(res.events)
+    ext = ph.metric_value(after, SOURCE, **EXT) - ph.metric_value(before, SOURCE, **EXT)
+    local = ph.metric_value(after, SOURCE, **LOCAL) - ph.metric_value(before, SOURCE, **LOCAL)
     nixl_lines = [ln for ln in after.splitlines() if ln.startswith("vllm:nixl")]
     print(
         f"\nprompt_tokens={prompt_tokens} decoder external_kv_transfer=+{ext:g} "
@@ -152,39 +138,39 @@ async def test_nixl_kv_moves_and_tokens_match_single_engine(
     assert prompt_tokens > 300
     assert ext >= 0.9 * prompt_tokens, "the decoder did not receive the prompt's KV over NIXL"
     assert local <= 0.1 * prompt_tokens
-    assert metric_value(after, "vllm:nixl_bytes_transferred_sum") > metric_value(
+    assert ph.metric_value(after, "vllm:nixl_bytes_transferred_sum") > ph.metric_value(
         before, "vllm:nixl_bytes_transferred_sum"
     )
     assert streamed == reference
     assert non_stream == reference
-    assert metric_value(proxy_metrics, "pdstack_proxy_requests_total", outcome="ok") == 2
+    assert ph.metric_value(proxy_metrics, "pdstack_proxy_requests_total", outcome="ok") == 2
 
 
-async def test_nixl_chat_through_proxy(nixl_engines: tuple[Proc, Proc]) -> None:
+async def test_nixl_chat_through_proxy(nixl_engines: tuple[ve.Proc, ve.Proc]) -> None:
     prefill, decode = nixl_engines
-    system = prompt_of(300, seed=2)
-    async with running_proxy(pd_table(prefill, decode), engine_api_key=ENGINE_KEY) as rp:
-        before = scrape(decode.url)
-        res = await stream_completion(
+    system = ve.prompt_of(300, seed=2)
+    async with ph.running_proxy(pd_table(prefill, decode), engine_api_key=ENGINE_KEY) as rp:
+        before = ve.scrape(decode.url)
+        res = await ph.stream_completion(
             rp.session, rp.url, system, chat=True, model="tiny", max_tokens=8, temperature=0
         )
-        after = scrape(decode.url)
+        after = ve.scrape(decode.url)
     assert res.status == 200 and not res.error_events, res.text
-    assert completion_text(res.events)
-    assert metric_value(after, SOURCE, **EXT) - metric_value(before, SOURCE, **EXT) > 200
+    assert ph.completion_text(res.events)
+    assert ph.metric_value(after, SOURCE, **EXT) - ph.metric_value(before, SOURCE, **EXT) > 200
 
 
 async def test_engine_key_refused_without_served_with_and_cached_tokens(
-    nixl_engines: tuple[Proc, Proc],
+    nixl_engines: tuple[ve.Proc, ve.Proc],
 ) -> None:
     """An engine started with VLLM_API_KEY refuses a request without it (the private
     network alone does not reach it); a proxy without the key gets that 401 back to the
     client as is (no retry, no ejection); the proxy with the key is served, and tells
     the client the prefill leg's cached tokens (0, then the prompt's cached blocks)."""
     prefill, decode = nixl_engines
-    prompt = prompt_of(200, seed=14)
+    prompt = ve.prompt_of(200, seed=14)
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}
-    async with running_proxy(pd_table(prefill, decode)) as unkeyed:
+    async with ph.running_proxy(pd_table(prefill, decode)) as unkeyed:
         for engine in (prefill, decode):
             async with unkeyed.session.post(f"{engine.url}/v1/completions", json=body) as resp:
                 assert resp.status == 401, await resp.text()
@@ -192,11 +178,11 @@ async def test_engine_key_refused_without_served_with_and_cached_tokens(
             assert resp.status == 401  # the engine's answer, passed through
         assert all(b.healthy for b in unkeyed.registry.backends.values())
         text = await unkeyed.metrics()
-        assert metric_value(text, "pdstack_proxy_retries_total") == 0
-    async with running_proxy(pd_table(prefill, decode), engine_api_key=ENGINE_KEY) as rp:
+        assert ph.metric_value(text, "pdstack_proxy_retries_total") == 0
+    async with ph.running_proxy(pd_table(prefill, decode), engine_api_key=ENGINE_KEY) as rp:
         usages = []
         for _ in range(2):
-            res = await stream_completion(
+            res = await ph.stream_completion(
                 rp.session,
                 rp.url,
                 prompt,

@@ -29,24 +29,9 @@ import pytest
 import yaml
 
 from pdstack.plan import Plan, Service, make_plan
+from pdstack.testing import proxy_harness as ph
+from pdstack.testing import vllm_engines as ve
 from pdstack.testing.heavy import heavy_lock
-from pdstack.testing.proxy_harness import (
-    completion_text,
-    metric_value,
-    running_proxy,
-    stream_completion,
-)
-from pdstack.testing.vllm_engines import (
-    Proc,
-    free_port,
-    prompt_of,
-    require_venv,
-    scrape,
-    start_engine,
-    start_lmcache,
-    wait_port,
-    wait_ready,
-)
 from pdstack.topology import load_topology
 
 pytestmark = pytest.mark.vllm
@@ -60,7 +45,7 @@ SAMPLING: dict[str, Any] = {"model": "tiny", "max_tokens": 16, "temperature": 0}
 def _free_pair() -> int:
     """A port p with p and p + 1 free (the planner numbers engine i at base + i)."""
     for _ in range(50):
-        base = free_port()
+        base = ve.free_port()
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", base + 1))
@@ -75,11 +60,11 @@ def nixl_l1_plan(tmp: Path) -> Plan:
     inv = tmp / "nixl-l1-cpu"
     (inv / "group_vars").mkdir(parents=True)
     ports = {
-        "lmcache_zmq": free_port(),
-        "lmcache_http": free_port(),
+        "lmcache_zmq": ve.free_port(),
+        "lmcache_http": ve.free_port(),
         "engine_http_base": _free_pair(),
         "nixl_side_channel_base": _free_pair(),
-        "proxy": free_port(),
+        "proxy": ve.free_port(),
     }
     gv = {
         "pdstack_deployment_name": "nixl-l1-cpu",
@@ -111,19 +96,19 @@ def nixl_l1_plan(tmp: Path) -> Plan:
 @dataclass
 class Stack:
     plan: Plan
-    lmcache: Proc
-    prefill: Proc
-    decode: Proc
+    lmcache: ve.Proc
+    prefill: ve.Proc
+    decode: ve.Proc
 
 
 def _engine(plan: Plan, name: str) -> Service:
     return plan.nodes["local"].service(name)
 
 
-def _start_planned(svc: Service) -> Proc:
+def _start_planned(svc: Service) -> ve.Proc:
     env = {k: v for k, v in svc.env.items() if k.startswith(("VLLM_NIXL", "NIXL_"))}
     env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache (this test only)
-    return start_engine(
+    return ve.start_engine(
         f"nixl-l1-{svc.name}",
         svc.ports["http"],
         svc.env["VLLM_CPU_OMP_THREADS_BIND"],
@@ -134,27 +119,27 @@ def _start_planned(svc: Service) -> Proc:
 
 @pytest.fixture(scope="module")
 def nixl_l1_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    require_venv()
+    ve.require_venv()
     with heavy_lock():
         # planned once the lock is ours: its free ports are picked just before use
         plan = nixl_l1_plan(tmp_path_factory.mktemp("inv"))
         lm = plan.nodes["local"].service("lmcache")
-        procs: list[Proc] = []
+        procs: list[ve.Proc] = []
         try:
-            lmcache = start_lmcache(lm.ports["zmq"], lm.ports["metrics"])
+            lmcache = ve.start_lmcache(lm.ports["zmq"], lm.ports["metrics"])
             procs.append(lmcache)
-            wait_port(lmcache, lm.ports["zmq"])
+            ve.wait_port(lmcache, lm.ports["zmq"])
             prefill = _start_planned(_engine(plan, "prefill-0"))
             decode = _start_planned(_engine(plan, "decode-0"))
             procs += [prefill, decode]
-            wait_ready([prefill, decode])
+            ve.wait_ready([prefill, decode])
             yield Stack(plan, lmcache, prefill, decode)
         finally:
             for proc in reversed(procs):
                 proc.stop()
 
 
-def _reset_prefix_cache(engine: Proc) -> None:
+def _reset_prefix_cache(engine: ve.Proc) -> None:
     """Empty the engine's GPU prefix cache. vLLM refuses while blocks are still held (a
     NIXL prefiller keeps a finished prefill's blocks until the decoder has read them):
     retry for a bounded while."""
@@ -169,7 +154,7 @@ def _reset_prefix_cache(engine: Proc) -> None:
 
 
 def _delta(before: str, after: str, name: str, **labels: str) -> float:
-    return metric_value(after, name, **labels) - metric_value(before, name, **labels)
+    return ph.metric_value(after, name, **labels) - ph.metric_value(before, name, **labels)
 
 
 def test_plan_is_the_nixl_l1_recipe(tmp_path: Path) -> None:
@@ -187,25 +172,25 @@ def test_plan_is_the_nixl_l1_recipe(tmp_path: Path) -> None:
 
 async def test_nixl_l1_handoff_and_prefiller_tier_hit(nixl_l1_stack: Stack) -> None:
     st = nixl_l1_stack
-    shared = prompt_of(1000, seed=41)  # about 1000 tokens
+    shared = ve.prompt_of(1000, seed=41)  # about 1000 tokens
     first_prompt = shared + " first question about the engine"
     second_prompt = shared + " second question about the cache"
     # the proxy in front, with the planner's own backend table (URLs as planned)
-    async with running_proxy(st.plan.backend_table.model_dump(mode="json")) as rp:
-        d0, p0 = scrape(st.decode.url), scrape(st.prefill.url)
-        first = await stream_completion(
+    async with ph.running_proxy(st.plan.backend_table.model_dump(mode="json")) as rp:
+        d0, p0 = ve.scrape(st.decode.url), ve.scrape(st.prefill.url)
+        first = await ph.stream_completion(
             rp.session, rp.url, first_prompt, stream_options={"include_usage": True}, **SAMPLING
         )
-        d1, p1 = scrape(st.decode.url), scrape(st.prefill.url)
+        d1, p1 = ve.scrape(st.decode.url), ve.scrape(st.prefill.url)
         assert first.status == 200 and not first.error_events, first.text
 
         # the second turn: the prefiller's GPU prefix cache forgets, its LMCache tier not
         # (the decoder's forgets too, so that it again needs the whole prompt's KV)
         _reset_prefix_cache(st.prefill)
         _reset_prefix_cache(st.decode)
-        d1 = scrape(st.decode.url)
-        second = await stream_completion(rp.session, rp.url, second_prompt, **SAMPLING)
-        d2, p2 = scrape(st.decode.url), scrape(st.prefill.url)
+        d1 = ve.scrape(st.decode.url)
+        second = await ph.stream_completion(rp.session, rp.url, second_prompt, **SAMPLING)
+        d2, p2 = ve.scrape(st.decode.url), ve.scrape(st.prefill.url)
         assert second.status == 200 and not second.error_events, second.text
         proxy_metrics = await rp.metrics()
 
@@ -221,7 +206,7 @@ async def test_nixl_l1_handoff_and_prefiller_tier_hit(nixl_l1_stack: Stack) -> N
                 data = await resp.json()
             refs.append((data["choices"][0]["text"], data["usage"]["prompt_tokens"]))
             _reset_prefix_cache(st.decode)
-        d3 = scrape(st.decode.url)
+        d3 = ve.scrape(st.decode.url)
 
     (ref1, tokens1), (ref2, tokens2) = refs
     ext1 = _delta(d0, d1, SOURCE, **EXT)
@@ -238,7 +223,7 @@ async def test_nixl_l1_handoff_and_prefiller_tier_hit(nixl_l1_stack: Stack) -> N
     # the handoff: the decoder got (nearly) every prompt token's KV over NIXL, both times
     assert ext1 >= 0.9 * tokens1, "decoder did not receive the first prompt's KV over NIXL"
     assert ext2 >= 0.9 * tokens2, "decoder did not receive the second prompt's KV over NIXL"
-    assert metric_value(d2, "vllm:nixl_bytes_transferred_sum") > metric_value(
+    assert ph.metric_value(d2, "vllm:nixl_bytes_transferred_sum") > ph.metric_value(
         d0, "vllm:nixl_bytes_transferred_sum"
     )
     # the tier: nothing to hit the first time; the shared prefix (>= 2 full 256-token
@@ -249,6 +234,6 @@ async def test_nixl_l1_handoff_and_prefiller_tier_hit(nixl_l1_stack: Stack) -> N
     # the decoder's direct (reference) runs computed locally: no transfer counted
     assert _delta(d2, d3, SOURCE, **EXT) == 0
     # same greedy tokens as the colocated runs
-    assert completion_text(first.events) == ref1
-    assert completion_text(second.events) == ref2
-    assert metric_value(proxy_metrics, "pdstack_proxy_requests_total", outcome="ok") == 2
+    assert ph.completion_text(first.events) == ref1
+    assert ph.completion_text(second.events) == ref2
+    assert ph.metric_value(proxy_metrics, "pdstack_proxy_requests_total", outcome="ok") == 2

@@ -12,25 +12,9 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
+from pdstack.testing import proxy_harness as ph
+from pdstack.testing import vllm_engines as ve
 from pdstack.testing.heavy import heavy_lock
-from pdstack.testing.proxy_harness import (
-    completion_text,
-    metric_value,
-    running_proxy,
-    stream_completion,
-    table,
-)
-from pdstack.testing.vllm_engines import (
-    Proc,
-    free_port,
-    prompt_of,
-    require_venv,
-    scrape,
-    start_engine,
-    start_lmcache,
-    wait_port,
-    wait_ready,
-)
 
 pytestmark = pytest.mark.vllm
 
@@ -39,15 +23,15 @@ SAMPLING = {"model": "tiny", "max_tokens": 16, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def l1_stack() -> Iterator[tuple[Proc, Proc, Proc]]:
-    require_venv()
+def l1_stack() -> Iterator[tuple[ve.Proc, ve.Proc, ve.Proc]]:
+    ve.require_venv()
     with heavy_lock():
-        procs: list[Proc] = []
+        procs: list[ve.Proc] = []
         try:
-            zmq_port, http_port = free_port(), free_port()
-            lmcache = start_lmcache(zmq_port, http_port)
+            zmq_port, http_port = ve.free_port(), ve.free_port()
+            lmcache = ve.start_lmcache(zmq_port, http_port)
             procs.append(lmcache)
-            wait_port(lmcache, zmq_port)
+            ve.wait_port(lmcache, zmq_port)
             config = {
                 "kv_connector": "LMCacheMPConnector",
                 "kv_role": "kv_both",
@@ -56,18 +40,18 @@ def l1_stack() -> Iterator[tuple[Proc, Proc, Proc]]:
                     "lmcache.mp.port": zmq_port,
                 },
             }
-            prefill = start_engine("l1-prefill", free_port(), "0", config)
-            decode = start_engine("l1-decode", free_port(), "1", config)
+            prefill = ve.start_engine("l1-prefill", ve.free_port(), "0", config)
+            decode = ve.start_engine("l1-decode", ve.free_port(), "1", config)
             procs += [prefill, decode]
-            wait_ready([prefill, decode])
+            ve.wait_ready([prefill, decode])
             yield lmcache, prefill, decode
         finally:
             for proc in reversed(procs):
                 proc.stop()
 
 
-def l1_table(prefill: Proc, decode: Proc, threshold: int = 0) -> dict:
-    return table(
+def l1_table(prefill: ve.Proc, decode: ve.Proc, threshold: int = 0) -> dict:
+    return ph.table(
         "shared-l1",
         [
             {
@@ -91,10 +75,12 @@ def l1_table(prefill: Proc, decode: Proc, threshold: int = 0) -> dict:
 
 
 def source_delta(before: str, after: str, source: str) -> float:
-    return metric_value(after, SOURCE, source=source) - metric_value(before, SOURCE, source=source)
+    return ph.metric_value(after, SOURCE, source=source) - ph.metric_value(
+        before, SOURCE, source=source
+    )
 
 
-async def direct(session: aiohttp.ClientSession, engine: Proc, prompt: str) -> tuple[str, int]:
+async def direct(session: aiohttp.ClientSession, engine: ve.Proc, prompt: str) -> tuple[str, int]:
     async with session.post(
         f"{engine.url}/v1/completions", json={**SAMPLING, "prompt": prompt}
     ) as resp:
@@ -103,16 +89,16 @@ async def direct(session: aiohttp.ClientSession, engine: Proc, prompt: str) -> t
 
 
 async def test_shared_l1_decoder_reads_prefill_kv_from_store(
-    l1_stack: tuple[Proc, Proc, Proc],
+    l1_stack: tuple[ve.Proc, ve.Proc, ve.Proc],
 ) -> None:
     _, prefill, decode = l1_stack
-    prompt = prompt_of(900, seed=11)
-    async with running_proxy(l1_table(prefill, decode)) as rp:
+    prompt = ve.prompt_of(900, seed=11)
+    async with ph.running_proxy(l1_table(prefill, decode)) as rp:
         # non-disaggregated reference first: computed from scratch on one engine
         reference, prompt_tokens = await direct(rp.session, prefill, prompt)
-        before = scrape(decode.url)
-        res = await stream_completion(rp.session, rp.url, prompt, **SAMPLING)
-        after = scrape(decode.url)
+        before = ve.scrape(decode.url)
+        res = await ph.stream_completion(rp.session, rp.url, prompt, **SAMPLING)
+        after = ve.scrape(decode.url)
     ext = source_delta(before, after, "external_kv_transfer")
     local = source_delta(before, after, "local_compute")
     print(
@@ -125,26 +111,30 @@ async def test_shared_l1_decoder_reads_prefill_kv_from_store(
     assert ext >= (prompt_tokens // 256) * 256 - 256
     assert ext >= 512
     assert local <= prompt_tokens - ext
-    assert completion_text(res.events) == reference
+    assert ph.completion_text(res.events) == reference
 
 
-async def test_skip_prefill_goes_straight_to_decoder(l1_stack: tuple[Proc, Proc, Proc]) -> None:
+async def test_skip_prefill_goes_straight_to_decoder(
+    l1_stack: tuple[ve.Proc, ve.Proc, ve.Proc],
+) -> None:
     _, prefill, decode = l1_stack
-    shared = prompt_of(900, seed=23)
-    async with running_proxy(l1_table(prefill, decode, threshold=200)) as rp:
-        first = await stream_completion(rp.session, rp.url, shared + " first question", **SAMPLING)
+    shared = ve.prompt_of(900, seed=23)
+    async with ph.running_proxy(l1_table(prefill, decode, threshold=200)) as rp:
+        first = await ph.stream_completion(
+            rp.session, rp.url, shared + " first question", **SAMPLING
+        )
         assert first.status == 200 and not first.error_events, first.text
-        p_before, d_before = scrape(prefill.url), scrape(decode.url)
+        p_before, d_before = ve.scrape(prefill.url), ve.scrape(decode.url)
         second_prompt = shared + " second question about the cache"
-        second = await stream_completion(rp.session, rp.url, second_prompt, **SAMPLING)
-        p_after, d_after = scrape(prefill.url), scrape(decode.url)
+        second = await ph.stream_completion(rp.session, rp.url, second_prompt, **SAMPLING)
+        p_after, d_after = ve.scrape(prefill.url), ve.scrape(decode.url)
         proxy_metrics = await rp.metrics()
         reference, prompt_tokens = await direct(rp.session, prefill, second_prompt)
     assert second.status == 200 and not second.error_events, second.text
-    assert metric_value(proxy_metrics, "pdstack_proxy_skip_prefill_total") == 1
-    assert metric_value(proxy_metrics, "pdstack_proxy_prefix_index_hit_ratio") > 0
+    assert ph.metric_value(proxy_metrics, "pdstack_proxy_skip_prefill_total") == 1
+    assert ph.metric_value(proxy_metrics, "pdstack_proxy_prefix_index_hit_ratio") > 0
     # the prefiller saw nothing; the decoder reused the prefix instead of computing it
-    assert metric_value(p_after, "vllm:prompt_tokens_total") == metric_value(
+    assert ph.metric_value(p_after, "vllm:prompt_tokens_total") == ph.metric_value(
         p_before, "vllm:prompt_tokens_total"
     )
     local = source_delta(d_before, d_after, "local_compute")
@@ -154,4 +144,4 @@ async def test_skip_prefill_goes_straight_to_decoder(l1_stack: tuple[Proc, Proc,
         f"local_cache_hit=+{source_delta(d_before, d_after, 'local_cache_hit'):g}"
     )
     assert local <= 0.3 * prompt_tokens
-    assert completion_text(second.events) == reference
+    assert ph.completion_text(second.events) == reference

@@ -13,6 +13,7 @@ from pdstack import kvmodes, topology
 from pdstack.cli import main
 from pdstack.plan import BackendTable, Plan, make_plan
 from pdstack.proxy.backends import BackendRegistry, BackendState, derive_kv_path
+from pdstack.testing.cases import named_cases
 from pdstack.topology import TopologyError, load_topology
 
 LMCACHE_ZMQ = 6000
@@ -307,11 +308,7 @@ SHARE_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("a", "b", "field", "message"),
-    [c[1:] for c in SHARE_ERRORS],
-    ids=[c[0] for c in SHARE_ERRORS],
-)
+@named_cases(("a", "b", "field", "message"), SHARE_ERRORS)
 def test_share_gpu_validation(tmp_path: Path, capsys, a, b, field, message) -> None:
     inv = _write(tmp_path, "nixl", _two_on_gpu0(a, b))
     with pytest.raises(TopologyError) as err:

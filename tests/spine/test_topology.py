@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from pdstack.cli import main
+from pdstack.testing.cases import named_cases
 from pdstack.topology import TopologyError, load_topology
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,6 +25,11 @@ def _edit_hosts(inv: Path, fn) -> None:
     doc = yaml.safe_load((inv / "hosts.yml").read_text())
     fn(doc["all"]["children"]["pdstack_nodes"]["hosts"])
     (inv / "hosts.yml").write_text(yaml.safe_dump(doc))
+
+
+def _edit_engine(host: str, index: int, **fields):
+    """A mutation: update engine ``index`` of ``host`` in hosts.yml with ``fields``."""
+    return lambda inv: _edit_hosts(inv, lambda h: h[host]["pdstack_engines"][index].update(fields))
 
 
 def _edit_vars(inv: Path, fn) -> None:
@@ -42,24 +48,21 @@ MALFORMED = [
     (
         "GPU index out of range",
         "a100x3",
-        lambda inv: _edit_hosts(inv, lambda h: h["a100-node1"]["pdstack_engines"][2].update(
-            gpus=[3])),
+        _edit_engine("a100-node1", 2, gpus=[3]),
         "a100-node1.pdstack_engines[2].gpus",
         "GPU index 3 out of range",
     ),
     (
         "GPU used twice",
         "a100x3",
-        lambda inv: _edit_hosts(inv, lambda h: h["a100-node1"]["pdstack_engines"][2].update(
-            gpus=[1])),
+        _edit_engine("a100-node1", 2, gpus=[1]),
         "a100-node1.pdstack_engines[2].gpus",
         "GPU 1 already used by pdstack_engines[1]",
     ),
     (
         "TP not matching the GPU list",
         "b200x1",
-        lambda inv: _edit_hosts(inv, lambda h: h["b200-node1"]["pdstack_engines"][1].update(
-            gpus=[4, 5])),
+        _edit_engine("b200-node1", 1, gpus=[4, 5]),
         "b200-node1.pdstack_engines[1].gpus",
         "pdstack_tensor_parallel.decode is 4",
     ),
@@ -139,8 +142,7 @@ MALFORMED = [
     (
         "misspelt engine field",
         "a100x3",
-        lambda inv: _edit_hosts(inv, lambda h: h["a100-node1"]["pdstack_engines"][0].update(
-            gpu=[0])),
+        _edit_engine("a100-node1", 0, gpu=[0]),
         "a100-node1.pdstack_engines.0.gpu",
         "Extra inputs are not permitted",
     ),
@@ -154,11 +156,7 @@ MALFORMED = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("base", "mutate", "field", "message"),
-    [case[1:] for case in MALFORMED],
-    ids=[case[0] for case in MALFORMED],
-)
+@named_cases(("base", "mutate", "field", "message"), MALFORMED)
 def test_malformed_inventory_names_the_culprit(tmp_path, capsys, base, mutate, field, message):
     inv = _copy(tmp_path, base)
     mutate(inv)
