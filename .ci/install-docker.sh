@@ -31,7 +31,8 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 : "${SKIP_IMAGES:=0}"
 : "${HEAVY_LOCK:=}"   # optional flock file wrapped around the image builds
 mkdir -p "$STATE_DIR"
-APT=(apt-get -o DPkg::Lock::Timeout=600 -o Acquire::Retries=3 -q)
+# one apt at a time: .ci/install.sh runs this script next to the lab / prometheus apt steps
+APT=(flock "${CI_APT_LOCK:-/var/tmp/ci-apt.lock}" apt-get -o DPkg::Lock::Timeout=600 -o Acquire::Retries=3 -q)
 t0=$(date +%s)
 step() { echo "[install-docker $(( $(date +%s) - t0 ))s] $*"; }
 
