@@ -93,6 +93,10 @@ def pytest_cmdline_main(config: pytest.Config):
         and _workers() > 1
     ):
         opt.numprocesses = _workers()
+        # refill workers one test at a time: xdist's first batch is otherwise a quarter of a
+        # worker's share in a row, i.e. every slow test on the first worker
+        if getattr(opt, "maxschedchunk", None) is None:
+            opt.maxschedchunk = 1
     return (yield)
 
 
