@@ -17,7 +17,10 @@ pytest-xdist workers. That happens by itself when ALL of these hold:
 
 ``-n 0`` or ``PDSTACK_TEST_WORKERS=0`` forces the old serial run. On the workers, the tests
 known to take longest are scheduled first (longest-processing-time-first), so that no worker
-is left alone with a 15 s test at the end.
+is left alone with a 15 s test at the end. And tests that only run CPU-bound tools
+(ansible-lint, ansible-playbook, promtool, gpu/host_path.sh: ``NICE_TOOLS``, no timing
+assertions) run at nice +10 there (as root), so that the tests that measure latency (bench,
+proxy hardening, fault timings) get the cores first, as in a serial run.
 """
 
 from __future__ import annotations
@@ -56,6 +59,16 @@ SLOW_FIRST = (
     "tests/proxy/test_faults.py::",
     "tests/proxy/test_cli_load.py::",
 )
+
+
+# node-id prefixes of tests that only run CPU-bound tools and assert no timing
+NICE_TOOLS = (
+    "tests/ansible/",
+    "tests/host/",
+    "tests/monitoring/",
+    "tests/upgrade/test_role.py::",
+)
+NICE_TOOLS_BY = 10
 
 
 def _selects_no_heavy_test(markexpr: str) -> bool:
@@ -117,3 +130,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.option.markexpr or ""
     ):
         items.sort(key=lambda item: _slow_rank(item.nodeid))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """On xdist workers of a light run, as root: NICE_TOOLS tests (setup, call, teardown and
+    what they start) at nice +NICE_TOOLS_BY, every other test at the worker's own nice."""
+    if not (
+        os.environ.get("PYTEST_XDIST_WORKER")
+        and os.geteuid() == 0  # only root may lower the nice value back afterwards
+        and item.nodeid.startswith(NICE_TOOLS)
+        and _selects_no_heavy_test(item.config.option.markexpr or "")
+    ):
+        return (yield)
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    os.setpriority(os.PRIO_PROCESS, 0, min(19, before + NICE_TOOLS_BY))
+    try:
+        return (yield)
+    finally:
+        os.setpriority(os.PRIO_PROCESS, 0, before)
