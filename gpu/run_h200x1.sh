@@ -1,9 +1,11 @@
 #!/bin/bash
 # Drive the h200x1 measurements (issue 12) on the lent 1xH200 machine, from the repo root there.
 #
-#   bash gpu/run_h200x1.sh [BUDGET_S]
+#   RUN=1|2 bash gpu/run_h200x1.sh [BUDGET_S]
 #
-# Idempotent and resumable (state in /tmp/pdrun1): call it again in the next device call.
+# RUN=1: the first session's sweep; RUN=2 (default): the second one (tuned admission, NIXL
+# with CUDA IPC GET, the full-hit TTFT breakdown). Same engines, same workloads.
+# Idempotent and resumable (state in /tmp/pdrun$RUN): call it again in the next device call.
 #   1. install the payload from /tmp/chunks (once) -> /tmp/site; models into /tmp/models
 #   2. machine facts; the host-path check (gpu/host_path.sh, in the background) if present
 #   3. phase A: start V2-Lite engines at once on GPU 0 (pdstack launch, the plan's commands):
@@ -19,7 +21,8 @@ set -uo pipefail
 T0=$(date +%s)
 BUDGET=${1:-560}
 REPO=$(pwd)
-W=${W:-/tmp/pdrun1}
+RUN=${RUN:-2}
+W=${W:-/tmp/pdrun$RUN}
 SITE=${SITE:-/tmp/site}
 OUTDIR=${OUT:-$W/out}
 mkdir -p "$W/results" "$W/logs" "$W/state" "$OUTDIR"
@@ -94,7 +97,11 @@ if [ -f "$HP" ] && [ ! -f "$W/state/host-path" ]; then
 fi
 
 # ------------------------------------------------------------------ 3. engines
-COMMON_ENV=(--env VLLM_SERVER_DEV_MODE=1 --env VLLM_DISABLE_COMPILE_CACHE=1 --env UCX_TLS=)
+# UCX_CUDA_IPC_ENABLE_GET_ZCOPY: UCX turns cuda_ipc GET off on a GPU without active NVLinks
+# (the one lent H200), so NIXL's READ fell back to TCP in run 1 (63-83 MB/s); run 2 forces
+# it on (auto = run 1's behaviour)
+COMMON_ENV=(--env VLLM_SERVER_DEV_MODE=1 --env VLLM_DISABLE_COMPILE_CACHE=1 --env UCX_TLS=
+            --env "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=$([ "$RUN" = 1 ] && echo auto || echo y)")
 start() {  # key inventory services
   local key=$1 inv=$2 svcs=$3
   [ -f "$W/state/launched-$key" ] && return
@@ -199,30 +206,78 @@ run_variant() {
 
 V2M=deepseek-v2-lite V3M=deepseek-v3-shaped
 ADM=(--admission kv --admission-queue-timeout 30)
-phase_a
-if wait_up a-nixl a-l1; then
-  # step 1: one engine, many tenants (their KV is 2x the engine's GPU KV)
-  run_variant mt-v2-alone many-tenants $V2M "$RATES_MT" $A1 - $A1
-  run_variant mt-v2-tier many-tenants $V2M "$RATES_MT" $A2 $LMA $A2
-  run_variant mt-v2-tier-adm many-tenants $V2M "$RATES_MT" $A2 $LMA proxy 8031 --kv-mode colocated+l1 --decode $A2 "${ADM[@]}"
-  run_variant mt-v2-alone-adm many-tenants $V2M "$RATES_MT" $A1 - proxy 8032 --kv-mode colocated --decode $A1 "${ADM[@]}"
-  # step 2: 1P1D on the one GPU (prefiller and decoder share it), the seed workload
-  run_variant pd-nixl seed $V2M "$RATES_PD" $A1,$A3 - proxy 8033 --kv-mode nixl --prefill $A1 --decode $A3
-  run_variant pd-nixl-adm seed $V2M "$RATES_PD" $A1,$A3 - proxy 8034 --kv-mode nixl --prefill $A1 --decode $A3 "${ADM[@]}"
-  run_variant pd-nixl-l1 seed $V2M "$RATES_PD" $A2,$A3 $LMA proxy 8035 --kv-mode nixl+l1 --prefill $A2 --decode $A3
-  run_variant pd-nixl-l1-adm seed $V2M "$RATES_PD" $A2,$A3 $LMA proxy 8036 --kv-mode nixl+l1 --prefill $A2 --decode $A3 "${ADM[@]}"
-  # multi-turn: one engine
-  run_variant mtt-v2-alone multi-turn $V2M "$RATES_TURN" $A1 - $A1
-  run_variant mtt-v2-tier-adm multi-turn $V2M "$RATES_TURN" $A2 $LMA proxy 8037 --kv-mode colocated+l1 --decode $A2 "${ADM[@]}"
-fi
-phase_b
-if wait_up b-shared; then
-  run_variant pd-shared-l1 seed $V2M "$RATES_PD" $B1,$B2 $LMB proxy 8041 --kv-mode shared-l1 --prefill $B1 --decode $B2
-  run_variant pd-shared-l1-adm seed $V2M "$RATES_PD" $B1,$B2 $LMB proxy 8042 --kv-mode shared-l1 --prefill $B1 --decode $B2 "${ADM[@]}"
-fi
-if wait_up b-v3 b-v3l1; then
-  run_variant mt-v3-alone many-tenants $V3M "$RATES_MT" $V1 - $V1
-  run_variant mt-v3-tier-adm many-tenants $V3M "$RATES_MT" $V2 $LMV proxy 8043 --kv-mode colocated+l1 --decode $V2 "${ADM[@]}"
-  run_variant mt-v3-tier many-tenants $V3M "$RATES_MT" $V2 $LMV $V2
-fi
+
+probe_full_hit() {  # issue 12 step 3: where a full-hit request's TTFT goes (no load)
+  [ -f "$W/state/probed-full-hit" ] && return 0
+  [ "$(left)" -lt 90 ] && { log "left $(left)s: full-hit probe next call"; exit 0; }
+  log "full-hit TTFT probe"
+  "$PY" benchmarks/full_hit_ttft.py --model $V2M --engine "alone=$A1" --engine "tier=$A2,$LMA" \
+    --prompts 6 --prefix 6000 --suffix 200 --output "$W/results/full-hit-ttft.json" \
+    > "$W/logs/full-hit-ttft.out" 2>&1
+  local rc=$?
+  tail -8 "$W/logs/full-hit-ttft.out" | tee -a "$W/run.log"
+  log "full-hit probe rc=$rc"
+  touch "$W/state/probed-full-hit"
+}
+
+run1() {
+  phase_a
+  if wait_up a-nixl a-l1; then
+    # step 1: one engine, many tenants (their KV is 2x the engine's GPU KV)
+    run_variant mt-v2-alone many-tenants $V2M "$RATES_MT" $A1 - $A1
+    run_variant mt-v2-tier many-tenants $V2M "$RATES_MT" $A2 $LMA $A2
+    run_variant mt-v2-tier-adm many-tenants $V2M "$RATES_MT" $A2 $LMA proxy 8031 --kv-mode colocated+l1 --decode $A2 "${ADM[@]}"
+    run_variant mt-v2-alone-adm many-tenants $V2M "$RATES_MT" $A1 - proxy 8032 --kv-mode colocated --decode $A1 "${ADM[@]}"
+    # step 2: 1P1D on the one GPU (prefiller and decoder share it), the seed workload
+    run_variant pd-nixl seed $V2M "$RATES_PD" $A1,$A3 - proxy 8033 --kv-mode nixl --prefill $A1 --decode $A3
+    run_variant pd-nixl-adm seed $V2M "$RATES_PD" $A1,$A3 - proxy 8034 --kv-mode nixl --prefill $A1 --decode $A3 "${ADM[@]}"
+    run_variant pd-nixl-l1 seed $V2M "$RATES_PD" $A2,$A3 $LMA proxy 8035 --kv-mode nixl+l1 --prefill $A2 --decode $A3
+    run_variant pd-nixl-l1-adm seed $V2M "$RATES_PD" $A2,$A3 $LMA proxy 8036 --kv-mode nixl+l1 --prefill $A2 --decode $A3 "${ADM[@]}"
+    # multi-turn: one engine
+    run_variant mtt-v2-alone multi-turn $V2M "$RATES_TURN" $A1 - $A1
+    run_variant mtt-v2-tier-adm multi-turn $V2M "$RATES_TURN" $A2 $LMA proxy 8037 --kv-mode colocated+l1 --decode $A2 "${ADM[@]}"
+  fi
+  phase_b
+  if wait_up b-shared; then
+    run_variant pd-shared-l1 seed $V2M "$RATES_PD" $B1,$B2 $LMB proxy 8041 --kv-mode shared-l1 --prefill $B1 --decode $B2
+    run_variant pd-shared-l1-adm seed $V2M "$RATES_PD" $B1,$B2 $LMB proxy 8042 --kv-mode shared-l1 --prefill $B1 --decode $B2 "${ADM[@]}"
+  fi
+  if wait_up b-v3 b-v3l1; then
+    run_variant mt-v3-alone many-tenants $V3M "$RATES_MT" $V1 - $V1
+    run_variant mt-v3-tier-adm many-tenants $V3M "$RATES_MT" $V2 $LMV proxy 8043 --kv-mode colocated+l1 --decode $V2 "${ADM[@]}"
+    run_variant mt-v3-tier many-tenants $V3M "$RATES_MT" $V2 $LMV $V2
+  fi
+}
+
+run2() {  # variants in priority order; r2- names keep run 1's JSONs beside them
+  local ADM2=("${ADM[@]}" --admission-max-waiting 2)
+  phase_a
+  wait_up a-nixl a-l1 || return
+  probe_full_hit
+  run_variant r2-pd-nixl seed $V2M "$RATES_PD" $A1,$A3 - proxy 8033 --kv-mode nixl --prefill $A1 --decode $A3
+  run_variant r2-mt-v2-alone many-tenants $V2M "$RATES_MT" $A1 - $A1
+  run_variant r2-mt-v2-tier-adm2 many-tenants $V2M "$RATES_MT" $A2 $LMA proxy 8031 --kv-mode colocated+l1 --decode $A2 "${ADM2[@]}"
+  run_variant r2-pd-nixl-l1-adm seed $V2M "$RATES_PD" $A2,$A3 $LMA proxy 8036 --kv-mode nixl+l1 --prefill $A2 --decode $A3 "${ADM2[@]}"
+  run_variant r2-mtt-v2-alone multi-turn $V2M "$RATES_TURN" $A1 - $A1
+  run_variant r2-mtt-v2-tier-adm-cap multi-turn $V2M "$RATES_TURN" $A2 $LMA proxy 8037 --kv-mode colocated+l1 --decode $A2 "${ADM2[@]}" --admission-max-running 64
+  run_variant r2-pd-nixl-adm seed $V2M "$RATES_PD" $A1,$A3 - proxy 8034 --kv-mode nixl --prefill $A1 --decode $A3 "${ADM2[@]}"
+  run_variant r2-mt-v2-tier-adm many-tenants $V2M "$RATES_MT" $A2 $LMA proxy 8032 --kv-mode colocated+l1 --decode $A2 "${ADM[@]}"
+  run_variant r2-pd-nixl-l1 seed $V2M "$RATES_PD" $A2,$A3 $LMA proxy 8035 --kv-mode nixl+l1 --prefill $A2 --decode $A3
+  run_variant r2-mt-v2-tier many-tenants $V2M "$RATES_MT" $A2 $LMA $A2
+  # the running cap at the engines' CUDA-graph limit (--max-cudagraph-capture-size 128):
+  # past it every decode step runs eager (~10x slower), the collapse of the rows above
+  local CAP=(--admission-max-running 128)
+  run_variant r2-pd-nixl-l1-adm-cap seed $V2M "$RATES_PD" $A2,$A3 $LMA proxy 8038 --kv-mode nixl+l1 --prefill $A2 --decode $A3 "${ADM2[@]}" "${CAP[@]}"
+  run_variant r2-mt-v2-tier-adm2-cap many-tenants $V2M "$RATES_MT" $A2 $LMA proxy 8039 --kv-mode colocated+l1 --decode $A2 "${ADM2[@]}" "${CAP[@]}"
+  run_variant r2-mtt-v2-tier-adm-cap128 multi-turn $V2M "$RATES_TURN" $A2 $LMA proxy 8040 --kv-mode colocated+l1 --decode $A2 "${ADM2[@]}" "${CAP[@]}"
+  run_variant r2-pd-nixl-adm-cap seed $V2M "$RATES_PD" $A1,$A3 - proxy 8044 --kv-mode nixl --prefill $A1 --decode $A3 "${ADM2[@]}" "${CAP[@]}"
+  # shared L1 (the seed's design) with the same admission
+  stop a-nixl inventory/h200x1-nixl; stop a-l1 inventory/h200x1-nixl-l1
+  start b-shared inventory/h200x1-shared-l1 lmcache,prefill-0,decode-0
+  wait_up b-shared || return
+  run_variant r2-pd-shared-l1-adm-cap seed $V2M "$RATES_PD" $B1,$B2 $LMB proxy 8045 --kv-mode shared-l1 --prefill $B1 --decode $B2 "${ADM2[@]}" "${CAP[@]}"
+  run_variant r2-pd-shared-l1 seed $V2M "$RATES_PD" $B1,$B2 $LMB proxy 8046 --kv-mode shared-l1 --prefill $B1 --decode $B2
+}
+
+"run$RUN"
 log "status: $(ls "$W/state" | tr '\n' ' ')"

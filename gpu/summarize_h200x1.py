@@ -35,10 +35,35 @@ GROUPS = {
         ("pd-shared-l1", "shared L1"),
         ("pd-shared-l1-adm", "shared L1 + admission"),
     ),
+    # run 2 (RUN=2 gpu/run_h200x1.sh): its own baseline; NIXL with cuda_ipc GET forced on;
+    # admission with max_waiting 2 ("adm2"), a running cap ("cap 64")
+    "Run 2, step 1 - one engine, many-tenants, V2-Lite": (
+        ("r2-mt-v2-alone", "vLLM alone"),
+        ("r2-mt-v2-tier", "+ LMCache tier"),
+        ("r2-mt-v2-tier-adm", "+ LMCache tier + admission (max_waiting 0)"),
+        ("r2-mt-v2-tier-adm2", "+ LMCache tier + admission (max_waiting 2)"),
+        ("r2-mt-v2-tier-adm2-cap", "+ LMCache tier + admission (max_waiting 2, cap 128)"),
+    ),
+    "Run 2, step 1 - one engine, multi-turn, V2-Lite": (
+        ("r2-mtt-v2-alone", "vLLM alone"),
+        ("r2-mtt-v2-tier-adm-cap", "+ LMCache tier + admission (max_waiting 2, cap 64)"),
+        ("r2-mtt-v2-tier-adm-cap128", "+ LMCache tier + admission (max_waiting 2, cap 128)"),
+    ),
+    "Run 2, step 2 - 1P1D on one GPU, seed, V2-Lite, NIXL with cuda_ipc GET": (
+        ("r2-pd-nixl", "NIXL"),
+        ("r2-pd-nixl-adm", "NIXL + admission (max_waiting 2)"),
+        ("r2-pd-nixl-l1", "NIXL + L1 tier"),
+        ("r2-pd-nixl-l1-adm", "NIXL + L1 tier + admission (max_waiting 2)"),
+        ("r2-pd-nixl-adm-cap", "NIXL + admission (max_waiting 2, cap 128)"),
+        ("r2-pd-nixl-l1-adm-cap", "NIXL + L1 tier + admission (max_waiting 2, cap 128)"),
+        ("r2-pd-shared-l1", "shared L1"),
+        ("r2-pd-shared-l1-adm-cap", "shared L1 + admission (max_waiting 2, cap 128)"),
+    ),
 }
 HEAD = (
     "| variant | asked | sent | served | ok/failed | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 "
-    "| preempt | KV peak % | GPU hit % | ext hit % | computed k tok | adm. waited (mean s) |"
+    "| preempt | KV peak % | running peak | GPU hit % | ext hit % | computed k tok "
+    "| adm. waited (mean s) |"
 )
 
 
@@ -57,12 +82,17 @@ def row(name: str, r: dict) -> str:
     hit = prom.get("prefix_cache_hit_ratio")
     ext = prom.get("external_prefix_cache_hit_ratio")
     kv = r.get("peak_kv_cache_usage")
+    running = max(
+        ((e.get("gauges") or {}).get("num_requests_running") or {}).get("peak") or 0
+        for e in ((r.get("prometheus") or {}).get("endpoints") or {"-": {}}).values()
+    )
     return (
         f"| {name} | {fmt(r['request_rate'])} | {fmt(r['sent_rate'], 1)} "
         f"| {fmt(r['served_rate'], 1)} | {r['completed']}/{r['failed']} "
         f"| {fmt(r['p50_ttft_ms'])} | {fmt(r['p99_ttft_ms'])} "
         f"| {fmt(r['p50_itl_ms'], 1)} | {fmt(r['p99_itl_ms'], 1)} "
         f"| {fmt(r.get('preemptions'))} | {fmt(kv * 100 if kv is not None else None)} "
+        f"| {fmt(running)} "
         f"| {fmt(hit * 100 if hit is not None else None)} "
         f"| {fmt(ext * 100 if ext is not None else None)} "
         f"| {fmt(computed / 1000 if computed is not None else None)} | {adm} |"
@@ -74,11 +104,11 @@ def main(folder: str) -> int:
     for title, variants in GROUPS.items():
         print(f"\n### {title}\n")
         print(HEAD)
-        print("|---" * 15 + "|")
+        print("|---" * 16 + "|")
         for stem, name in variants:
             f = base / f"{stem}.json"
             if not f.is_file():
-                print(f"| {name} | not run |" + " |" * 13)
+                print(f"| {name} | not run |" + " |" * 14)
                 continue
             for r in json.loads(f.read_text())["results"]:
                 print(row(name, r))

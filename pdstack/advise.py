@@ -196,8 +196,23 @@ def read_curves(
 ) -> tuple[list[Curve], dict[str, Any] | None]:
     """Every bench JSON as a curve (files of one label and workload merged, worst point per
     rate), and the proxy-overhead document if one of the files is one."""
+    by_key, proxy_doc = _group_bench_docs(paths)
+    curves = [
+        _curve(label, model, wl_json, docs, mapping, roots)
+        for (label, model, wl_json), docs in sorted(by_key.items())
+    ]
+    return curves, proxy_doc
+
+
+_Docs = list[tuple[Path, dict[str, Any]]]
+
+
+def _group_bench_docs(
+    paths: list[Path],
+) -> tuple[dict[tuple[str, str, str], _Docs], dict[str, Any] | None]:
+    """The bench JSONs by (label, model, scenario + workload), and the proxy-overhead doc."""
     proxy_doc: dict[str, Any] | None = None
-    by_key: dict[tuple[str, str, str], list[tuple[Path, dict[str, Any]]]] = {}
+    by_key: dict[tuple[str, str, str], _Docs] = {}
     for path in paths:
         try:
             doc = json.loads(path.read_text())
@@ -215,89 +230,104 @@ def read_curves(
         wl = {k: v for k, v in (cfg.get("workload") or {}).items() if k != "seed"}
         key = (label, model, json.dumps([scenario, wl], sort_keys=True))
         by_key.setdefault(key, []).append((path, doc))
+    return by_key, proxy_doc
 
-    curves: list[Curve] = []
-    for (label, model, wl_json), docs in sorted(by_key.items()):
-        scenario, wl = json.loads(wl_json)
-        first_path, first = docs[0]
-        files = [str(p) for p, _ in docs]
-        gpus_seen = {d.get("config", {}).get("gpus") for _, d in docs}
-        if len(gpus_seen) != 1 or not isinstance(next(iter(gpus_seen)), int):
-            raise AdviseError(
-                f"{', '.join(files)}: config.gpus must be one integer for label {label!r} "
-                f"(got {sorted(map(str, gpus_seen))}); rerun pdstack bench with --gpus N"
-            )
-        gpus = int(next(iter(gpus_seen)))
-        results = [r for _, d in docs for r in d.get("results") or []]
-        if not results:
-            raise AdviseError(f"{', '.join(files)}: no results[]")
-        try:
-            raw = [_point(r, float(d["config"].get("duration") or 0)) for _, d in docs
-                   for r in d.get("results") or []]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise AdviseError(f"{', '.join(files)}: {exc}") from exc
-        points = _merge_worst(raw)
 
-        topo_field = first.get("config", {}).get("topology")
-        inv = mapping.get(label)
-        if inv is None and isinstance(topo_field, str):
-            for root in roots:
-                for cand in (Path(topo_field), root / topo_field, root / "inventory" / topo_field):
-                    if (cand / "hosts.yml").is_file():
-                        inv = cand
-                        break
-                if inv:
+def _curve(label: str, model: str, wl_json: str, docs: _Docs, mapping: dict[str, Path],
+           roots: list[Path]) -> Curve:
+    """One curve from the bench docs of one label and workload."""
+    scenario, wl = json.loads(wl_json)
+    first_path, first = docs[0]
+    files = [str(p) for p, _ in docs]
+    gpus_seen = {d.get("config", {}).get("gpus") for _, d in docs}
+    if len(gpus_seen) != 1 or not isinstance(next(iter(gpus_seen)), int):
+        raise AdviseError(
+            f"{', '.join(files)}: config.gpus must be one integer for label {label!r} "
+            f"(got {sorted(map(str, gpus_seen))}); rerun pdstack bench with --gpus N"
+        )
+    gpus = int(next(iter(gpus_seen)))
+    results = [r for _, d in docs for r in d.get("results") or []]
+    if not results:
+        raise AdviseError(f"{', '.join(files)}: no results[]")
+    try:
+        raw = [_point(r, float(d["config"].get("duration") or 0)) for _, d in docs
+               for r in d.get("results") or []]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise AdviseError(f"{', '.join(files)}: {exc}") from exc
+    points = _merge_worst(raw)
+
+    topo_field = first.get("config", {}).get("topology")
+    inv = _inventory_for(label, topo_field, first_path, mapping, roots)
+    shape = _shape_for(label, inv, topo_field, results, gpus, first_path)
+    return Curve(label=label, files=files, model=model, scenario=scenario, workload=wl,
+                 gpus=gpus, shape=shape, points=points, inventory=inv,
+                 skip_prefill=any(p.skip_prefill > 0 for p in raw))
+
+
+def _inventory_for(label: str, topo_field: Any, first_path: Path, mapping: dict[str, Path],
+                   roots: list[Path]) -> Path | None:
+    """The inventory of a label: --topology, else config.topology as a path, else by name."""
+    inv = mapping.get(label)
+    if inv is None and isinstance(topo_field, str):
+        for root in roots:
+            for cand in (Path(topo_field), root / topo_field, root / "inventory" / topo_field):
+                if (cand / "hosts.yml").is_file():
+                    inv = cand
                     break
-        if inv is None:
-            inv = _find_inventory(label, first_path, roots)
-        shape: Shape
-        if inv is not None:
-            try:
-                shape = _shape_from_topology(load_topology(inv), f"inventory {inv}")
-            except TopologyError as err:
-                raise AdviseError(
-                    f"inventory {inv} for label {label!r} is invalid:\n{err}"
-                ) from err
-            if shape.gpus() != gpus:
-                raise AdviseError(
-                    f"label {label!r}: inventory {inv} has {shape.gpus()} GPUs in engines but "
-                    f"{first_path} says config.gpus = {gpus}; pass --topology {label}=INVENTORY"
-                )
-        elif isinstance(topo_field, dict):
-            shape = Shape(
-                kv_mode=topo_field.get("kv_mode"),
-                prefill=int(topo_field.get("prefill", 0)),
-                decode=int(topo_field.get("decode", 0)),
-                colocated=int(topo_field.get("colocated", 0)),
-                source="config.topology",
-            )
-        else:
-            roles = _roles_from_counters(results)
-            shape = Shape(
-                kv_mode=label if label in kvmodes.MODES else None,
-                prefill=len(roles.get("prefill", ())),
-                decode=len(roles.get("decode", ())),
-                colocated=len(roles.get("colocated", ())),
-                source="the proxy's backend counters",
-            )
-            if not (shape.pd or shape.colocated):  # no proxy in front: one opaque unit
-                shape = Shape(kv_mode=None, colocated=1, tp={"colocated": gpus},
-                              source="config.gpus (no proxy counters)")
-        engines = shape.prefill + shape.decode + shape.colocated
-        if not shape.tp and engines and gpus % engines == 0:
-            per = gpus // engines
-            shape.tp = {r: per for r in ("prefill", "decode", "colocated")}
+            if inv:
+                break
+    if inv is None:
+        inv = _find_inventory(label, first_path, roots)
+    return inv
+
+
+def _shape_for(label: str, inv: Path | None, topo_field: Any, results: list[dict[str, Any]],
+               gpus: int,
+               first_path: Path) -> Shape:
+    """The engine shape of a curve: from its inventory, config.topology or the counters."""
+    shape: Shape
+    if inv is not None:
+        try:
+            shape = _shape_from_topology(load_topology(inv), f"inventory {inv}")
+        except TopologyError as err:
+            raise AdviseError(
+                f"inventory {inv} for label {label!r} is invalid:\n{err}"
+            ) from err
         if shape.gpus() != gpus:
             raise AdviseError(
-                f"label {label!r}: cannot tell how its {gpus} GPUs split into engines "
-                f"({shape.describe()} from {shape.source}); pass --topology {label}=INVENTORY"
+                f"label {label!r}: inventory {inv} has {shape.gpus()} GPUs in engines but "
+                f"{first_path} says config.gpus = {gpus}; pass --topology {label}=INVENTORY"
             )
-        curves.append(
-            Curve(label=label, files=files, model=model, scenario=scenario, workload=wl,
-                  gpus=gpus, shape=shape, points=points, inventory=inv,
-                  skip_prefill=any(p.skip_prefill > 0 for p in raw))
+    elif isinstance(topo_field, dict):
+        shape = Shape(
+            kv_mode=topo_field.get("kv_mode"),
+            prefill=int(topo_field.get("prefill", 0)),
+            decode=int(topo_field.get("decode", 0)),
+            colocated=int(topo_field.get("colocated", 0)),
+            source="config.topology",
         )
-    return curves, proxy_doc
+    else:
+        roles = _roles_from_counters(results)
+        shape = Shape(
+            kv_mode=label if label in kvmodes.MODES else None,
+            prefill=len(roles.get("prefill", ())),
+            decode=len(roles.get("decode", ())),
+            colocated=len(roles.get("colocated", ())),
+            source="the proxy's backend counters",
+        )
+        if not (shape.pd or shape.colocated):  # no proxy in front: one opaque unit
+            shape = Shape(kv_mode=None, colocated=1, tp={"colocated": gpus},
+                          source="config.gpus (no proxy counters)")
+    engines = shape.prefill + shape.decode + shape.colocated
+    if not shape.tp and engines and gpus % engines == 0:
+        per = gpus // engines
+        shape.tp = {r: per for r in ("prefill", "decode", "colocated")}
+    if shape.gpus() != gpus:
+        raise AdviseError(
+            f"label {label!r}: cannot tell how its {gpus} GPUs split into engines "
+            f"({shape.describe()} from {shape.source}); pass --topology {label}=INVENTORY"
+        )
+    return shape
 
 
 def _merge_worst(points: list[Point]) -> list[Point]:
@@ -543,19 +573,7 @@ def advise_curve(
                           f"proxy's measured overhead ({ovh.source})")
     s = curve.shape
     if not s.pd:
-        per = kp.rate / s.colocated
-        n = math.ceil(target / per - 1e-9)
-        opt = Option(curve, kp, colocated=n, est_p50=kp.p50 + ovh.p50_ms,
-                     est_p99=kp.p99 + ovh.p99_ms,
-                     how=f"{n} independent engines at <= {per:.3g} req/s each "
-                         f"(the knee {kp.rate:g} req/s over {s.colocated})")
-        nodes = place([("colocated", s.tp.get("colocated", 1))] * n, gpus_per_node, s.kv_mode)
-        if nodes is None:
-            raise AdviseError(f"{curve.label}: an engine of {s.tp.get('colocated', 1)} GPUs "
-                              f"does not fit {gpus_per_node}-GPU nodes")
-        opt.nodes = nodes
-        opt.capacity = opt.colocated * per
-        return opt
+        return _advise_colocated(curve, kp, target, gpus_per_node, ovh)
 
     sd = sides(curve, kp)
     tp_p, tp_d = s.tp.get("prefill", 1), s.tp.get("decode", 1)
@@ -595,21 +613,46 @@ def advise_curve(
             best = opt
     if best is None:  # cannot happen: whole units always meet the knee's numbers
         raise AdviseError(f"{curve.label}: no prefill:decode split meets the SLO")
+    best.how = _pd_how(best, curve, kp, sd, target)
+    return best
+
+
+def _advise_colocated(curve: Curve, kp: Point, target: float, gpus_per_node: int,
+                      ovh: ProxyOverhead) -> Option:
+    """Independent engines: as many as the knee rate per engine asks for."""
+    s = curve.shape
+    per = kp.rate / s.colocated
+    n = math.ceil(target / per - 1e-9)
+    opt = Option(curve, kp, colocated=n, est_p50=kp.p50 + ovh.p50_ms,
+                 est_p99=kp.p99 + ovh.p99_ms,
+                 how=f"{n} independent engines at <= {per:.3g} req/s each "
+                     f"(the knee {kp.rate:g} req/s over {s.colocated})")
+    nodes = place([("colocated", s.tp.get("colocated", 1))] * n, gpus_per_node, s.kv_mode)
+    if nodes is None:
+        raise AdviseError(f"{curve.label}: an engine of {s.tp.get('colocated', 1)} GPUs "
+                          f"does not fit {gpus_per_node}-GPU nodes")
+    opt.nodes = nodes
+    opt.capacity = opt.colocated * per
+    return opt
+
+
+def _pd_how(best: Option, curve: Curve, kp: Point, sd: tuple[Side, Side] | None,
+            target: float) -> str:
+    """Why this prefill:decode split, in one line."""
+    s = curve.shape
     r_p, r_d = target / best.prefill, target / best.decode
     if sd is None:
         why = ("whole units: skip-prefill sends work past the prefillers" if curve.skip_prefill
                else "whole units: no proxy leg timings to split prefill from decode")
-        best.how = f"{best.units()}x the measured {s.describe()} unit ({why})"
-    elif best.prefill * s.decode == best.decode * s.prefill:
-        best.how = (f"{best.units()}x the measured {s.describe()} unit; the curve shows no side "
-                    f"with room past the knee ({kp.rate:g} req/s)")
-    else:
-        side = "decode" if best.decode * s.prefill > best.prefill * s.decode else "prefill"
-        other = "prefill" if side == "decode" else "decode"
-        best.how = (f"{side}-bound: past the knee ({kp.rate:g} req/s) the {other} side kept up "
-                    f"to {(sd[0] if other == 'prefill' else sd[1]).xs[-1]:.3g} req/s per engine; "
-                    f"{r_p:.3g} req/s per prefiller, {r_d:.3g} per decoder")
-    return best
+        return f"{best.units()}x the measured {s.describe()} unit ({why})"
+    if best.prefill * s.decode == best.decode * s.prefill:
+        return (f"{best.units()}x the measured {s.describe()} unit; the curve shows no side "
+                f"with room past the knee ({kp.rate:g} req/s)")
+    side = "decode" if best.decode * s.prefill > best.prefill * s.decode else "prefill"
+    other = "prefill" if side == "decode" else "decode"
+    return (f"{side}-bound: past the knee ({kp.rate:g} req/s) the {other} side kept up "
+            f"to {(sd[0] if other == 'prefill' else sd[1]).xs[-1]:.3g} req/s per engine; "
+            f"{r_p:.3g} req/s per prefiller, {r_d:.3g} per decoder")
 
 
 def check_coverage(curves: list[Curve], model: str | None, scenario: str | None) -> list[Curve]:

@@ -52,7 +52,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     parser = build_parser(only=only)
     args = parser.parse_args(args_list)
-    result = args.func(args)
+    from pdstack.commands import InvalidInventory
+
+    try:
+        result = args.func(args)
+    except InvalidInventory as exc:  # its problems are printed
+        return int(exc.code or 0)
     return int(result or 0)
 
 

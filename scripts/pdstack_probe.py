@@ -299,19 +299,24 @@ def bind_listener(host: str, port: int) -> tuple[socket.socket | None, Json]:
     return sock, info
 
 
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """``n`` bytes from ``sock``, or fewer when the peer closes first."""
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
 def serve_conn(conn: socket.socket) -> None:
     """Send the banner; if the peer asks for a throughput run, sink and report."""
     try:
         conn.setblocking(True)
         conn.settimeout(5.0)
         conn.sendall(BANNER)
-        head = b""
-        while len(head) < len(TPUT_MAGIC):
-            chunk = conn.recv(len(TPUT_MAGIC) - len(head))
-            if not chunk:
-                return
-            head += chunk
-        if head != TPUT_MAGIC:
+        if recv_exact(conn, len(TPUT_MAGIC)) != TPUT_MAGIC:
             return
         conn.settimeout(30.0)
         total = 0
@@ -390,13 +395,7 @@ def throughput(host: str, port: int, seconds: float, timeout: float) -> Json:
         return res
     try:
         sock.settimeout(timeout)
-        head = b""
-        while len(head) < len(BANNER):
-            chunk = sock.recv(len(BANNER) - len(head))
-            if not chunk:
-                break
-            head += chunk
-        if head != BANNER:
+        if recv_exact(sock, len(BANNER)) != BANNER:
             res.update({"status": "error", "error": "peer is not a pdstack probe listener"})
             return res
         sock.sendall(TPUT_MAGIC)

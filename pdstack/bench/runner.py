@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from pdstack.bench import promscrape
 from pdstack.bench.client import BenchClient, RequestResult, first_model
@@ -185,19 +185,32 @@ async def run_open_loop(
             task = asyncio.create_task(one(req))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
-        rest = window[1] - time.perf_counter()
-        if rest > 0:
-            await asyncio.sleep(rest)
-        if window_hook is not None:
-            await window_hook
-        await _drain(tasks, drain_timeout)
+        await _close_window(window[1], window_hook, tasks, drain_timeout)
     finally:
-        ticker.cancel()
-        for t in tasks:
-            t.cancel()
-        if progress is not None and task_id is not None:
-            progress.update(task_id, completed=total)
+        _stop(ticker, tasks, progress, task_id, total)
     return results, window[0], window[1]
+
+
+async def _close_window(end: float, hook: Awaitable[Any] | None, tasks: set[asyncio.Task[Any]],
+                        drain_timeout: float) -> None:
+    """Wait for the measured window's end and its scrape hook, then for the requests still
+    in flight (at most ``drain_timeout`` s)."""
+    rest = end - time.perf_counter()
+    if rest > 0:
+        await asyncio.sleep(rest)
+    if hook is not None:
+        await hook
+    await _drain(tasks, drain_timeout)
+
+
+def _stop(ticker: asyncio.Task[Any], tasks: set[asyncio.Task[Any]], progress: Progress | None,
+          task_id: TaskID | None, total: float) -> None:
+    """End a load loop: stop the progress ticker and every request still running."""
+    ticker.cancel()
+    for t in tasks:
+        t.cancel()
+    if progress is not None and task_id is not None:
+        progress.update(task_id, completed=total)
 
 
 async def _at(when: float, hook: Callable[[], Awaitable[Any]]) -> Any:
@@ -247,16 +260,9 @@ async def run_closed_loop(
     hook = asyncio.create_task(_at(window[0], on_window_start)) if on_window_start else None
     tasks = {asyncio.create_task(stream(i)) for i in range(concurrency)}
     try:
-        await asyncio.sleep(max(0.0, window[1] - time.perf_counter()))
-        if hook is not None:
-            await hook
-        await _drain(tasks, drain_timeout)
+        await _close_window(window[1], hook, tasks, drain_timeout)
     finally:
-        ticker.cancel()
-        for t in tasks:
-            t.cancel()
-        if progress is not None and task_id is not None:
-            progress.update(task_id, completed=total)
+        _stop(ticker, tasks, progress, task_id, total)
     return results, window[0], window[1]
 
 
@@ -270,6 +276,26 @@ def make_progress(console: Console | None = None, enabled: bool = True) -> Progr
         disable=not enabled,
         transient=False,
     )
+
+
+async def _add_prometheus(entry: dict[str, Any], urls: list[str], scrapes: dict[str, Any],
+                          sampler: promscrape.GaugeSampler) -> None:
+    """The engines' counters over the window (after minus before) and the gauges sampled
+    during it, into one rate's result entry."""
+    after = await promscrape.snapshot(urls)
+    if "gauges" in scrapes:
+        await scrapes["gauges"]
+    prom = promscrape.summarize_deltas(scrapes.get("before", {}), after)
+    gauges = sampler.summary()
+    prom["total"]["gauges"] = gauges["total"]
+    for url, g in gauges["endpoints"].items():
+        prom["endpoints"].setdefault(url, {})["gauges"] = g
+    entry["prometheus"] = prom
+    total = prom["total"]
+    entry["prefix_cache_hit_ratio"] = total["prefix_cache_hit_ratio"]
+    entry["external_prefix_cache_hit_ratio"] = total["external_prefix_cache_hit_ratio"]
+    entry["preemptions"] = total["preemptions"]
+    entry["peak_kv_cache_usage"] = total["gauges"]["kv_cache_usage"]["peak"]
 
 
 async def run_sweep(
@@ -339,22 +365,7 @@ async def run_sweep(
                     slo_ttft_p99_ms=cfg.slo_ttft_p99_ms,
                 )
                 if cfg.metrics_urls:
-                    after = await promscrape.snapshot(cfg.metrics_urls)
-                    if "gauges" in scrapes:
-                        await scrapes["gauges"]
-                    prom = promscrape.summarize_deltas(scrapes.get("before", {}), after)
-                    gauges = sampler.summary()
-                    prom["total"]["gauges"] = gauges["total"]
-                    for url, g in gauges["endpoints"].items():
-                        prom["endpoints"].setdefault(url, {})["gauges"] = g
-                    entry["prometheus"] = prom
-                    total = prom["total"]
-                    entry["prefix_cache_hit_ratio"] = total["prefix_cache_hit_ratio"]
-                    entry["external_prefix_cache_hit_ratio"] = total[
-                        "external_prefix_cache_hit_ratio"
-                    ]
-                    entry["preemptions"] = total["preemptions"]
-                    entry["peak_kv_cache_usage"] = total["gauges"]["kv_cache_usage"]["peak"]
+                    await _add_prometheus(entry, cfg.metrics_urls, scrapes, sampler)
                 if cfg.gpu_hour_price is not None and cfg.gpus:
                     entry["cost_per_1m_output_tokens"] = cost_per_million_output_tokens(
                         entry["output_throughput"], cfg.gpu_hour_price, cfg.gpus

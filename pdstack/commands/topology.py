@@ -6,28 +6,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from pdstack.commands import load_or_exit
 from pdstack.plan import make_plan
 from pdstack.render import output_dirs, render_all, write_stacks
-from pdstack.topology import TopologyError, load_topology
-
-EXIT_INVALID = 2
-
-
-def _load(args: argparse.Namespace):
-    try:
-        topo = load_topology(args.inventory)
-    except TopologyError as err:
-        print(f"pdstack: invalid inventory {args.inventory}:", file=sys.stderr)
-        for p in err.problems:
-            print(f"  error: {p}", file=sys.stderr)
-        return None
-    return topo
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    topo = _load(args)
-    if topo is None:
-        return EXIT_INVALID
+    topo = load_or_exit(args.inventory)
     plan = make_plan(topo)
     n_services = sum(len(n.services) for n in plan.nodes.values())
     print(
@@ -39,9 +24,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    topo = _load(args)
-    if topo is None:
-        return EXIT_INVALID
+    topo = load_or_exit(args.inventory)
     plan = make_plan(topo)
     if args.json:
         print(plan.model_dump_json(indent=2))
@@ -76,9 +59,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    topo = _load(args)
-    if topo is None:
-        return EXIT_INVALID
+    topo = load_or_exit(args.inventory)
     plan = make_plan(topo)
     rendered = render_all(topo, plan)
     dirs = output_dirs(plan, Path(args.output) if args.output else None)

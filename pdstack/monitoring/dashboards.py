@@ -50,9 +50,13 @@ def _q(expr: str, legend: str) -> Query:
 
 
 def boards(d: DeploymentSpec, f: Features) -> list[Board]:
+    return [_overview(d), _kv(d, f), _engines(d), _proxy(d, f)]
+
+
+def _overview(d: DeploymentSpec) -> Board:
     o = d.observability
     p50, p99 = o.ttft_p50_slo_ms / 1000, o.ttft_p99_slo_ms / 1000
-    overview = Board(
+    return Board(
         "pdstack-overview",
         f"pdstack overview ({d.name})",
         [
@@ -91,6 +95,8 @@ def boards(d: DeploymentSpec, f: Features) -> list[Board]:
         ],
     )
 
+
+def _kv(d: DeploymentSpec, f: Features) -> Board:
     kv_panels = [
         Panel("Prompt tokens by source, per engine", "short", [
             _q("sum by (service, source) (rate(vllm:prompt_tokens_by_source_total[1m]))",
@@ -140,9 +146,11 @@ def boards(d: DeploymentSpec, f: Features) -> list[Board]:
             _q("sum by (outcome) (rate(pdstack_proxy_lmcache_pd_notify_total[1m]))",
                "{{outcome}}"),
         ]))
-    kv = Board("pdstack-kv", f"pdstack KV ({d.name})", [("KV cache", kv_panels)])
+    return Board("pdstack-kv", f"pdstack KV ({d.name})", [("KV cache", kv_panels)])
 
-    engines = Board(
+
+def _engines(d: DeploymentSpec) -> Board:
+    return Board(
         "pdstack-engines",
         f"pdstack engines ({d.name})",
         [
@@ -173,6 +181,8 @@ def boards(d: DeploymentSpec, f: Features) -> list[Board]:
         ],
     )
 
+
+def _proxy(d: DeploymentSpec, f: Features) -> Board:
     proxy_panels = [
         Panel("Leg latency P50 / P99", "s", [
             _q("histogram_quantile(0.5, sum by (le, leg) "
@@ -226,8 +236,7 @@ def boards(d: DeploymentSpec, f: Features) -> list[Board]:
                 _q("max by (backend) (pdstack_proxy_engine_kv_usage)", "{{backend}}"),
             ]),
         ]
-    proxy = Board("pdstack-proxy", f"pdstack proxy ({d.name})", [("Proxy", proxy_panels)])
-    return [overview, kv, engines, proxy]
+    return Board("pdstack-proxy", f"pdstack proxy ({d.name})", [("Proxy", proxy_panels)])
 
 
 def build(board: Board) -> dict[str, Any]:

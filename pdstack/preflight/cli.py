@@ -34,9 +34,9 @@ def register(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentPar
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
+    from pdstack.commands import load_or_exit
     from pdstack.plan import make_plan
     from pdstack.preflight.runner import default_probe_path, run_preflight
-    from pdstack.topology import TopologyError, load_topology
 
     if not 0 < args.timeout <= 60 or not 0 < args.ssh_timeout <= 60:
         print("pdstack preflight: --timeout and --ssh-timeout must be in (0, 60]", file=sys.stderr)
@@ -44,13 +44,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     if not 0 <= args.throughput <= 30:
         print("pdstack preflight: --throughput must be in [0, 30] seconds", file=sys.stderr)
         return EXIT_MISUSE
-    try:
-        topo = load_topology(args.inventory)
-    except TopologyError as err:
-        print(f"pdstack preflight: invalid inventory {args.inventory}:", file=sys.stderr)
-        for p in err.problems:
-            print(f"  error: {p}", file=sys.stderr)
-        return EXIT_MISUSE
+    topo = load_or_exit(args.inventory, "pdstack preflight")  # exit 2 = EXIT_MISUSE
     probe = args.probe or default_probe_path()
     try:
         open(probe, "rb").close()

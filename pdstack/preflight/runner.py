@@ -31,8 +31,10 @@ from pdstack.plan import Edge, NodePlan, Plan
 from pdstack.preflight.report import (
     CAUSE_TEXT,
     Check,
+    Kind,
     NodeReport,
     PreflightReport,
+    Status,
     is_private_address,
 )
 from pdstack.preflight.transport import Spawned, Transport, TransportError, connect
@@ -99,38 +101,65 @@ def run_preflight(
         started_at=datetime.now(UTC).isoformat(timespec="seconds"),
     )
     probe_file = Path(probe_path) if probe_path else default_probe_path()
-    probe_src = probe_file.read_bytes()
-    full_digest = hashlib.sha256(probe_src).hexdigest()
-    digest = full_digest[:12]
-    remote_probe = f"/tmp/pdstack_probe-{digest}.py"
-    nodes = {name: _Node(np) for name, np in plan.nodes.items()}
+    run = _Run(plan, probe_file.read_bytes(), timeout=timeout, ssh_timeout=ssh_timeout,
+               python=python, throughput_s=throughput_s)
+    nodes = run.nodes
+    # ---- phase 1: connect, upload, facts, listeners
+    _parallel(list(nodes.values()), run.setup)
+    # ---- phase 2: one batch per source node
+    ready = [n for n in nodes.values() if n.error is None]
+    run.plan_mtu_pairs(ready)
+    _parallel(ready, run.probe_from)
+    # ---- phase 3: stop listeners, close
+    _parallel(list(nodes.values()), _teardown)
 
-    # listen addresses per destination node
-    wanted: dict[str, list[tuple[str, int]]] = {name: [] for name in nodes}
-    for e in plan.edges:
-        if e.dst_node in wanted and (e.dst_address, e.port) not in wanted[e.dst_node]:
-            wanted[e.dst_node].append((e.dst_address, e.port))
-    # UCX's TCP transport (NIXL without RDMA) moves the KV over connections to an ephemeral
-    # port on the peer: one extra listener on port 0 wherever a cross-node NIXL edge lands
-    ucx_edges = [e for e in plan.edges if _is_ucx_edge(e)]
-    for e in ucx_edges:
-        if e.dst_node in wanted and (e.dst_address, 0) not in wanted[e.dst_node]:
-            wanted[e.dst_node].append((e.dst_address, 0))
-    listen_seconds = ssh_timeout + 3 * timeout + 30
+    _judge(plan, nodes, report)
+    report.duration_s = time.monotonic() - t0
+    return report
 
-    def pick(node: _Node) -> str:
+
+class _Run:
+    """What the three phases of one preflight run share."""
+
+    def __init__(self, plan: Plan, probe_src: bytes, *, timeout: float, ssh_timeout: float,
+                 python: str | None, throughput_s: float):
+        self.timeout = timeout
+        self.ssh_timeout = ssh_timeout
+        self.python = python
+        self.throughput_s = throughput_s
+        self.probe_src = probe_src
+        self.full_digest = hashlib.sha256(probe_src).hexdigest()
+        self.remote_probe = f"/tmp/pdstack_probe-{self.full_digest[:12]}.py"
+        self.nodes = {name: _Node(np) for name, np in plan.nodes.items()}
+        # listen addresses per destination node
+        self.wanted: dict[str, list[tuple[str, int]]] = {name: [] for name in self.nodes}
+        for e in plan.edges:
+            if e.dst_node in self.wanted and (e.dst_address, e.port) not in self.wanted[e.dst_node]:
+                self.wanted[e.dst_node].append((e.dst_address, e.port))
+        # UCX's TCP transport (NIXL without RDMA) moves the KV over connections to an ephemeral
+        # port on the peer: one extra listener on port 0 wherever a cross-node NIXL edge lands
+        self.ucx_edges = [e for e in plan.edges if _is_ucx_edge(e)]
+        for e in self.ucx_edges:
+            if e.dst_node in self.wanted and (e.dst_address, 0) not in self.wanted[e.dst_node]:
+                self.wanted[e.dst_node].append((e.dst_address, 0))
+        self.listen_seconds = ssh_timeout + 3 * timeout + 30
+        self.edges_by_src: dict[str, list[Edge]] = {}
+        for e in plan.edges:
+            self.edges_by_src.setdefault(e.src_node, []).append(e)
+        self.mtu_pairs: dict[str, list[tuple[str, int]]] = {}
+
+    def pick(self, node: _Node) -> str:
         """Shell that sets $PY: the given interpreter, else the inventory's
         ansible_python_interpreter, else the system python3 (not a user's shim)."""
-        chosen = python or node.plan.ssh.python or "/usr/bin/python3"
+        chosen = self.python or node.plan.ssh.python or "/usr/bin/python3"
         return (
             f'PY={shlex.quote(chosen)}; [ -x "$PY" ] || PY=$(command -v python3) || '
             "{ echo 'python3 not found on this node' >&2; exit 127; }"
         )
 
-    # ---- phase 1: connect, upload, facts, listeners
-    def setup(node: _Node) -> None:
+    def setup(self, node: _Node) -> None:
         try:
-            node.transport = connect(node.plan.name, node.plan.ssh, ssh_timeout)
+            node.transport = connect(node.plan.name, node.plan.ssh, self.ssh_timeout)
         except TransportError as exc:
             node.error = exc
             return
@@ -138,36 +167,24 @@ def run_preflight(
             node.error = TransportError("ssh_unreachable", f"{type(exc).__name__}: {exc}")
             return
         tr = node.transport
-        # One remote command per node (each SSH exec pays the login shell's start-up):
-        # install the probe if this exact version is not there yet (read exactly
-        # len(probe) bytes from stdin), print host facts, then become the listener.
-        n = len(probe_src)
-        # reuse a copy only if it is ours and byte-identical (the name in /tmp is
-        # predictable; another user's file there is never executed)
-        install = (
-            f'{{ test -O {remote_probe} && sha256sum {remote_probe} | grep -q "^{full_digest} "; }}'
-            f" || {{ umask 022; t=$(mktemp /tmp/.pdstack_probe.XXXXXX) "
-            f'&& head -c {n} > "$t" && [ "$(wc -c < "$t")" -eq {n} ] '
-            f'&& mv -f "$t" {remote_probe} || {{ rm -f "$t"; echo "probe upload failed" >&2; '
-            "exit 126; }; }"
-        )
-        command = f'{pick(node)}; {install}; "$PY" {remote_probe} info'
-        if wanted[node.plan.name]:
-            binds = " ".join(f"--bind {_hostport(a, p)}" for a, p in wanted[node.plan.name])
+        wanted = self.wanted[node.plan.name]
+        command = f'{self.pick(node)}; {self._install_command()}; "$PY" {self.remote_probe} info'
+        if wanted:
+            binds = " ".join(f"--bind {_hostport(a, p)}" for a, p in wanted)
             command += (
-                f' && exec "$PY" {remote_probe} listen {binds} '
-                f"--seconds {listen_seconds:.0f} --exit-on-stdin-eof"
+                f' && exec "$PY" {self.remote_probe} listen {binds} '
+                f"--seconds {self.listen_seconds:.0f} --exit-on-stdin-eof"
             )
-        node.probe = remote_probe
+        node.probe = self.remote_probe
         try:
             proc = tr.spawn(command)
-            proc.write(probe_src)
-            line = proc.readline(ssh_timeout + 10)
+            proc.write(self.probe_src)
+            line = proc.readline(self.ssh_timeout + 10)
             node.facts = json.loads(line)
-            if wanted[node.plan.name]:
+            if wanted:
                 node.listener = proc
                 try:
-                    ready = json.loads(proc.readline(ssh_timeout + 5))
+                    ready = json.loads(proc.readline(self.ssh_timeout + 5))
                     node.binds = ready.get("binds", [])
                 except (TransportError, ValueError) as exc:
                     node.listener_error = str(exc)
@@ -178,57 +195,71 @@ def run_preflight(
         except ValueError as exc:
             node.error = TransportError("probe_error", f"probe printed no JSON: {exc}")
 
-    _parallel(list(nodes.values()), setup)
+    def _install_command(self) -> str:
+        # One remote command per node (each SSH exec pays the login shell's start-up):
+        # install the probe if this exact version is not there yet (read exactly
+        # len(probe) bytes from stdin), print host facts, then become the listener.
+        n = len(self.probe_src)
+        remote_probe, full_digest = self.remote_probe, self.full_digest
+        # reuse a copy only if it is ours and byte-identical (the name in /tmp is
+        # predictable; another user's file there is never executed)
+        return (
+            f'{{ test -O {remote_probe} && sha256sum {remote_probe} | grep -q "^{full_digest} "; }}'
+            f" || {{ umask 022; t=$(mktemp /tmp/.pdstack_probe.XXXXXX) "
+            f'&& head -c {n} > "$t" && [ "$(wc -c < "$t")" -eq {n} ] '
+            f'&& mv -f "$t" {remote_probe} || {{ rm -f "$t"; echo "probe upload failed" >&2; '
+            "exit 126; }; }"
+        )
 
-    # ---- phase 2: one batch per source node
-    edges_by_src: dict[str, list[Edge]] = {}
-    for e in plan.edges:
-        edges_by_src.setdefault(e.src_node, []).append(e)
-    mtu_pairs: dict[str, list[tuple[str, int]]] = {}
-    ready = [n for n in nodes.values() if n.error is None]
-    for a in ready:
-        for b in nodes.values():
-            if a is b:
-                continue
-            mtu = min(a.plan.mtu, b.plan.mtu)
-            mtu_pairs.setdefault(a.plan.name, []).append((b.plan.name, mtu))
+    def plan_mtu_pairs(self, ready: list[_Node]) -> None:
+        for a in ready:
+            for b in self.nodes.values():
+                if a is b:
+                    continue
+                mtu = min(a.plan.mtu, b.plan.mtu)
+                self.mtu_pairs.setdefault(a.plan.name, []).append((b.plan.name, mtu))
 
-    def _throughput_targets(src: str) -> list[dict[str, Any]]:
+    def _throughput_targets(self, src: str) -> list[dict[str, Any]]:
         """One NIXL edge per destination node, to a port our own listener holds."""
         out: dict[str, dict[str, Any]] = {}
-        for e in edges_by_src.get(src, []):
+        for e in self.edges_by_src.get(src, []):
             if e.dst_node == src or "nixl" not in e.purpose or e.dst_node in out:
                 continue
-            binds = nodes[e.dst_node].binds
+            binds = self.nodes[e.dst_node].binds
             mine = any(b.get("port") == e.port and b.get("status") == "listening" for b in binds)
             if mine:
                 out[e.dst_node] = {"id": e.dst_node, "host": e.dst_address, "port": e.port,
-                                   "seconds": throughput_s}
+                                   "seconds": self.throughput_s}
         return list(out.values())
 
-    def probe_from(node: _Node) -> None:
-        assert node.transport is not None
-        wanted_targets = {(e.dst_address, e.port) for e in edges_by_src.get(node.plan.name, [])}
-        for e in ucx_edges:
-            port = _ephemeral_port(nodes.get(e.dst_node), e.dst_address)
-            if e.src_node == node.plan.name and port:
+    def _batch_spec(self, node: _Node) -> dict[str, Any]:
+        name = node.plan.name
+        wanted_targets = {(e.dst_address, e.port) for e in self.edges_by_src.get(name, [])}
+        for e in self.ucx_edges:
+            port = _ephemeral_port(self.nodes.get(e.dst_node), e.dst_address)
+            if e.src_node == name and port:
                 wanted_targets.add((e.dst_address, port))
         targets = sorted(wanted_targets)
         pings = []
-        for dst, mtu in mtu_pairs.get(node.plan.name, []):
-            addr = nodes[dst].plan.private_address
+        for dst, mtu in self.mtu_pairs.get(name, []):
+            addr = self.nodes[dst].plan.private_address
             overhead = 48 if ":" in addr else 28
             pings.append({"id": f"{dst}/mtu", "host": addr, "size": mtu - overhead})
             pings.append({"id": f"{dst}/small", "host": addr, "size": SMALL_PING})
-        tputs = _throughput_targets(node.plan.name) if throughput_s > 0 else []
-        spec = {
-            "timeout": timeout,
+        tputs = self._throughput_targets(name) if self.throughput_s > 0 else []
+        return {
+            "timeout": self.timeout,
             "connect": [{"id": f"{h}:{p}", "host": h, "port": p} for h, p in targets],
             "ping": pings,
             "throughput": tputs,
         }
-        command = f'{pick(node)}; exec "$PY" {node.probe} batch'
-        limit = timeout + 8 + len(tputs) * (throughput_s + timeout + 2)
+
+    def probe_from(self, node: _Node) -> None:
+        assert node.transport is not None
+        spec = self._batch_spec(node)
+        command = f'{self.pick(node)}; exec "$PY" {node.probe} batch'
+        limit = self.timeout + 8 + len(spec["throughput"]) * (
+            self.throughput_s + self.timeout + 2)
         try:
             res = node.transport.exec(command, stdin=json.dumps(spec).encode(), timeout=limit)
             if res.rc != 0:
@@ -240,26 +271,18 @@ def run_preflight(
         except ValueError as exc:
             node.batch_error = f"probe printed no JSON: {exc}"
 
-    _parallel(ready, probe_from)
 
-    # ---- phase 3: stop listeners, close
-    def teardown(node: _Node) -> None:
-        if node.listener is not None:
-            try:
-                out = node.listener.finish(3.0)
-                for line in out.splitlines():
-                    if line.startswith("{") and '"done"' in line:
-                        node.listener_done = json.loads(line)
-            except (TransportError, ValueError, OSError, EOFError):
-                pass
-        if node.transport is not None:
-            node.transport.close()
-
-    _parallel(list(nodes.values()), teardown)
-
-    _judge(plan, nodes, report)
-    report.duration_s = time.monotonic() - t0
-    return report
+def _teardown(node: _Node) -> None:
+    if node.listener is not None:
+        try:
+            out = node.listener.finish(3.0)
+            for line in out.splitlines():
+                if line.startswith("{") and '"done"' in line:
+                    node.listener_done = json.loads(line)
+        except (TransportError, ValueError, OSError, EOFError):
+            pass
+    if node.transport is not None:
+        node.transport.close()
 
 
 def _is_ucx_edge(e: Edge) -> bool:
@@ -303,6 +326,22 @@ def _judge(plan: Plan, nodes: dict[str, _Node], report: PreflightReport) -> None
 
 
 def _judge_node(plan: Plan, node: _Node, checks: list[Check]) -> None:
+    if not _judge_reach(node, checks):
+        return
+    _judge_binds(node, checks)
+    _judge_address(plan, node, checks)
+    _judge_memory(node, checks)
+    _judge_rdma(node, checks)
+
+
+def _node_fail(kind: Kind, name: str, cause: str, result: str, **more: Any) -> Check:
+    """A failed check about node ``name`` itself (not an edge)."""
+    return Check(kind=kind, status="fail", node=name, cause=cause, subject=name, result=result,
+                 **more)
+
+
+def _judge_reach(node: _Node, checks: list[Check]) -> bool:
+    """ssh and the probe: False when nothing more can be judged on this node."""
     name = node.plan.name
     ssh = node.plan.ssh
     target = f"{ssh.user}@{ssh.host}:{ssh.port}"
@@ -317,7 +356,7 @@ def _judge_node(plan: Plan, node: _Node, checks: list[Check]) -> None:
                 result=f"{CAUSE_TEXT[node.error.cause]}: {node.error}",
             )
         )
-        return
+        return False
     note = node.transport.host_key_note if node.transport else None
     is_local = node.transport is not None and node.transport.description.startswith("local")
     checks.append(
@@ -330,26 +369,19 @@ def _judge_node(plan: Plan, node: _Node, checks: list[Check]) -> None:
         )
     )
     if node.error is not None:
-        checks.append(
-            Check(
-                kind="probe",
-                status="fail",
-                node=name,
-                cause="probe_error",
-                subject=name,
-                result=f"probe failed: {node.error}",
-            )
-        )
-        return
+        checks.append(_node_fail("probe", name, "probe_error", f"probe failed: {node.error}"))
+        return False
+    return True
+
+
+def _judge_binds(node: _Node, checks: list[Check]) -> None:
+    """The probe's listeners: every planned address:port it could not listen on."""
+    name = node.plan.name
     if node.listener_error:
         checks.append(
-            Check(
-                kind="probe",
-                status="fail",
-                node=name,
-                cause="probe_error",
-                subject=name,
-                result=f"listener did not start: {node.listener_error}",
+            _node_fail(
+                "probe", name, "probe_error",
+                f"listener did not start: {node.listener_error}",
             )
         )
     for b in node.binds:
@@ -373,7 +405,10 @@ def _judge_node(plan: Plan, node: _Node, checks: list[Check]) -> None:
             )
         )
 
-    # private address: private, on an interface that is up, MTU as configured
+
+def _judge_address(plan: Plan, node: _Node, checks: list[Check]) -> None:
+    """The private address: private, on an interface that is up, MTU as configured."""
+    name = node.plan.name
     addr = node.plan.private_address
     ifaces = node.facts.get("interfaces", {}).get("interfaces", [])
     holder = next(
@@ -396,138 +431,117 @@ def _judge_node(plan: Plan, node: _Node, checks: list[Check]) -> None:
         )
     elif not private:
         checks.append(
-            Check(
-                kind="address",
-                status="fail",
-                node=name,
-                cause="address_not_private",
-                dst_address=addr,
-                subject=name,
-                result=f"address {addr} is not private (RFC 1918, CGNAT 100.64/10 or "
+            _node_fail(
+                "address", name, "address_not_private",
+                f"address {addr} is not private (RFC 1918, CGNAT 100.64/10 or "
                 "IPv6 ULA fc00::/7); engines would expose KV ports publicly",
+                dst_address=addr,
             )
         )
     if holder is None:
-        have = (
-            ", ".join(
-                f"{a.get('address')} on {i.get('name')}"
-                for i in ifaces
-                for a in i.get("addresses", [])
-                if i.get("name") != "lo"
+        have = _addresses_text(ifaces)
+        checks.append(
+            _node_fail(
+                "address", name, "address_missing",
+                f"private address {addr} is on no interface (has: {have})",
+                dst_address=addr,
             )
-            or "none"
         )
+        return
+    if not (holder.get("up") and holder.get("lower_up")):
+        checks.append(
+            _node_fail(
+                "address", name, "interface_down",
+                f"{addr} is on {holder.get('name')}, which is down "
+                f"(state {holder.get('state')})",
+                dst_address=addr,
+            )
+        )
+    elif private:
         checks.append(
             Check(
                 kind="address",
-                status="fail",
+                status="ok",
                 node=name,
-                cause="address_missing",
                 dst_address=addr,
                 subject=name,
-                result=f"private address {addr} is on no interface (has: {have})",
+                result=f"{addr} on {holder.get('name')}, private",
+            )
+        )
+    if not loopback:
+        _judge_interface_mtu(node, holder, checks)
+
+
+def _addresses_text(ifaces: list[dict[str, Any]]) -> str:
+    """The node's addresses outside ``lo``, as ``ADDR on IFACE, ...`` (or ``none``)."""
+    return (
+        ", ".join(
+            f"{a.get('address')} on {i.get('name')}"
+            for i in ifaces
+            for a in i.get("addresses", [])
+            if i.get("name") != "lo"
+        )
+        or "none"
+    )
+
+
+def _judge_interface_mtu(node: _Node, holder: dict[str, Any], checks: list[Check]) -> None:
+    """The MTU of the interface holding the private address against pdstack_mtu."""
+    mtu = holder.get("mtu")
+    low = isinstance(mtu, int) and mtu < node.plan.mtu
+    checks.append(
+        Check(
+            kind="interface_mtu",
+            status="fail" if low else "ok",
+            node=node.plan.name,
+            cause="mtu" if low else None,
+            detail={
+                "interface": holder.get("name"),
+                "interface_mtu": mtu,
+                "configured_mtu": node.plan.mtu,
+            },
+            subject=node.plan.name,
+            result=f"{holder.get('name')} MTU {mtu} is below the configured "
+            f"pdstack_mtu {node.plan.mtu}"
+            if low
+            else f"{holder.get('name')} MTU {mtu} (configured {node.plan.mtu})",
+        )
+    )
+
+
+def _judge_rdma(node: _Node, checks: list[Check]) -> None:
+    """RDMA where the plan expects it (pdstack_rdma: true)."""
+    if not node.plan.rdma:
+        return
+    name = node.plan.name
+    rdma = node.facts.get("rdma", {})
+    if not rdma.get("present"):
+        checks.append(
+            _node_fail(
+                "rdma", name, "rdma_absent",
+                "RDMA expected (pdstack_rdma: true) but absent: no "
+                "/dev/infiniband/uverbs* device; NIXL would fall back to TCP",
+            )
+        )
+    elif rdma.get("ibv_devinfo") and not rdma.get("active_ports"):
+        checks.append(
+            _node_fail(
+                "rdma", name, "rdma_absent",
+                "RDMA expected but no port is PORT_ACTIVE (ibv_devinfo)",
+                detail={"ports": rdma.get("ports", [])},
             )
         )
     else:
-        if not (holder.get("up") and holder.get("lower_up")):
-            checks.append(
-                Check(
-                    kind="address",
-                    status="fail",
-                    node=name,
-                    cause="interface_down",
-                    dst_address=addr,
-                    subject=name,
-                    result=f"{addr} is on {holder.get('name')}, which is down "
-                    f"(state {holder.get('state')})",
-                )
+        checks.append(
+            Check(
+                kind="rdma",
+                status="ok",
+                node=name,
+                subject=name,
+                result=f"RDMA present ({', '.join(rdma.get('hcas', [])) or 'uverbs'}, "
+                f"{rdma.get('active_ports', '?')} active port(s))",
             )
-        elif private:
-            checks.append(
-                Check(
-                    kind="address",
-                    status="ok",
-                    node=name,
-                    dst_address=addr,
-                    subject=name,
-                    result=f"{addr} on {holder.get('name')}, private",
-                )
-            )
-        mtu = holder.get("mtu")
-        if loopback:
-            pass
-        elif isinstance(mtu, int) and mtu < node.plan.mtu:
-            checks.append(
-                Check(
-                    kind="interface_mtu",
-                    status="fail",
-                    node=name,
-                    cause="mtu",
-                    detail={
-                        "interface": holder.get("name"),
-                        "interface_mtu": mtu,
-                        "configured_mtu": node.plan.mtu,
-                    },
-                    subject=name,
-                    result=f"{holder.get('name')} MTU {mtu} is below the configured "
-                    f"pdstack_mtu {node.plan.mtu}",
-                )
-            )
-        else:
-            checks.append(
-                Check(
-                    kind="interface_mtu",
-                    status="ok",
-                    node=name,
-                    detail={
-                        "interface": holder.get("name"),
-                        "interface_mtu": mtu,
-                        "configured_mtu": node.plan.mtu,
-                    },
-                    subject=name,
-                    result=f"{holder.get('name')} MTU {mtu} (configured {node.plan.mtu})",
-                )
-            )
-
-    _judge_memory(node, checks)
-
-    rdma = node.facts.get("rdma", {})
-    if node.plan.rdma:
-        if not rdma.get("present"):
-            checks.append(
-                Check(
-                    kind="rdma",
-                    status="fail",
-                    node=name,
-                    cause="rdma_absent",
-                    subject=name,
-                    result="RDMA expected (pdstack_rdma: true) but absent: no "
-                    "/dev/infiniband/uverbs* device; NIXL would fall back to TCP",
-                )
-            )
-        elif rdma.get("ibv_devinfo") and not rdma.get("active_ports"):
-            checks.append(
-                Check(
-                    kind="rdma",
-                    status="fail",
-                    node=name,
-                    cause="rdma_absent",
-                    detail={"ports": rdma.get("ports", [])},
-                    subject=name,
-                    result="RDMA expected but no port is PORT_ACTIVE (ibv_devinfo)",
-                )
-            )
-        else:
-            checks.append(
-                Check(
-                    kind="rdma",
-                    status="ok",
-                    node=name,
-                    subject=name,
-                    result=f"RDMA present ({', '.join(rdma.get('hcas', [])) or 'uverbs'}, "
-                    f"{rdma.get('active_ports', '?')} active port(s))",
-                )
-            )
+        )
 
 
 def _l1_size_gb(node: NodePlan) -> float | None:
@@ -701,60 +715,33 @@ def _judge_mtu_paths(nodes: dict[str, _Node], checks: list[Check]) -> None:
                 detail={"mtu": mtu, "size": size, "ping": big, "small_ping": small},
             )
             label = f"{src.plan.name} -> {dst.plan.name} {dst.plan.private_address}"
-            if big.get("status") == "ok":
-                checks.append(
-                    Check(
-                        status="ok",
-                        rtt_ms=big.get("rtt_ms"),
-                        subject=label,
-                        result=f"MTU {mtu} ok (DF ping of {size} bytes)",
-                        **base,
-                    )
-                )
-            elif big.get("status") == "too_big":
-                where = f"local/path MTU {big['mtu']}" if big.get("mtu") else "packet too big"
-                checks.append(
-                    Check(
-                        status="fail",
-                        cause="mtu",
-                        subject=label,
-                        result=f"MTU {mtu} fails at size {size} ({where}; DF ping)",
-                        **base,
-                    )
-                )
-            elif small.get("status") == "ok":
-                checks.append(
-                    Check(
-                        status="fail",
-                        cause="mtu",
-                        subject=label,
-                        result=f"MTU {mtu} fails at size {size} (no reply to a "
-                        f"don't-fragment ping of {big.get('packet_bytes')} bytes, while a "
-                        f"{SMALL_PING}-byte ping answers: a smaller MTU on the path)",
-                        **base,
-                    )
-                )
-            elif big.get("status") == "unavailable":
-                checks.append(
-                    Check(
-                        status="warn",
-                        cause="icmp_blocked",
-                        subject=label,
-                        result=f"MTU {mtu} unverified: {big.get('error')}",
-                        **base,
-                    )
-                )
-            else:
-                checks.append(
-                    Check(
-                        status="warn",
-                        cause="icmp_blocked",
-                        subject=label,
-                        result=f"MTU {mtu} unverified: no ICMP echo reply at any size "
-                        f"({small.get('status')}); ICMP blocked or host unreachable",
-                        **base,
-                    )
-                )
+            status, cause, result = _mtu_verdict(big, small, mtu, size)
+            rtt = {"rtt_ms": big.get("rtt_ms")} if status == "ok" else {}
+            checks.append(
+                Check(status=status, cause=cause, subject=label, result=result, **rtt, **base)
+            )
+
+
+def _mtu_verdict(
+    big: dict[str, Any], small: dict[str, Any], mtu: int, size: Any
+) -> tuple[Status, str | None, str]:
+    """(status, cause, result) of one path's DF ping of the full MTU (``big``) and its
+    small control ping: a smaller MTU on the path is told from ICMP being blocked."""
+    if big.get("status") == "ok":
+        return "ok", None, f"MTU {mtu} ok (DF ping of {size} bytes)"
+    if big.get("status") == "too_big":
+        where = f"local/path MTU {big['mtu']}" if big.get("mtu") else "packet too big"
+        return "fail", "mtu", f"MTU {mtu} fails at size {size} ({where}; DF ping)"
+    if small.get("status") == "ok":
+        return "fail", "mtu", (
+            f"MTU {mtu} fails at size {size} (no reply to a "
+            f"don't-fragment ping of {big.get('packet_bytes')} bytes, while a "
+            f"{SMALL_PING}-byte ping answers: a smaller MTU on the path)")
+    if big.get("status") == "unavailable":
+        return "warn", "icmp_blocked", f"MTU {mtu} unverified: {big.get('error')}"
+    return "warn", "icmp_blocked", (
+        f"MTU {mtu} unverified: no ICMP echo reply at any size "
+        f"({small.get('status')}); ICMP blocked or host unreachable")
 
 
 def _judge_throughput(plan: Plan, nodes: dict[str, _Node], checks: list[Check]) -> None:

@@ -36,8 +36,7 @@ class AdminAPI:
         keys = self.config.api_keys
         if not keys:
             return True
-        auth = request.headers.get("Authorization", "")
-        token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        token = _bearer(request)
         return any(hmac.compare_digest(token, k) for k in keys)
 
     def _admin_error(self, request: web.Request) -> web.Response | None:
@@ -63,9 +62,7 @@ class AdminAPI:
         token = self.config.admin_token
         if not token:
             return False
-        auth = request.headers.get("Authorization", "")
-        given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        given = given or request.headers.get("X-Admin-Token", "")
+        given = _bearer(request) or request.headers.get("X-Admin-Token", "")
         return hmac.compare_digest(given.encode(errors="replace"), token.encode())
 
     # ------------------------------------------------------------------ admin API
@@ -126,3 +123,9 @@ class AdminAPI:
             return backend
         self.registry.remove(backend.name)
         return web.json_response(backend.to_json())
+
+
+def _bearer(request: web.Request) -> str:
+    """The token of an ``Authorization: Bearer <token>`` header, or ``""``."""
+    auth = request.headers.get("Authorization", "")
+    return auth[7:].strip() if auth[:7].lower() == "bearer " else ""

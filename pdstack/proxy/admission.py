@@ -10,9 +10,14 @@ flat). This gate keeps every gated engine below a KV watermark:
   ``vllm:num_requests_running``, and once ``vllm:cache_config_info`` for the capacity);
 - a request sent to an engine reserves its prompt tokens there until a scrape that began
   after its first byte (by then its KV is in the engine's own usage);
-- an engine is *open* for a request while ``usage + reserved + this request <= kv_high``
-  and it has at most ``max_waiting`` requests queued; an idle engine is always open (a
+- an engine is *open* for a request while ``usage + reserved + this request <= kv_high``,
+  it has at most ``max_waiting`` requests queued and, with ``max_running`` > 0, fewer than
+  that many of the proxy's requests are active on it; an idle engine is always open (a
   request larger than the watermark still runs);
+- the waiting gauge is not read on engines whose requests wait for a KV handoff
+  (``ignores_waiting``: NIXL decoders, whose requests sit in vLLM's waiting queue until
+  their KV has arrived: that wait is the transfer, not a full engine); the running cap
+  still bounds them;
 - when no candidate is open the request waits in a bounded FIFO queue with a deadline
   (``queue_max``, ``queue_timeout_s``); past either, the proxy answers 503 (OpenAI JSON,
   ``Retry-After``). A stale or failed scrape never blocks: that engine is judged by the
@@ -54,7 +59,10 @@ class AdmissionRejected(Exception):
 class AdmissionConfig:
     enabled: bool = False
     kv_high: float = 0.85  # watermark on the engine's KV usage (0..1), reservations included
-    max_waiting: int = 0  # requests the engine itself may hold in its waiting queue
+    # requests the engine itself may queue: 2 held 2 requests at 8 req/s where 0 held 12-16
+    # (vLLM's waiting gauge is non-zero for a step under light load; results/h200x1 run 2)
+    max_waiting: int = 2
+    max_running: int = 0  # the proxy's requests active on one engine at once; 0 = no cap
     scrape_interval_s: float = 0.1
     scrape_timeout_s: float = 1.0
     stale_after_s: float = 2.0  # an older scrape is not trusted (the engine is judged open)
@@ -72,6 +80,8 @@ class EngineLoad:
     scraped_at: float = 0.0  # monotonic time the last good scrape started
     # request id -> (tokens, first byte time or None)
     reserved: dict[str, tuple[int, float | None]] = field(default_factory=dict)
+    # the proxy's requests sent (or held) here and not yet ended: the running cap's count
+    active: set[str] = field(default_factory=set)
 
     def reserved_tokens(self) -> int:
         return sum(tokens for tokens, _ in self.reserved.values())
@@ -150,10 +160,12 @@ class KvAdmission:
         config: AdmissionConfig,
         backends: Callable[[], Iterable[BackendState]],
         headers: Callable[[], dict[str, str]] | None = None,
+        ignores_waiting: Callable[[BackendState], bool] | None = None,
     ) -> None:
         self.config = config
         self._backends = backends
         self._headers = headers or dict
+        self._ignores_waiting = ignores_waiting or (lambda backend: False)
         self.loads: dict[str, EngineLoad] = {}
         self._queue: deque[_Waiter] = deque()
         self._task: asyncio.Task[None] | None = None
@@ -226,12 +238,15 @@ class KvAdmission:
         if not self.config.enabled:
             return True
         load = self.loads.get(backend.name)
-        if load is None or (not load.reserved and backend.in_flight == 0):
+        if load is None or (not load.reserved and not load.active and backend.in_flight == 0):
             return True  # idle (or never scraped): always open
+        cap = self.config.max_running
+        if cap > 0 and len(load.active) >= cap:
+            return False  # the proxy's own count: needs no scrape
         fresh = time.monotonic() - load.scraped_at <= self.config.stale_after_s
         if not fresh or load.capacity_tokens <= 0:
             return True  # no trustworthy numbers: do not block on them
-        if load.waiting > self.config.max_waiting:
+        if load.waiting > self.config.max_waiting and not self._ignores_waiting(backend):
             return False
         return load.fill(tokens) <= self.config.kv_high
 
@@ -249,7 +264,10 @@ class KvAdmission:
             for name, other in self.loads.items():
                 if name != backend.name:
                     other.reserved.pop(request_id, None)  # its hold, or an earlier try
-            self.loads.setdefault(backend.name, EngineLoad()).reserved[request_id] = (tokens, None)
+                    other.active.discard(request_id)
+            load = self.loads.setdefault(backend.name, EngineLoad())
+            load.reserved[request_id] = (tokens, None)
+            load.active.add(request_id)
             self.pump()  # the next waiter sees this reservation
 
     def hold(self, candidates: Iterable[BackendState], request_id: str, tokens: int) -> None:
@@ -266,8 +284,12 @@ class KvAdmission:
 
     def forget(self, request_id: str) -> None:
         """The request is over (answered, failed or cancelled): drop what it holds."""
-        dropped = [load.reserved.pop(request_id, None) for load in self.loads.values()]
-        if any(d is not None for d in dropped):
+        dropped = False
+        for load in self.loads.values():
+            held = load.reserved.pop(request_id, None) is not None or request_id in load.active
+            load.active.discard(request_id)
+            dropped = dropped or held
+        if dropped:
             self.pump()
 
     def _fill(self, backend: BackendState) -> float:
@@ -284,7 +306,11 @@ class KvAdmission:
     def release(self, backend: BackendState, request_id: str) -> None:
         """The request ended (or failed) on ``backend``."""
         load = self.loads.get(backend.name)
-        if load is not None and load.reserved.pop(request_id, None) is not None:
+        if load is None:
+            return
+        held = load.reserved.pop(request_id, None) is not None or request_id in load.active
+        load.active.discard(request_id)
+        if held:
             self.pump()
 
     async def wait_open(

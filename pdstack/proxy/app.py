@@ -76,7 +76,10 @@ class Proxy(AdminAPI, Flows):
         self._addresses: dict[str, tuple[str, int, str]] = {}
         self._rings: dict[str, tuple[int, HashRing]] = {}  # role -> (registry version, ring)
         self.admission = KvAdmission(
-            self.config.admission, lambda: self.registry.backends.values(), self._auth_headers
+            self.config.admission,
+            lambda: self.registry.backends.values(),
+            self._auth_headers,
+            ignores_waiting=self._receives_kv_over_nixl,
         )
         if self.config.admission.enabled:
             self.metrics.watch_admission(self.admission)
@@ -112,6 +115,13 @@ class Proxy(AdminAPI, Flows):
         app.on_cleanup.append(self._on_cleanup)
         return app
 
+
+    def _receives_kv_over_nixl(self, backend: BackendState) -> bool:
+        """A decoder that some prefiller hands KV to over NIXL: its requests wait in vLLM's
+        waiting queue while their KV arrives, so admission does not read that queue."""
+        return backend.role == "decode" and any(
+            decs.get(backend.name) == "nixl" for decs in self.registry.pairings.values()
+        )
     async def _on_startup(self, app: web.Application) -> None:
         connector = aiohttp.TCPConnector(
             limit=0, limit_per_host=0, keepalive_timeout=30, enable_cleanup_closed=False

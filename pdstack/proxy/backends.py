@@ -288,33 +288,30 @@ class BackendRegistry:
                 receiver = next((b.lmcache_pd for b in same if b.lmcache_pd), None)
             backend.lmcache_pd = receiver
         self._add(backend)
-        explicit = spec.get("pairs_with")
-        if role == "prefill":
-            targets = explicit if explicit is not None else [d.name for d in self.by_role("decode")]
-            self.pairings[name] = {}
-            for dname in targets:
-                d = self.backends.get(dname)
-                if d is None or d.role != "decode":
-                    raise ValueError(f"pairs_with names {dname!r}, which is not a decode backend")
-                path = derive_kv_path(self.kv_mode, backend, d)
-                if path is not None:
-                    self.pairings[name][dname] = path
-        elif role == "decode":
-            targets = (
-                explicit if explicit is not None else [p.name for p in self.by_role("prefill")]
-            )
-            for decs in self.pairings.values():
-                decs.pop(name, None)
-            for pname in targets:
-                p = self.backends.get(pname)
-                if p is None or p.role != "prefill":
-                    raise ValueError(f"pairs_with names {pname!r}, which is not a prefill backend")
-                path = derive_kv_path(self.kv_mode, p, backend)
-                if path is not None:
-                    self.pairings.setdefault(pname, {})[name] = path
+        if role in ("prefill", "decode"):
+            self._pair(backend, spec.get("pairs_with"))
         if old is not None:
             old.removed = True  # in-flight requests on the old entry finish; no new ones
         return backend
+
+    def _pair(self, backend: BackendState, explicit: list[str] | None) -> None:
+        """Pair a prefiller with its decoders, or a decoder with its prefillers: the ones
+        ``pairs_with`` names, else every backend of the other role."""
+        other = "decode" if backend.role == "prefill" else "prefill"
+        targets = explicit if explicit is not None else [b.name for b in self.by_role(other)]
+        if backend.role == "prefill":
+            self.pairings[backend.name] = {}
+        else:
+            for decs in self.pairings.values():
+                decs.pop(backend.name, None)
+        for tname in targets:
+            t = self.backends.get(tname)
+            if t is None or t.role != other:
+                raise ValueError(f"pairs_with names {tname!r}, which is not a {other} backend")
+            pre, dec = (backend, t) if backend.role == "prefill" else (t, backend)
+            path = derive_kv_path(self.kv_mode, pre, dec)
+            if path is not None:
+                self.pairings.setdefault(pre.name, {})[dec.name] = path
 
     def remove(self, name: str) -> BackendState:
         backend = self.backends.pop(name)

@@ -201,6 +201,9 @@ def register(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentPar
                      help="KV usage watermark, reservations included (default %(default)s)")
     adm.add_argument("--admission-max-waiting", type=int, default=a.max_waiting, metavar="N",
                      help="requests an engine may queue itself (default %(default)s)")
+    adm.add_argument("--admission-max-running", type=int, default=a.max_running, metavar="N",
+                     help="the proxy's requests active on one engine at most; 0 = no cap "
+                     "(default %(default)s)")
     adm.add_argument("--admission-scrape-interval", type=float, default=a.scrape_interval_s,
                      metavar="S", help="engine /metrics scrape interval (default %(default)s)")
     adm.add_argument("--admission-queue-max", type=int, default=a.queue_max, metavar="N",
@@ -290,6 +293,7 @@ def admission_from_args(args: argparse.Namespace) -> AdmissionConfig:
         if not lo <= value <= hi:
             raise SystemExit(f"pdstack proxy: {flag} must be within [{lo:g}, {hi:g}], got {value}")
     for flag, ivalue in (("--admission-max-waiting", args.admission_max_waiting),
+                         ("--admission-max-running", args.admission_max_running),
                          ("--admission-queue-max", args.admission_queue_max)):
         if ivalue < 0:
             raise SystemExit(f"pdstack proxy: {flag} must be >= 0, got {ivalue}")
@@ -297,6 +301,7 @@ def admission_from_args(args: argparse.Namespace) -> AdmissionConfig:
         enabled=args.admission == "kv",
         kv_high=args.admission_kv_high,
         max_waiting=args.admission_max_waiting,
+        max_running=args.admission_max_running,
         scrape_interval_s=args.admission_scrape_interval,
         queue_max=args.admission_queue_max,
         queue_timeout_s=args.admission_queue_timeout,

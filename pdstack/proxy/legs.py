@@ -118,18 +118,9 @@ class Legs:
             body.pop("kv_transfer_params", None)
         started = time.perf_counter()
         timeout = self.config.prefill_timeout_s or ctx.budget_s
-        backend.in_flight += 1
-        try:
-            async with asyncio.timeout(timeout):
-                data, status, headers = await self._call(
-                    backend, ctx.path, json.dumps(body).encode(), ctx.upstream_headers
-                )
-        except (RelayError, OSError, TimeoutError) as exc:
-            error = f"prefill {backend.name}: {_describe(exc, timeout)}"
-            self._record_failure(backend, error)
-            raise Retryable(error, isinstance(exc, TimeoutError)) from exc
-        finally:
-            backend.in_flight -= 1
+        data, status, headers = await self._whole_call(
+            backend, ctx, json.dumps(body).encode(), timeout, "prefill"
+        )
         self.metrics.leg_prefill.observe(time.perf_counter() - started)
         if status != 200:
             await self._upstream_status(backend, status, data, headers)
@@ -263,20 +254,7 @@ class Legs:
                 )
 
             # ---------- first byte: from here on, never retry
-            response = web.StreamResponse(
-                status=200,
-                headers={
-                    "Content-Type": proto.headers.get("content-type", "text/event-stream"),
-                    "Cache-Control": "no-cache",
-                    "X-Request-Id": ctx.request_id,
-                },
-            )
-            chunked = request.version >= aiohttp.HttpVersion11
-            if chunked:
-                response.enable_chunked_encoding()
-            else:
-                response.force_close()  # HTTP/1.0: the body ends when the connection does
-            await response.prepare(request)
+            response, chunked = await _start_stream(request, ctx, proto)
             rewrite = usage_rewriter(ctx.cached_tokens)
             if rewrite is not None:
                 first, pending = rewrite(first), rewrite(pending) if pending else pending
@@ -348,6 +326,23 @@ class Legs:
                 raise
         raise AssertionError("unreachable")
 
+    async def _whole_call(
+        self, backend: BackendState, ctx: RequestContext, payload: bytes, timeout: float,
+        label: str,
+    ) -> tuple[bytes, int, dict[str, str]]:
+        """One non-streaming leg within ``timeout``, counted in ``backend.in_flight``; a
+        transport error or timeout is recorded against the backend and raised Retryable."""
+        backend.in_flight += 1
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._call(backend, ctx.path, payload, ctx.upstream_headers)
+        except (RelayError, OSError, TimeoutError) as exc:
+            error = f"{label} {backend.name}: {_describe(exc, timeout)}"
+            self._record_failure(backend, error)
+            raise Retryable(error, isinstance(exc, TimeoutError)) from exc
+        finally:
+            backend.in_flight -= 1
+
     async def _call(
         self, backend: BackendState, path: str, payload: bytes, headers: dict[str, str]
     ) -> tuple[bytes, int, dict[str, str]]:
@@ -400,18 +395,9 @@ class Legs:
         if isinstance(max_tokens, int):
             first = config.decode_first_byte_timeout_s or ctx.budget_s
             timeout = min(timeout, first + config.unary_per_token_s * max_tokens)
-        backend.in_flight += 1
-        try:
-            async with asyncio.timeout(timeout):
-                data, status, headers = await self._call(
-                    backend, ctx.path, payload, ctx.upstream_headers
-                )
-        except (RelayError, OSError, TimeoutError) as exc:
-            error = f"{backend.role} {backend.name}: {_describe(exc, timeout)}"
-            self._record_failure(backend, error)
-            raise Retryable(error, isinstance(exc, TimeoutError)) from exc
-        finally:
-            backend.in_flight -= 1
+        data, status, headers = await self._whole_call(
+            backend, ctx, payload, timeout, backend.role
+        )
         if status != 200:
             await self._upstream_status(backend, status, data, headers)
         self.breaker.success(backend)
@@ -446,3 +432,24 @@ def _describe(exc: BaseException, timeout: float | None = None) -> str:
         return f"timed out after {timeout:g}s" if timeout is not None else "timed out"
     text = str(exc)
     return f"{exc.__class__.__name__}: {text}" if text else exc.__class__.__name__
+
+
+async def _start_stream(
+    request: web.Request, ctx: RequestContext, proto: RelayProtocol
+) -> tuple[web.StreamResponse, bool]:
+    """The client's response head for a stream; chunked unless the client speaks HTTP/1.0."""
+    response = web.StreamResponse(
+        status=200,
+        headers={
+            "Content-Type": proto.headers.get("content-type", "text/event-stream"),
+            "Cache-Control": "no-cache",
+            "X-Request-Id": ctx.request_id,
+        },
+    )
+    chunked = request.version >= aiohttp.HttpVersion11
+    if chunked:
+        response.enable_chunked_encoding()
+    else:
+        response.force_close()  # HTTP/1.0: the body ends when the connection does
+    await response.prepare(request)
+    return response, chunked

@@ -166,6 +166,22 @@ def _error_json(status: int, message: str, err_type: str = "server_error") -> di
     return {"error": {"message": message, "type": err_type, "param": None, "code": status}}
 
 
+@dataclass
+class _Answer:
+    """What one generate request answers (the same for the unary and the streamed form)."""
+
+    chat: bool
+    prompt_tokens: int
+    count: int
+    tokens: list[str]
+    request_id: str
+    kv_out: dict[str, Any] | None
+    usage: dict[str, Any]
+    model: Any
+    response_id: str
+    created: int
+
+
 class FakeEngine:
     """A fake vLLM OpenAI server. TEST DOUBLE: see the module docstring."""
 
@@ -424,6 +440,32 @@ class FakeEngine:
             return web.json_response(
                 _error_json(400, "body is not JSON", "invalid_request_error"), status=400
             )
+        early = await self._refuse_or_fault(request, body)
+        if isinstance(early, web.StreamResponse):
+            return early
+        fault = early
+        ans = self._answer(request, body)
+        self.running += 1
+        self.running_prompt_tokens += ans.prompt_tokens
+        try:
+            if not body.get("stream"):
+                return await self._unary(ans, fault, transport)
+            return await self._stream(request, body, ans, fault, transport)
+        except asyncio.CancelledError:
+            self.counters["aborted"] += 1
+            raise
+        except ConnectionResetError:  # the peer went away while we wrote
+            self.counters["aborted"] += 1
+            return web.Response(status=499)
+        finally:
+            self.running -= 1
+            self.running_prompt_tokens -= ans.prompt_tokens
+
+    async def _refuse_or_fault(
+        self, request: web.Request, body: dict[str, Any]
+    ) -> web.StreamResponse | Faults | None:
+        """Count and record the request; an error response (auth, poison, injected status)
+        or the fault to apply while answering (None: none)."""
         self.counters["requests"] += 1
         if self.record:
             self.requests.append(
@@ -448,7 +490,10 @@ class FakeEngine:
                     _error_json(fault.status, f"injected failure from {self.name}"),
                     status=fault.status,
                 )
+        return fault
 
+    def _answer(self, request: web.Request, body: dict[str, Any]) -> _Answer:
+        """What the answer says: tokens, usage, kv_transfer_params; counts the prompt."""
         chat = request.path.endswith("/chat/completions")
         prompt = _prompt_text(body)
         prompt_tokens = len(prompt.split())
@@ -492,109 +537,111 @@ class FakeEngine:
             "total_tokens": prompt_tokens + count,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
-        model = body.get("model") or self.model
-        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
-        created = int(time.time())
+        return _Answer(
+            chat=chat, prompt_tokens=prompt_tokens, count=count, tokens=tokens,
+            request_id=request_id, kv_out=kv_out, usage=usage,
+            model=body.get("model") or self.model,
+            response_id=f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
+            created=int(time.time()),
+        )
 
-        self.running += 1
-        self.running_prompt_tokens += prompt_tokens
-        try:
-            if not body.get("stream"):
-                if fault is not None and fault.close_after_chunks is not None:
-                    self._abort(transport)
-                    raise asyncio.CancelledError
-                if fault is not None and fault.hang_after_chunks is not None:
-                    await asyncio.Event().wait()
-                await asyncio.sleep((self.ttft_ms + self.itl_ms * (count - 1)) / 1000)
-                text = "".join(tokens)
-                if chat:
-                    choice: dict[str, Any] = {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": text},
-                        "finish_reason": "length",
-                    }
-                else:
-                    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
-                payload: dict[str, Any] = {
-                    "id": response_id,
-                    "object": "chat.completion" if chat else "text_completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [choice],
-                    "usage": usage,
-                }
-                if kv_out is not None:
-                    payload["kv_transfer_params"] = kv_out
-                self.counters["generation_tokens"] += count
-                self.counters["success"] += 1
-                return web.json_response(payload, headers={"X-Request-Id": request_id})
+    async def _unary(
+        self, ans: _Answer, fault: Faults | None, transport: asyncio.BaseTransport | None
+    ) -> web.StreamResponse:
+        if fault is not None and fault.close_after_chunks is not None:
+            self._abort(transport)
+            raise asyncio.CancelledError
+        if fault is not None and fault.hang_after_chunks is not None:
+            await asyncio.Event().wait()
+        await asyncio.sleep((self.ttft_ms + self.itl_ms * (ans.count - 1)) / 1000)
+        text = "".join(ans.tokens)
+        if ans.chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": "length",
+            }
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
+        payload: dict[str, Any] = {
+            "id": ans.response_id,
+            "object": "chat.completion" if ans.chat else "text_completion",
+            "created": ans.created,
+            "model": ans.model,
+            "choices": [choice],
+            "usage": ans.usage,
+        }
+        if ans.kv_out is not None:
+            payload["kv_transfer_params"] = ans.kv_out
+        self.counters["generation_tokens"] += ans.count
+        self.counters["success"] += 1
+        return web.json_response(payload, headers={"X-Request-Id": ans.request_id})
 
-            response = web.StreamResponse(
-                headers={
-                    "Content-Type": "text/event-stream",
-                    "Cache-Control": "no-cache",
-                    "X-Request-Id": request_id,
-                }
+    async def _stream(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        ans: _Answer,
+        fault: Faults | None,
+        transport: asyncio.BaseTransport | None,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Request-Id": ans.request_id,
+            }
+        )
+        await response.prepare(request)
+        close_after = fault.close_after_chunks if fault is not None else None
+        hang_after = fault.hang_after_chunks if fault is not None else None
+        obj = "chat.completion.chunk" if ans.chat else "text_completion"
+        head = f'{{"id":"{ans.response_id}","object":"{obj}","created":{ans.created},"model":'
+        head += json.dumps(ans.model) + ',"choices":[{"index":0,'
+        if self.ttft_ms > 0:
+            await asyncio.sleep(self.ttft_ms / 1000)
+        if ans.chat:
+            await response.write(
+                (
+                    "data: " + head + '"delta":{"role":"assistant","content":""},'
+                    '"logprobs":null,"finish_reason":null}]}\n\n'
+                ).encode()
             )
-            await response.prepare(request)
-            close_after = fault.close_after_chunks if fault is not None else None
-            hang_after = fault.hang_after_chunks if fault is not None else None
-            obj = "chat.completion.chunk" if chat else "text_completion"
-            head = f'{{"id":"{response_id}","object":"{obj}","created":{created},"model":'
-            head += json.dumps(model) + ',"choices":[{"index":0,'
-            if self.ttft_ms > 0:
-                await asyncio.sleep(self.ttft_ms / 1000)
-            if chat:
-                await response.write(
-                    (
-                        "data: " + head + '"delta":{"role":"assistant","content":""},'
-                        '"logprobs":null,"finish_reason":null}]}\n\n'
-                    ).encode()
-                )
-            for i, token in enumerate(tokens):
-                if close_after is not None and i >= close_after:
-                    self._abort(transport)
-                    raise asyncio.CancelledError
-                if hang_after is not None and i >= hang_after:
-                    await asyncio.Event().wait()
-                if i > 0 and self.itl_ms > 0:
-                    await asyncio.sleep(self.itl_ms / 1000)
-                last = i == count - 1
-                finish = '"length"' if last else "null"
-                if chat:
-                    event = head + '"delta":{"content":' + json.dumps(token) + "},"
-                else:
-                    event = head + '"text":' + json.dumps(token) + ","
-                event += '"logprobs":null,"finish_reason":' + finish + "}]"
-                if last and kv_out is not None:
-                    event += ',"kv_transfer_params":' + json.dumps(kv_out)
-                event += "}"
-                await response.write(b"data: " + event.encode() + b"\n\n")
-                self.counters["generation_tokens"] += 1
-            opts = body.get("stream_options") or {}
-            if opts.get("include_usage"):
-                usage_event: dict[str, Any] = {
-                    "id": response_id,
-                    "object": obj,
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": usage,
-                }
-                await response.write(b"data: " + json.dumps(usage_event).encode() + b"\n\n")
-            await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
-            self.counters["success"] += 1
-            return response
-        except asyncio.CancelledError:
-            self.counters["aborted"] += 1
-            raise
-        except ConnectionResetError:  # the peer went away while we wrote
-            self.counters["aborted"] += 1
-            return web.Response(status=499)
-        finally:
-            self.running -= 1
-            self.running_prompt_tokens -= prompt_tokens
+        for i, token in enumerate(ans.tokens):
+            if close_after is not None and i >= close_after:
+                self._abort(transport)
+                raise asyncio.CancelledError
+            if hang_after is not None and i >= hang_after:
+                await asyncio.Event().wait()
+            if i > 0 and self.itl_ms > 0:
+                await asyncio.sleep(self.itl_ms / 1000)
+            last = i == ans.count - 1
+            finish = '"length"' if last else "null"
+            if ans.chat:
+                event = head + '"delta":{"content":' + json.dumps(token) + "},"
+            else:
+                event = head + '"text":' + json.dumps(token) + ","
+            event += '"logprobs":null,"finish_reason":' + finish + "}]"
+            if last and ans.kv_out is not None:
+                event += ',"kv_transfer_params":' + json.dumps(ans.kv_out)
+            event += "}"
+            await response.write(b"data: " + event.encode() + b"\n\n")
+            self.counters["generation_tokens"] += 1
+        opts = body.get("stream_options") or {}
+        if opts.get("include_usage"):
+            usage_event: dict[str, Any] = {
+                "id": ans.response_id,
+                "object": obj,
+                "created": ans.created,
+                "model": ans.model,
+                "choices": [],
+                "usage": ans.usage,
+            }
+            await response.write(b"data: " + json.dumps(usage_event).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        self.counters["success"] += 1
+        return response
 
     @staticmethod
     def _abort(transport: asyncio.BaseTransport | None) -> None:

@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterable, Iterator
+from pathlib import Path
+from types import ModuleType
 
 HEAVY_LOCK = os.environ.get("PDSTACK_HEAVY_LOCK") or "/tmp/pdstack-heavy.lock"
 # the images .ci/install-docker.sh builds, that the CPU stacks under test run
@@ -64,3 +68,17 @@ def require_docker(images: Iterable[str], hint: str = DOCKER_HINT) -> None:
             != 0
         ):
             pytest.fail(f"image {image} missing: {hint}", pytrace=False)
+
+
+def netns_lab() -> ModuleType:
+    """``tests/lab/lab.py`` (the namespaced test lab), loaded once per process under the
+    name ``pdstack_netns_lab`` whichever test folder asks first (``tests`` is no package)."""
+    name = "pdstack_netns_lab"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[2] / "tests" / "lab" / "lab.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]

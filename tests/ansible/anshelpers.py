@@ -10,18 +10,18 @@ playbook can name the broken host, port and cause.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from pdstack.testing import heavy
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = REPO / ".venv" / "bin"
@@ -30,15 +30,7 @@ ANSIBLE_LINT = VENV_BIN / "ansible-lint"
 PRIV_NET = "10.78.0"
 PRIV_IF = "priv0"
 
-_LAB_PY = REPO / "tests" / "lab" / "lab.py"
-if "pdstack_netns_lab" in sys.modules:
-    netns_lab = sys.modules["pdstack_netns_lab"]
-else:
-    _spec = importlib.util.spec_from_file_location("pdstack_netns_lab", _LAB_PY)
-    assert _spec is not None and _spec.loader is not None
-    netns_lab = importlib.util.module_from_spec(_spec)
-    sys.modules["pdstack_netns_lab"] = netns_lab
-    _spec.loader.exec_module(netns_lab)
+netns_lab = heavy.netns_lab()
 
 Lab = netns_lab.Lab
 PREFIX = os.environ.get("PDSTACK_ANSIBLE_LAB_PREFIX", "pdans")

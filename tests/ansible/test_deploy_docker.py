@@ -94,12 +94,15 @@ def _deploy_and_check(lab, inv: Path, project_dir: Path, stack_root: Path) -> No
         # the proxy answers from the machine too (host network of the daemon's namespace)
         with urllib.request.urlopen(f"http://127.0.0.1:{PROXY_PORT}/health", timeout=10) as r:
             assert r.status == 200
-        body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 4}).encode()
+        body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 4,
+                           "ignore_eos": True}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{PROXY_PORT}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
             answer = json.load(r)
-        assert answer["choices"][0]["text"] is not None
+        assert answer["model"] == "tiny", answer
+        assert answer["usage"]["completion_tokens"] == 4, answer
+        assert answer["choices"][0]["finish_reason"] == "length", answer
         again = playbook(lab, "ansible/deploy.yml", inv, timeout=900)
         assert again.rc == 0, again.tail(150)
         assert again.changed() == 0, again.tail(150)

@@ -223,7 +223,8 @@ def test_logprobs_requests_keep_every_engine_up(cpu_stack: dict[str, float]) -> 
     assert streamed.rstrip().endswith("data: [DONE]"), streamed[-300:]
     be = _backends()
     for url in be["prefill"] + be["decode"]:
-        assert http_get(url + "/health") is not None, f"{url} died after logprobs requests"
+        with urllib.request.urlopen(url + "/health", timeout=10) as resp:
+            assert resp.status == 200, f"{url} died after logprobs requests"
     states = {s.service: s.state for s in service_states(CPU_STACK)}
     assert all(v == "running" for v in states.values()), states
 

@@ -44,13 +44,17 @@ def _set_env(stack: Path, key: str, value: str) -> None:
         f"{key}={value}" if line.startswith(key + "=") else line for line in lines) + "\n")
 
 
-def test_wrong_model_path_names_service_and_shows_logs(stack_copy: Path) -> None:
-    _set_env(stack_copy, "DECODE_0_MODEL", "/models/no-such-model/rev9")
+def _decode_0_fails(stack: Path) -> tuple[ComposeUpError, float]:
+    """Start decode-0 and expect compose_up to fail; the error and the seconds it took."""
     t0 = time.monotonic()
     with pytest.raises(ComposeUpError) as info:
-        compose_up(stack_copy, project=PROJECT, services=["decode-0"], timeout=600)
-    took = time.monotonic() - t0
-    err = info.value
+        compose_up(stack, project=PROJECT, services=["decode-0"], timeout=600)
+    return info.value, time.monotonic() - t0
+
+
+def test_wrong_model_path_names_service_and_shows_logs(stack_copy: Path) -> None:
+    _set_env(stack_copy, "DECODE_0_MODEL", "/models/no-such-model/rev9")
+    err, took = _decode_0_fails(stack_copy)
     msg = str(err)
     print(f"\n[e2e] wrong model path failed after {took:.0f} s:\n{msg}")
     assert [s.service for s in err.failing] == ["decode-0"], msg
@@ -67,11 +71,7 @@ def test_port_taken_names_service_and_shows_logs(stack_copy: Path) -> None:
         blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         blocker.bind(("127.0.0.1", port))
         blocker.listen(1)
-        t0 = time.monotonic()
-        with pytest.raises(ComposeUpError) as info:
-            compose_up(stack_copy, project=PROJECT, services=["decode-0"], timeout=600)
-        took = time.monotonic() - t0
-    err = info.value
+        err, took = _decode_0_fails(stack_copy)
     msg = str(err)
     print(f"\n[e2e] port {port} taken failed after {took:.0f} s:\n{msg}")
     assert [s.service for s in err.failing] == ["decode-0"], msg

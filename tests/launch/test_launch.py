@@ -4,6 +4,7 @@ on the planned ports and check what must hold when they start."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -177,7 +178,7 @@ def test_start_status_stop_shared_l1(stacks: list[Stack], tmp_path: Path) -> Non
     assert json.loads(backends.read_text()) == json.loads(plan.backend_table.model_dump_json())
     assert proxy["backends"] == json.loads(plan.backend_table.model_dump_json())
     # the secret reached the services, never the logs or the output
-    assert pre["hf_token_sha256"] is not None
+    assert pre["hf_token_sha256"] == hashlib.sha256(SECRET.encode()).hexdigest()
     for log in st.logs.glob("*.log"):
         assert SECRET not in log.read_text()
     assert SECRET not in r.stdout + r.stderr

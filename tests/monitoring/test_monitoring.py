@@ -170,16 +170,17 @@ def test_dashboards_load_back_and_point_at_the_rendered_prometheus(tmp_path, inv
 
 
 @pytest.mark.parametrize(("inventory", "want"), [
+    # admission: on by default on the gpu profile (pdstack_proxy_admission unset), off on cpu
     ("local-cpu", dict(pd=True, connector=True, lmcache=True, nixl=False, lmcache_pd=False,
                        skip_prefill=False, admission=False)),
     ("h200x2-colocated", dict(pd=False, connector=False, lmcache=False, nixl=False,
-                              lmcache_pd=False, skip_prefill=False, admission=False)),
+                              lmcache_pd=False, skip_prefill=False, admission=True)),
     ("h200x1-nixl-l1", dict(pd=True, connector=True, lmcache=True, nixl=True,
-                            lmcache_pd=False, skip_prefill=False, admission=False)),
+                            lmcache_pd=False, skip_prefill=False, admission=True)),
     ("h200x2-shared-l1-skip", dict(pd=True, connector=True, lmcache=True, nixl=False,
-                                   lmcache_pd=False, skip_prefill=True, admission=False)),
+                                   lmcache_pd=False, skip_prefill=True, admission=True)),
     ("a100x2-lmcache-pd", dict(pd=True, connector=True, lmcache=False, nixl=False,
-                               lmcache_pd=True, skip_prefill=False, admission=False)),
+                               lmcache_pd=True, skip_prefill=False, admission=True)),
 ])
 def test_features_follow_the_plan(inventory, want):
     from dataclasses import asdict

@@ -3,7 +3,6 @@ that run ``pdstack preflight`` inside the lab's controller namespace."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import time
@@ -14,15 +13,9 @@ from typing import Any
 
 import pytest
 
-_LAB_PY = Path(__file__).resolve().parents[1] / "lab" / "lab.py"
-if "pdstack_netns_lab" in sys.modules:
-    netns_lab = sys.modules["pdstack_netns_lab"]
-else:
-    _spec = importlib.util.spec_from_file_location("pdstack_netns_lab", _LAB_PY)
-    assert _spec is not None and _spec.loader is not None
-    netns_lab = importlib.util.module_from_spec(_spec)
-    sys.modules["pdstack_netns_lab"] = netns_lab
-    _spec.loader.exec_module(netns_lab)
+from pdstack.testing import heavy
+
+netns_lab = heavy.netns_lab()
 
 lab, clean_lab = netns_lab.lab_fixtures("pdpf")
 Lab = netns_lab.Lab

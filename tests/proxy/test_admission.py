@@ -313,7 +313,7 @@ def test_parse_engine_metrics_data_parallel_and_garbage() -> None:
 def _gate() -> tuple[KvAdmission, BackendState]:
     engine = BackendState(name="d0", role="decode", node="n1", url="http://127.0.0.1:9",
                           healthy=True)
-    gate = KvAdmission(admission(kv_high=0.85, stale_after_s=2.0), lambda: [engine])
+    gate = KvAdmission(admission(kv_high=0.85, max_waiting=0, stale_after_s=2.0), lambda: [engine])
     return gate, engine
 
 
@@ -343,6 +343,70 @@ def test_is_open_rules() -> None:
     off.loads["d0"] = load
     load.kv_usage = 1.0
     assert off.is_open(engine, 10)
+
+
+def test_running_cap_counts_the_proxys_active_requests() -> None:
+    """``max_running``: the proxy's own count of requests active on the engine closes it,
+    with or without a fresh scrape; a request that ends (or moves on a retry) frees its
+    slot."""
+    engine = BackendState(name="d0", role="decode", node="n1", url="http://x", healthy=True)
+    other = BackendState(name="d1", role="decode", node="n1", url="http://y", healthy=True)
+    gate = KvAdmission(admission(max_running=2, stale_after_s=2.0), lambda: [engine, other])
+    gate.reserve(engine, "r1", 10)
+    assert gate.is_open(engine, 10), "one of two slots taken"
+    gate.reserve(engine, "r2", 10)
+    assert not gate.is_open(engine, 10), "two active of max_running 2: closed"
+    # a scrape that lands both (their tokens are in kv_usage now) keeps them active
+    load = gate.loads["d0"]
+    load.reserved.clear()
+    load.kv_usage, load.capacity_tokens, load.scraped_at = 0.1, 1000, time.monotonic()
+    assert not gate.is_open(engine, 10), "landed requests still run there"
+    assert gate.is_open(other, 10)
+    gate.reserve(other, "r2", 10)  # r2 retried on d1: its slot on d0 is free again
+    assert gate.is_open(engine, 10)
+    assert gate.loads["d1"].active == {"r2"}
+    gate.release(engine, "r1")
+    gate.forget("r2")
+    assert gate.loads["d0"].active == set() and gate.loads["d1"].active == set()
+
+
+def test_waiting_gauge_not_read_on_engines_that_wait_for_kv() -> None:
+    """A NIXL decoder's waiting queue holds requests whose KV is still arriving: the gate
+    ignores it there (``ignores_waiting``) and reads it everywhere else."""
+    nixl_d = BackendState(name="d0", role="decode", node="n1", url="http://x", healthy=True)
+    colo = BackendState(name="c0", role="colocated", node="n1", url="http://y", healthy=True)
+    gate = KvAdmission(
+        admission(kv_high=0.85, stale_after_s=2.0),
+        lambda: [nixl_d, colo],
+        ignores_waiting=lambda b: b.name == "d0",
+    )
+    for b in (nixl_d, colo):
+        load = gate.loads.setdefault(b.name, EngineLoad())
+        load.kv_usage, load.capacity_tokens, load.scraped_at = 0.2, 1000, time.monotonic()
+        load.waiting = 5
+        b.in_flight = 1
+    assert gate.is_open(nixl_d, 10)
+    assert not gate.is_open(colo, 10)
+    gate.loads["d0"].kv_usage = 0.9  # the KV watermark still holds on the NIXL decoder
+    assert not gate.is_open(nixl_d, 10)
+
+
+async def test_running_cap_holds_the_next_request_until_one_ends() -> None:
+    """Through the proxy: with ``max_running`` 1 a second request waits in the proxy
+    (not in the engine) while the first runs, and goes once the first has ended."""
+    async with engines("e0", kv_capacity_tokens=CAPACITY, output_tokens=4) as e:
+        eng = e["e0"]
+        async with running_proxy(colocated("e0", e=e), admission=admission(max_running=1)) as rp:
+            async with hanging(rp, eng, "a"):
+                waiter = asyncio.create_task(post(rp, words(20, "b")))
+                await until(lambda: rp.proxy.admission.queued == 1, "the request to queue")
+                await asyncio.sleep(0.3)
+                assert len(eng.seen()) == 1 and not waiter.done(), "the cap let it through"
+                ended_at = time.time()
+            status, _, data = await asyncio.wait_for(waiter, 20)
+    assert status == 200, data
+    assert len(data["choices"][0]["text"].split()) == 4
+    assert eng.seen()[1].received_at >= ended_at, "sent while the first still ran"
 
 
 def test_stale_scrape_never_blocks() -> None:
