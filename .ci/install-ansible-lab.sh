@@ -18,8 +18,8 @@ if [ ${#missing[@]} -gt 0 ]; then
   [ -e "$policy" ] && had_policy=1
   [ $had_policy = 1 ] || { printf '#!/bin/sh\nexit 101\n' > "$policy"; chmod +x "$policy"; }
   trap '[ $had_policy = 1 ] || rm -f "$policy"' EXIT
-  apt-get -o DPkg::Lock::Timeout=600 -o Acquire::Retries=3 -q update
-  apt-get -o DPkg::Lock::Timeout=600 -o Acquire::Retries=3 -q install -y --no-install-recommends "${missing[@]}"
+  flock "${CI_APT_LOCK:-/var/tmp/ci-apt.lock}" apt-get -o DPkg::Lock::Timeout=600 -o Acquire::Retries=3 -q update
+  flock "${CI_APT_LOCK:-/var/tmp/ci-apt.lock}" apt-get -o DPkg::Lock::Timeout=600 -o Acquire::Retries=3 -q install -y --no-install-recommends "${missing[@]}"
 fi
 # the lab runs sshd -t/-D by hand; it needs its privilege-separation directory
 mkdir -p /run/sshd

@@ -11,8 +11,8 @@ if ! dpkg-query -W -f='${Status}' prometheus 2>/dev/null | grep -q "install ok i
   [ -e "$policy" ] && had_policy=1
   [ $had_policy = 1 ] || { printf '#!/bin/sh\nexit 101\n' > "$policy"; chmod +x "$policy"; }
   trap '[ $had_policy = 1 ] || rm -f "$policy"' EXIT
-  apt-get -o DPkg::Lock::Timeout=600 -o Acquire::Retries=3 -q update
-  apt-get -o DPkg::Lock::Timeout=600 -o Acquire::Retries=3 -q install -y --no-install-recommends prometheus
+  flock "${CI_APT_LOCK:-/var/tmp/ci-apt.lock}" apt-get -o DPkg::Lock::Timeout=600 -o Acquire::Retries=3 -q update
+  flock "${CI_APT_LOCK:-/var/tmp/ci-apt.lock}" apt-get -o DPkg::Lock::Timeout=600 -o Acquire::Retries=3 -q install -y --no-install-recommends prometheus
 fi
 for t in prometheus promtool; do
   command -v "$t" >/dev/null || { echo "[install-prometheus] $t still missing" >&2; exit 1; }

@@ -6,8 +6,11 @@
 #   3. the Python 3.11 vLLM CPU venv for real-engine tests              (.ci/install-vllm-venv.sh)
 #   4. the network-namespace lab's packages (sshd, iproute2, iptables)  (.ci/install-ansible-lab.sh)
 #   5. Prometheus + promtool (Debian package) for the monitoring tests   (.ci/install-prometheus.sh)
-# Step 3 (pip downloads and unpacking, ~4 GB) runs in the background while 1, 2, 4 and 5
-# run (apt, debootstrap, image builds); each step is cached by its content (see the scripts).
+# Steps 2 and 3 run in the background from the start, while 1, 4 and 5 run in the
+# foreground: step 2 (apt, mmdebstrap, then the engine image build: ~6 min fresh) is the
+# longest path, step 3 (pip downloads and unpacking, ~4 GB) and step 1 (pip) only compete
+# with it for the network and the disk. apt runs under one lock (/var/tmp/ci-apt.lock).
+# Each step is cached by its content (see the scripts). Logs: $CI_LOG_DIR (/var/tmp/ci-install).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -29,7 +32,11 @@ vllm_log="$CI_LOG_DIR/vllm-venv.log"
 step "vLLM CPU venv, in the background (log: $vllm_log)"
 bash .ci/install-vllm-venv.sh >"$vllm_log" 2>&1 &
 vllm_pid=$!
-trap '[ -n "${vllm_pid:-}" ] && kill "$vllm_pid" 2>/dev/null; true' EXIT
+docker_log="$CI_LOG_DIR/docker.log"
+step "docker engine, compose, images, in the background (log: $docker_log)"
+bash .ci/install-docker.sh >"$docker_log" 2>&1 &
+docker_pid=$!
+trap 'for p in "${vllm_pid:-}" "${docker_pid:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null; done; true' EXIT
 
 stamp=.venv/.pdstack-installed
 want=$(sha256sum pyproject.toml | cut -c1-16)
@@ -42,12 +49,17 @@ if [ ! -x .venv/bin/pdstack ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; t
   echo "$want" > "$stamp"
 fi
 
-step "docker engine, compose, images"
-bash .ci/install-docker.sh
 step "lab packages"
 bash .ci/install-ansible-lab.sh
 step "prometheus (promtool + server for the monitoring tests)"
 bash .ci/install-prometheus.sh
+step "waiting for docker engine, compose, images"
+if ! wait "$docker_pid"; then
+  docker_pid=""
+  tail -40 "$docker_log"; echo "install: docker engine/images failed (log: $docker_log)" >&2; exit 1
+fi
+docker_pid=""
+grep '^\[install-docker' "$docker_log" || true
 step "waiting for the vLLM CPU venv"
 if ! wait "$vllm_pid"; then
   vllm_pid=""
