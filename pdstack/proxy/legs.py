@@ -28,6 +28,7 @@ from pdstack.proxy.sse import (
     cached_tokens,
     first_event,
     relay_body,
+    start_stream,
     usage_rewriter,
 )
 
@@ -254,7 +255,7 @@ class Legs:
                 )
 
             # ---------- first byte: from here on, never retry
-            response, chunked = await _start_stream(request, ctx, proto)
+            response, chunked = await start_stream(request, ctx.request_id, proto)
             rewrite = usage_rewriter(ctx.cached_tokens)
             if rewrite is not None:
                 first, pending = rewrite(first), rewrite(pending) if pending else pending
@@ -433,23 +434,3 @@ def _describe(exc: BaseException, timeout: float | None = None) -> str:
     text = str(exc)
     return f"{exc.__class__.__name__}: {text}" if text else exc.__class__.__name__
 
-
-async def _start_stream(
-    request: web.Request, ctx: RequestContext, proto: RelayProtocol
-) -> tuple[web.StreamResponse, bool]:
-    """The client's response head for a stream; chunked unless the client speaks HTTP/1.0."""
-    response = web.StreamResponse(
-        status=200,
-        headers={
-            "Content-Type": proto.headers.get("content-type", "text/event-stream"),
-            "Cache-Control": "no-cache",
-            "X-Request-Id": ctx.request_id,
-        },
-    )
-    chunked = request.version >= aiohttp.HttpVersion11
-    if chunked:
-        response.enable_chunked_encoding()
-    else:
-        response.force_close()  # HTTP/1.0: the body ends when the connection does
-    await response.prepare(request)
-    return response, chunked

@@ -10,6 +10,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import aiohttp
+from aiohttp import web
+
 from pdstack.proxy.backends import BackendState
 from pdstack.proxy.relay import RelayError, RelayProtocol
 
@@ -192,3 +195,24 @@ def usage_rewriter(cached: int | None) -> Callable[[bytes], bytes] | None:
         return SSE_END.join(out)
 
     return rewrite
+
+
+async def start_stream(
+    request: web.Request, request_id: str, proto: RelayProtocol
+) -> tuple[web.StreamResponse, bool]:
+    """The client's response head for a stream; chunked unless the client speaks HTTP/1.0."""
+    response = web.StreamResponse(
+        status=200,
+        headers={
+            "Content-Type": proto.headers.get("content-type", "text/event-stream"),
+            "Cache-Control": "no-cache",
+            "X-Request-Id": request_id,
+        },
+    )
+    chunked = request.version >= aiohttp.HttpVersion11
+    if chunked:
+        response.enable_chunked_encoding()
+    else:
+        response.force_close()  # HTTP/1.0: the body ends when the connection does
+    await response.prepare(request)
+    return response, chunked

@@ -52,6 +52,7 @@ def configured_targets(prom: dict) -> set[tuple[str, str, str, tuple]]:
     }
 
 
+@pytest.mark.docker  # runs `docker compose config` (the Compose plugin .ci/install.sh installs)
 def test_b200x2_render_writes_monitoring_whose_targets_are_the_plans_services(tmp_path):
     out = render_to(tmp_path, "b200x2")
     topo = load_topology(REPO / "inventory" / "b200x2")
