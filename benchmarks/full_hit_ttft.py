@@ -92,7 +92,8 @@ def by_source(d: Samples) -> dict[str, float]:
     out: dict[str, float] = {}
     for (n, labels), v in d.items():
         if n == TOKENS_BY_SOURCE:
-            out[dict(labels).get("source", "?")] = out.get(dict(labels).get("source", "?"), 0) + v
+            source = dict(labels).get("source", "?")
+            out[source] = out.get(source, 0.0) + v
     return out
 
 

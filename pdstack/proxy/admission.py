@@ -78,8 +78,17 @@ class EngineLoad:
     scraped_at: float = 0.0  # monotonic time the last good scrape started
     # request id -> (tokens, first byte time or None)
     reserved: dict[str, tuple[int, float | None]] = field(default_factory=dict)
-    # the proxy's requests sent (or held) here and not yet ended: the running cap's count
+    # the proxy's requests sent (or held) here and not yet ended: the running cap's count;
+    # every key of ``reserved`` is in it (a scrape drops the reservation, not the request)
     active: set[str] = field(default_factory=set)
+
+    def drop(self, request_id: str) -> bool:
+        """The request no longer counts here; True when it did."""
+        self.reserved.pop(request_id, None)
+        if request_id not in self.active:
+            return False
+        self.active.discard(request_id)
+        return True
 
     def reserved_tokens(self) -> int:
         return sum(tokens for tokens, _ in self.reserved.values())
@@ -232,7 +241,7 @@ class KvAdmission:
         if not self.config.enabled:
             return True
         load = self.loads.get(backend.name)
-        if load is None or (not load.reserved and not load.active and backend.in_flight == 0):
+        if load is None or (not load.active and backend.in_flight == 0):
             return True  # idle (or never scraped): always open
         cap = self.config.max_running
         if cap > 0 and len(load.active) >= cap:
@@ -257,8 +266,7 @@ class KvAdmission:
         if self.config.enabled and backend.role in GATED_ROLES:
             for name, other in self.loads.items():
                 if name != backend.name:
-                    other.reserved.pop(request_id, None)  # its hold, or an earlier try
-                    other.active.discard(request_id)
+                    other.drop(request_id)  # its hold, or an earlier try
             load = self.loads.setdefault(backend.name, EngineLoad())
             load.reserved[request_id] = (tokens, None)
             load.active.add(request_id)
@@ -278,12 +286,8 @@ class KvAdmission:
 
     def forget(self, request_id: str) -> None:
         """The request is over (answered, failed or cancelled): drop what it holds."""
-        dropped = False
-        for load in self.loads.values():
-            held = load.reserved.pop(request_id, None) is not None or request_id in load.active
-            load.active.discard(request_id)
-            dropped = dropped or held
-        if dropped:
+        dropped = [load.drop(request_id) for load in self.loads.values()]
+        if any(dropped):
             self.pump()
 
     def _fill(self, backend: BackendState) -> float:
@@ -300,11 +304,7 @@ class KvAdmission:
     def release(self, backend: BackendState, request_id: str) -> None:
         """The request ended (or failed) on ``backend``."""
         load = self.loads.get(backend.name)
-        if load is None:
-            return
-        held = load.reserved.pop(request_id, None) is not None or request_id in load.active
-        load.active.discard(request_id)
-        if held:
+        if load is not None and load.drop(request_id):
             self.pump()
 
     async def wait_open(

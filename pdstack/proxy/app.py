@@ -80,7 +80,8 @@ class Proxy(AdminAPI, Flows):
             self.config.admission,
             lambda: self.registry.backends.values(),
             self._auth_headers,
-            ignores_waiting=self._receives_kv_over_nixl,
+            # its requests wait in vLLM's queue while their KV arrives: not a full engine
+            ignores_waiting=lambda b: self.registry.receives_over_nixl(b),
         )
         if self.config.admission.enabled:
             self.metrics.watch_admission(self.admission)
@@ -116,13 +117,6 @@ class Proxy(AdminAPI, Flows):
         app.on_cleanup.append(self._on_cleanup)
         return app
 
-
-    def _receives_kv_over_nixl(self, backend: BackendState) -> bool:
-        """A decoder that some prefiller hands KV to over NIXL: its requests wait in vLLM's
-        waiting queue while their KV arrives, so admission does not read that queue."""
-        return backend.role == "decode" and any(
-            decs.get(backend.name) == "nixl" for decs in self.registry.pairings.values()
-        )
     async def _on_startup(self, app: web.Application) -> None:
         connector = aiohttp.TCPConnector(
             limit=0, limit_per_host=0, keepalive_timeout=30, enable_cleanup_closed=False

@@ -203,6 +203,12 @@ class BackendRegistry:
             out.append((d, kv_path))
         return out
 
+    def receives_over_nixl(self, decoder: BackendState) -> bool:
+        """Some prefiller hands KV to ``decoder`` over NIXL."""
+        return decoder.role == "decode" and any(
+            decs.get(decoder.name) == "nixl" for decs in self.pairings.values()
+        )
+
     def describe_unroutable(self) -> str:
         """Why no request can be routed now (an operator-readable sentence)."""
         if not self.mode.disaggregated:

@@ -498,9 +498,9 @@ async def _burst_checks(
 async def test_the_proxy_skips_the_waiting_gauge_only_on_nixl_fed_decoders(
     kv_mode: str, want: bool
 ) -> None:
-    """The app wires ``ignores_waiting`` from its pairings: a decoder some prefiller hands
-    KV to over NIXL (its waiting queue is KV in flight), not a shared-L1 decoder and never a
-    prefiller."""
+    """The app wires ``ignores_waiting`` from its registry's pairings: a decoder some
+    prefiller hands KV to over NIXL (its waiting queue is KV in flight), not a shared-L1
+    decoder and never a prefiller."""
     async with ph.engines("p0", "d0", kv_capacity_tokens=CAPACITY) as e:
         t = ph.table(
             kv_mode, [ph.backend("p0", "prefill", e["p0"]), ph.backend("d0", "decode", e["d0"])]
@@ -508,5 +508,6 @@ async def test_the_proxy_skips_the_waiting_gauge_only_on_nixl_fed_decoders(
         async with ph.running_proxy(t, admission=admission()) as rp:
             reg = rp.registry
             assert reg.pairings == {"p0": {"d0": kv_mode}}
-            assert rp.proxy._receives_kv_over_nixl(reg.backends["d0"]) is want
-            assert rp.proxy._receives_kv_over_nixl(reg.backends["p0"]) is False
+            gate = rp.proxy.admission
+            assert gate._ignores_waiting(reg.backends["d0"]) is want
+            assert gate._ignores_waiting(reg.backends["p0"]) is False
