@@ -9,8 +9,8 @@ pytest-xdist workers. That happens by itself when ALL of these hold:
 - pytest-xdist is installed (the ``dev`` extra) and ``-n`` / ``--numprocesses`` was not given;
 - the ``-m`` expression deselects every heavy marker (``docker``, ``vllm``, ``netns``): heavy
   suites share one machine-wide lock, start real stacks in session fixtures and must never
-  share the cores with anything else, so any run that may select one stays serial (this is
-  why ``.ci/run``, which runs everything, is unchanged);
+  share the cores with anything else, so any run that may select one stays serial (``.ci/run``
+  therefore runs the light selection on workers first, then the heavy ones serially);
 - no argument names single tests (``file::test``);
 - ``PDSTACK_TEST_WORKERS`` is not ``0`` (it sets the number of workers; default 3: measured
   on 2 cores, 2 workers 107 s, 3 workers 83 s, 4 workers 79 s, serial 201 s).
@@ -25,6 +25,7 @@ proxy hardening, fault timings) get the cores first, as in a serial run.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -71,6 +72,7 @@ NICE_TOOLS = (
 NICE_TOOLS_BY = 10
 
 
+@functools.cache  # asked once per test by the nice hook: compile each expression once
 def _selects_no_heavy_test(markexpr: str) -> bool:
     """True when ``-m markexpr`` deselects a test carrying any one heavy marker."""
     if not markexpr.strip():
