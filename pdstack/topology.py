@@ -21,11 +21,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import ErrorDetails
 
 from pdstack import kvmodes
-from pdstack.ports import make_node_ports
+from pdstack.ports import engine_names, make_node_ports
 
 KvMode = Literal[
     "colocated", "colocated+l1", "lmcache-pd", "nixl", "nixl+l1", "shared-l1", "shared-l1+nixl"
 ]
+KvTier = Literal["none", "native", "lmcache"]
 Role = Literal["prefill", "decode", "colocated"]
 Profile = Literal["gpu", "cpu"]
 NODE_GROUP = "pdstack_nodes"
@@ -78,6 +79,8 @@ class EngineSpec(_Strict):
     kv_cache_bytes: int | None = Field(default=None, gt=0)
     # several engines on one GPU (measurement rigs with one GPU): each must fix its KV size
     share_gpu: bool = False
+    # this engine's native KV tier in GiB of host RAM (overrides pdstack_kv_tier_size_gb)
+    kv_tier_size_gb: float | None = Field(default=None, gt=0)
     extra_args: list[str] = Field(default_factory=list)
 
 
@@ -156,6 +159,11 @@ class DeploymentSpec(_Strict):
     # it kept every measured mode off the preemption / eager-step cliff (results/h200x1),
     # ``off`` on CPU
     proxy_admission: Literal["off", "kv"] | None = None
+    # where engines keep reusable KV in host RAM (kvmodes.resolve_tier); unset: the measured
+    # default of the mode and profile. kv_tier_size_gb: each native-tier engine's GiB (unset:
+    # TIER_HOST_FRACTION of its node's pdstack_host_memory_gb, split over the node's engines)
+    kv_tier: KvTier | None = None
+    kv_tier_size_gb: float | None = Field(default=None, gt=0)
     monitoring: bool = False
     observability: ObservabilitySpec = ObservabilitySpec()
 
@@ -165,6 +173,12 @@ class DeploymentSpec(_Strict):
         if self.proxy_admission is not None:
             return self.proxy_admission
         return "kv" if self.profile == "gpu" else "off"
+
+    @property
+    def tier(self) -> str:
+        """The KV tier: ``pdstack_kv_tier`` checked against the mode, or its default
+        (a validated topology never raises here)."""
+        return kvmodes.resolve_tier(kvmodes.get(self.kv_mode), self.kv_tier, self.profile)
 
 
 class Topology(_Strict):
@@ -287,6 +301,8 @@ def _deployment(allvars: dict[str, Any], inv: Path, gorigin: dict[str, str], gv_
         "proxy_bind_address": allvars.get("pdstack_proxy_bind_address"),
         "shm_size": allvars.get("pdstack_shm_size", "16g"),
         "proxy_admission": allvars.get("pdstack_proxy_admission"),
+        "kv_tier": allvars.get("pdstack_kv_tier"),
+        "kv_tier_size_gb": allvars.get("pdstack_kv_tier_size_gb"),
         "monitoring": allvars.get("pdstack_monitoring", False),
         "observability": allvars.get("pdstack_observability", {}),
     }
@@ -394,6 +410,7 @@ def check_topology(topo: Topology, hosts_file: str, vars_file: str) -> list[Prob
                     f"exactly one node must set pdstack_proxy: true (found {proxies or 'none'})")
         )
     problems += _check_l1_fits(topo, vars_file)
+    problems += _check_kv_tier(topo, hosts_file, vars_file)
     return problems
 
 
@@ -579,6 +596,71 @@ def _check_mode_resources(d: DeploymentSpec, vars_file: str) -> list[Problem]:
                         f"{d.model.max_model_len}-token request ({need_gb:.2f} GiB); the "
                         "decoder would run out of memory")
             )
+    return problems
+
+
+# an unsized native tier takes this share of its node's host memory, split evenly over the
+# node's native-tier engines (128 GiB, one engine: 32 GiB, the size measured on one H200)
+TIER_HOST_FRACTION = 0.25
+# what the node's KV tiers (native tiers + LMCache L1) may commit of its host memory together:
+# the rest is the OS, the engines' own processes and pinned buffers
+HOST_MEMORY_COMMIT = 0.9
+
+
+def native_tier_sizes(d: DeploymentSpec, node: NodeSpec) -> dict[int, float | None]:
+    """Engine index -> GiB of vLLM's native CPU tier, for the node's native-tier engines
+    (``None``: unsized, the node's host memory is unknown; validation refuses it)."""
+    if d.tier != kvmodes.NATIVE:
+        return {}
+    tiered = [i for i, e in enumerate(node.engines) if kvmodes.native_tier_role(d.tier, e.role)]
+    share = None
+    if node.host_memory_gb and tiered:
+        share = round(node.host_memory_gb * TIER_HOST_FRACTION / len(tiered), 1)
+    return {i: node.engines[i].kv_tier_size_gb or d.kv_tier_size_gb or share for i in tiered}
+
+
+def _check_kv_tier(topo: Topology, hosts_file: str, vars_file: str) -> list[Problem]:
+    """The KV tier fits the mode and the profile; every native tier has a size; each node's
+    tiers together fit HOST_MEMORY_COMMIT of its host memory (the engines and numbers named)."""
+    d = topo.deployment
+    try:
+        tier = d.tier
+    except kvmodes.TierError as exc:
+        return [Problem(vars_file, "pdstack_kv_tier", str(exc))]
+    problems: list[Problem] = []
+    if tier != kvmodes.NATIVE:
+        sized = [f"{n.name} engine {i}" for n in topo.nodes for i, e in enumerate(n.engines)
+                 if e.kv_tier_size_gb]
+        if d.kv_tier_size_gb or sized:
+            where = "pdstack_kv_tier_size_gb" if d.kv_tier_size_gb else ", ".join(sized)
+            problems.append(Problem(vars_file, "pdstack_kv_tier_size_gb",
+                                    f"{where} sizes a native tier, but the KV tier is {tier}; "
+                                    "set pdstack_kv_tier: native or drop the size"))
+        return problems
+    for node in topo.nodes:
+        sizes = native_tier_sizes(d, node)
+        labels = engine_names(node)
+        for i, gb in sizes.items():
+            if gb is None:
+                problems.append(Problem(
+                    hosts_file, f"{node.name}.pdstack_host_memory_gb",
+                    f"{labels[i]} on {node.name} gets vLLM's native KV tier but has no "
+                    "size: set pdstack_host_memory_gb on the node (the tier takes "
+                    f"{TIER_HOST_FRACTION:.0%} of it) or pdstack_kv_tier_size_gb"))
+        if not node.host_memory_gb:
+            continue
+        parts = [(labels[i], gb) for i, gb in sizes.items() if gb]
+        if kvmodes.get(d.kv_mode).runs_lmcache_server(e.role for e in node.engines):
+            parts.append(("LMCache L1", float(d.lmcache.l1_size_gb)))
+        total = sum(gb for _, gb in parts)
+        budget = node.host_memory_gb * HOST_MEMORY_COMMIT
+        if parts and total > budget:
+            listed = " + ".join(f"{name} {gb:g} GiB" for name, gb in parts)
+            problems.append(Problem(
+                hosts_file, f"{node.name}.pdstack_host_memory_gb",
+                f"KV tiers on {node.name} over-commit its host memory: {listed} = {total:g} "
+                f"GiB > {budget:g} GiB ({HOST_MEMORY_COMMIT:.0%} of {node.host_memory_gb} GiB); "
+                "lower pdstack_kv_tier_size_gb or the engines' kv_tier_size_gb"))
     return problems
 
 

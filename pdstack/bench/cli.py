@@ -130,6 +130,9 @@ def register(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentPar
                    help="Prometheus /metrics to scrape before/after each rate (repeatable)")
     p.add_argument("--prefill-url", default=None,
                    help="play the NIXL P/D proxy in the client: prefill here, decode at --target")
+    p.add_argument("--cache-salt", default=None,
+                   help="vLLM cache_salt on every request: the same requests on cold prefix "
+                        "caches and native tier (vLLM keys cached blocks by it)")
     p.add_argument("--slo-ttft-p50-ms", type=float, default=2000.0)
     p.add_argument("--slo-ttft-p99-ms", type=float, default=3500.0)
     p.add_argument("--gpu-hour-price", type=float, default=None, help="price of one GPU-hour")
@@ -220,6 +223,7 @@ def _config(args: argparse.Namespace, resolved: scenarios.Resolved | None = None
         request_timeout=args.request_timeout,
         metrics_urls=args.metrics_url,
         prefill_url=args.prefill_url,
+        cache_salt=args.cache_salt,
         slo_ttft_p50_ms=args.slo_ttft_p50_ms,
         slo_ttft_p99_ms=args.slo_ttft_p99_ms,
         gpu_hour_price=args.gpu_hour_price,

@@ -62,9 +62,12 @@ class RequestResult:
 
 
 def build_body(
-    req: ChatRequest, model: str, endpoint: str, ignore_eos: bool = True
+    req: ChatRequest, model: str, endpoint: str, ignore_eos: bool = True,
+    cache_salt: str | None = None,
 ) -> dict[str, Any]:
-    """The OpenAI request body for ``req`` (streaming, usage reported at the end)."""
+    """The OpenAI request body for ``req`` (streaming, usage reported at the end).
+    ``cache_salt``: vLLM's per-request prefix-cache salt (cold caches for a repeat of the
+    same requests: the GPU prefix cache and vLLM's native tier key blocks by it)."""
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": req.max_tokens,
@@ -74,6 +77,8 @@ def build_body(
     }
     if ignore_eos:
         body["ignore_eos"] = True
+    if cache_salt:
+        body["cache_salt"] = cache_salt
     if req.session is not None:
         body["user"] = req.session
     if isinstance(req.system, list):  # token ids: only /v1/completions takes them
@@ -146,8 +151,10 @@ class BenchClient:
         timeout_s: float = 600.0,
         prefill_url: str | None = None,
         api_key: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.cache_salt = cache_salt
         self.model = model
         self.endpoint = endpoint
         self.token_ids = token_ids
@@ -186,7 +193,7 @@ class BenchClient:
     ) -> RequestResult:
         """Send ``req`` and stream the answer. The result goes into ``sink`` at once,
         so a request cancelled midway still leaves its partial result there."""
-        body = build_body(req, self.model, self.endpoint, self.ignore_eos)
+        body = build_body(req, self.model, self.endpoint, self.ignore_eos, self.cache_salt)
         result = RequestResult(req.index, req.shared, time.perf_counter(), req.prompt_len)
         if sink is not None:
             sink.append(result)

@@ -139,11 +139,14 @@ def _describe(d: Samples) -> dict[str, Any]:
     not_computed = all_tokens - by_source.get("local_compute", 0.0)
     pdstack: dict[str, float] = defaultdict(float)
     lmcache: dict[str, float] = defaultdict(float)
+    offload: dict[str, float] = defaultdict(float)  # vLLM's native tier (OffloadingConnector)
     for (name, labels), value in d.items():
         if name.startswith(("pdstack_", "pdstack:")):
             box = pdstack
         elif name.lower().startswith("lmcache"):
             box = lmcache
+        elif name.startswith("vllm:kv_offload"):
+            box = offload
         else:
             continue
         label = ",".join(f"{k}={v}" for k, v in labels)
@@ -163,6 +166,8 @@ def _describe(d: Samples) -> dict[str, Any]:
         out["pdstack"] = dict(sorted(pdstack.items()))
     if lmcache:
         out["lmcache"] = dict(sorted(lmcache.items()))
+    if offload:
+        out["kv_offload"] = dict(sorted(offload.items()))
     return out
 
 

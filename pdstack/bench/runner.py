@@ -40,6 +40,7 @@ class BenchConfig:
     request_timeout: float = 600.0
     metrics_urls: list[str] = field(default_factory=list)
     prefill_url: str | None = None
+    cache_salt: str | None = None  # vLLM cache_salt on every request (cold caches)
     slo_ttft_p50_ms: float = 2000.0
     slo_ttft_p99_ms: float = 3500.0
     gpu_hour_price: float | None = None
@@ -326,6 +327,7 @@ async def run_sweep(
         ignore_eos=cfg.ignore_eos,
         timeout_s=cfg.request_timeout,
         prefill_url=cfg.prefill_url,
+        cache_salt=cfg.cache_salt,
     )
     progress = make_progress(console, enabled=show_progress)
     async with client:

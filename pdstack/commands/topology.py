@@ -17,7 +17,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     n_services = sum(len(n.services) for n in plan.nodes.values())
     print(
         f"{args.inventory}: ok: {len(plan.nodes)} node(s), {n_services} service(s), "
-        f"kv_mode {plan.kv_mode}, {len(plan.backend_table.pairings)} pairing(s), "
+        f"kv_mode {plan.kv_mode}, kv_tier {plan.kv_tier}, "
+        f"{len(plan.backend_table.pairings)} pairing(s), "
         f"{len(plan.edges)} network edge(s)"
     )
     return 0
@@ -33,7 +34,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     console = Console()
-    services = Table(title=f"{plan.deployment}: services ({plan.kv_mode}, {plan.profile})")
+    services = Table(title=f"{plan.deployment}: services ({plan.kv_mode}, tier {plan.kv_tier}, {plan.profile})")
     for col in ("node", "service", "role", "GPUs", "ports", "KV connector"):
         services.add_column(col)
     for node in plan.nodes.values():

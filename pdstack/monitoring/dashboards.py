@@ -123,6 +123,21 @@ def _kv(d: DeploymentSpec, f: Features) -> Board:
                    "(rate(vllm:nixl_xfer_time_seconds_bucket[5m])))", "{{service}}"),
             ]),
         ]
+    if f.native_tier:
+        kv_panels += [
+            Panel("Native KV tier: bytes stored (GPU -> CPU) / loaded (CPU -> GPU)", "Bps", [
+                _q("sum by (service) (rate(vllm:kv_offload_store_bytes_total[1m]))",
+                   "{{service}} stored"),
+                _q("sum by (service) (rate(vllm:kv_offload_load_bytes_total[1m]))",
+                   "{{service}} loaded"),
+            ], description="vLLM's OffloadingConnector (pdstack_kv_tier: native); loads are "
+                           "prefix hits served from host RAM"),
+            Panel("Native KV tier: allocation failures", "ops", [
+                _q("sum by (service) (rate(vllm:kv_offload_allocation_failure_total[5m]))",
+                   "{{service}}"),
+            ], description="stores refused because the tier was full of blocks in use: "
+                           "raise pdstack_kv_tier_size_gb"),
+        ]
     if f.lmcache:
         kv_panels += [
             Panel("LMCache L1 use", "percentunit", [

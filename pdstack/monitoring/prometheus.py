@@ -32,6 +32,7 @@ class Features:
     lmcache_pd: bool  # LMCache's legacy push (the proxy's ProxyNotif socket)
     skip_prefill: bool  # the proxy's prefix index is on
     admission: bool  # the proxy's KV-aware admission gate (pdstack_proxy_admission: kv)
+    native_tier: bool = False  # some engine runs vLLM's native CPU tier (vllm:kv_offload_*)
 
     @classmethod
     def of(cls, plan: Plan) -> Features:
@@ -47,6 +48,7 @@ class Features:
             skip_prefill=table.skip_prefill_threshold_tokens > 0 and mode.skip_prefill,
             admission=any("--admission" in s.command and "off" not in s.command
                           for s in services if s.kind == "proxy"),
+            native_tier=plan.kv_tier == kvmodes.NATIVE,
         )
 
 

@@ -88,6 +88,7 @@ all:
           ansible_connection: local
           pdstack_private_address: 127.0.0.1
           pdstack_gpu_count: 2
+          pdstack_host_memory_gb: 64
           pdstack_proxy: true
           pdstack_engines:
             - {{role: {roles[0]}, gpus: [0]}}

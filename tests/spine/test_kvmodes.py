@@ -53,6 +53,8 @@ def _write(
             "pdstack_gpu_count": (max(gpus) + 1) if gpus else 0,
             "pdstack_engines": filled,
         }
+        if profile == "gpu":  # sizes the native KV tier of gpu colocated engines (25 %)
+            hosts[name]["pdstack_host_memory_gb"] = 256
         if i == 0:
             hosts[name]["pdstack_proxy"] = True
     doc = {"all": {"children": {"pdstack_nodes": {"hosts": hosts}}}}
@@ -264,8 +266,9 @@ def test_colocated_l1_engines_use_the_node_tier(tmp_path: Path, profile: str) ->
             }
             assert svc.depends_on == ["lmcache"]  # type: ignore[attr-defined]
             assert not any(k.startswith("VLLM_NIXL") for k in svc.env)  # type: ignore[attr-defined]
-    # plain colocated: no connector, no server
-    plain = make_plan(load_topology(_write(tmp_path / "plain", "colocated", nodes)))
+    # plain colocated without a tier: no connector, no server
+    plain = make_plan(load_topology(_write(tmp_path / "plain", "colocated", nodes,
+                                           extra_vars={"pdstack_kv_tier": "none"})))
     for node in plain.nodes.values():
         assert "lmcache" not in {s.name for s in node.services}
         for svc in node.services:

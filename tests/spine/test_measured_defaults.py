@@ -43,12 +43,13 @@ def with_vars(tmp_path: Path, base: str, **extra) -> Path:
 
 
 @pytest.mark.parametrize(("inventory", "want"), [
-    # gpu, the engines start with --max-cudagraph-capture-size 128: capped there
-    ("h200x1-nixl", ["--admission", "kv", "--admission-max-running", "128"]),
-    ("h200x2-shared-l1", ["--admission", "kv", "--admission-max-running", "128"]),
-    # gpu without an explicit running limit: admission, no cap (vLLM's own defaults)
-    ("a100x3", ["--admission", "kv"]),
-    ("b200x2", ["--admission", "kv"]),
+    # gpu without an explicit running limit: capped at vLLM's own defaults, CUDA graphs up to
+    # 512 running (H200 / B200: max_num_seqs 1024), max_num_seqs 256 elsewhere (A100)
+    ("h200x1", ["--admission", "kv", "--admission-max-running", "512"]),
+    ("h200x1-nixl", ["--admission", "kv", "--admission-max-running", "512"]),
+    ("h200x2-shared-l1", ["--admission", "kv", "--admission-max-running", "512"]),
+    ("a100x3", ["--admission", "kv", "--admission-max-running", "256"]),
+    ("b200x2", ["--admission", "kv", "--admission-max-running", "512"]),
     # cpu: off unless asked
     ("local-cpu", []),
 ])
@@ -64,7 +65,7 @@ def test_explicit_admission_wins_over_the_profile_default(tmp_path: Path) -> Non
 
 
 def engine_args(tmp_path: Path, prefill: list[str], decode: list[str]) -> Path:
-    """h200x1-nixl (its model's extra_args carry --max-cudagraph-capture-size 128) with
+    """h200x1-nixl (an H200: vLLM's defaults run 512 at most in CUDA graphs) with
     per-engine extra_args."""
     inv = with_vars(tmp_path, "h200x1-nixl")
     hosts_file = inv / "hosts.yml"
@@ -77,12 +78,33 @@ def engine_args(tmp_path: Path, prefill: list[str], decode: list[str]) -> Path:
 
 
 def test_running_cap_is_the_smallest_limit_of_the_gated_engines(tmp_path: Path) -> None:
-    # a decoder's own --max-num-seqs=96 is below the model's 128; a prefiller is not gated
+    # a decoder's own --max-num-seqs=96 is below vLLM's default limit; a prefiller is not gated
     inv = engine_args(tmp_path / "a", ["--max-num-seqs", "8"], ["--max-num-seqs=96"])
     assert admission_max_running(load_topology(inv)) == 96
     assert proxy_admission_args(plan_of(inv))[-1] == "96"
+    # an unreadable value: vLLM's default for an H200
     inv = engine_args(tmp_path / "b", ["--max-num-seqs", "8"], ["--max-num-seqs", "x"])
+    assert admission_max_running(load_topology(inv)) == 512
+    # the CUDA-graph limit of the seed's runs
+    inv = engine_args(tmp_path / "c", [], ["--max-cudagraph-capture-size", "128"])
     assert admission_max_running(load_topology(inv)) == 128
+
+
+@pytest.mark.parametrize(("args", "profile", "gpu", "want"), [
+    ([], "gpu", "NVIDIA H200", 512),            # min(1024 seqs, min(2 * 1024, 512) graphs)
+    ([], "gpu", "NVIDIA A100-SXM4-80GB", 256),  # A100: 256 seqs
+    ([], "gpu", None, 256),                     # unknown GPU: the smaller default
+    (["--max-num-seqs", "200"], "gpu", "NVIDIA H200", 200),
+    (["--max-num-seqs", "100"], "gpu", "NVIDIA H200", 100),   # graphs up to 200 >= 100
+    (["--max-num-seqs", "2048"], "gpu", "NVIDIA B200", 512),  # graphs stop at 512
+    (["--enforce-eager"], "gpu", "NVIDIA H200", 1024),        # no graphs: max_num_seqs
+    ([], "cpu", None, 0),                                     # cpu: no limit known
+    (["--max-num-seqs", "8"], "cpu", None, 8),
+])
+def test_engine_running_limit_follows_vllm_defaults(args, profile, gpu, want) -> None:
+    from pdstack.plan import engine_running_limit
+
+    assert engine_running_limit(args, profile, gpu) == want
 
 
 @pytest.mark.parametrize(("inventory", "want"), [

@@ -130,11 +130,15 @@ def test_nixl_pairs_every_prefiller_with_every_decoder():
     assert svc["decode-1"].kv_transfer_config["kv_role"] == "kv_consumer"
 
 
-def test_colocated_has_no_pairings_and_no_connector():
+def test_colocated_has_no_pairings_and_the_native_tier():
     plan = plan_of("h200x8-tp8")
     assert plan.backend_table.pairings == []
     engine = services(plan, "h200-node1")["engine-0"]
-    assert engine.kv_transfer_config is None
+    # gpu colocated, pdstack_kv_tier unset: vLLM's native tier, 25 % of the 2048 GiB node
+    assert engine.kv_transfer_config == {
+        "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 512 * 2**30},
+    }
     assert "--tensor-parallel-size" in engine.command
     assert engine.command[engine.command.index("--tensor-parallel-size") + 1] == "8"
 
