@@ -79,6 +79,8 @@ EOF
   grep -E "H200|^vllm|^torch|missing|vllm serve" "$W/results/machine.txt" | cut -c1-220 | tee -a "$W/run.log"
 fi
 
+# sweeps already brought back from an earlier machine (their JSONs are in the repo)
+for d in ${DONE:-}; do touch "$W/state/swept-$d"; done
 ENV=(--env VLLM_SERVER_DEV_MODE=1 --env VLLM_DISABLE_COMPILE_CACHE=1)
 start() {  # key inventory services
   local key=$1 inv=$2 svcs=$3
@@ -129,8 +131,8 @@ run_variant() {
   local n; n=$(echo "$rates" | tr ',' '\n' | wc -l)
   local est=$(( n * (DURATION + 14) + WARMUP + 20 ))
   if [ "$(left)" -lt "$est" ]; then log "left $(left)s < ${est}s for $name: call again"; exit 0; fi
-  post "$engine/reset_prefix_cache"
-  local metrics=(--metrics-url "$engine/metrics")
+  local e metrics=()
+  for e in ${engine//,/ }; do post "$e/reset_prefix_cache"; metrics+=(--metrics-url "$e/metrics"); done
   [ "$target" != "$engine" ] && metrics+=(--metrics-url "$target/metrics")
   log "sweep $name: rates $rates x ${DURATION}s via $target $*"
   "${PD[@]}" bench --target "$target" --token-ids --model "$MODEL" "$@" \
@@ -164,9 +166,35 @@ run_variant turn-pdstack "$RATES_TURN" $E2 $P2 "${TURN[@]}"
 run_variant seed-vllm "$RATES_SEED" $E1 $E1 "${SEED[@]}"
 run_variant seed-pdstack "$RATES_SEED" $E2 $P2 "${SEED[@]}"
 run_variant mt-pdstack-rep "$RATES_MT" $E2 $P2 "${MT[@]}"
-run_variant mt-vllm-rep "$RATES_MT" $E1 $E1 "${MT[@]}"
-run_variant mt-native-rep "$RATES_MT" $E3 $E3 "${MT[@]}"
+# where the default stack's multi-turn / seed TTFT goes: the tier alone (E3) and the proxy
+# with admission alone (E1 behind h200x1-vllm's planned proxy, :8070)
+start e1p inventory/h200x1-vllm proxy
+P1=http://127.0.0.1:8070; wait_up e1p || P1=""
 run_variant turn-native "$RATES_TURN" $E3 $E3 "${TURN[@]}"
+[ -n "$P1" ] && run_variant turn-vllm-proxy "$RATES_TURN" $E1 $P1 "${TURN[@]}"
+run_variant mt-vllm-rep "$RATES_MT" $E1 $E1 "${MT[@]}"
 run_variant seed-native "$RATES_SEED" $E3 $E3 "${SEED[@]}"
+[ -n "$P1" ] && run_variant seed-vllm-proxy "$RATES_SEED" $E1 $P1 "${SEED[@]}"
+
+# two engines on the one GPU: a native tier each vs one shared LMCache L1 (same 32 GiB of host
+# RAM), both behind the planned proxy (prefix/session affinity + admission)
+stop() {  # key inventory
+  [ -f "$W/state/stopped-$1" ] && return
+  "${PD[@]}" launch -i "$2" stop --log-dir "$W/logs/$1" --grace 15 2>&1 | tail -2 >> "$W/run.log"
+  touch "$W/state/stopped-$1"
+}
+RATES_2E=${RATES_2E:-16,32,48}
+if [ ! -f "$W/state/swept-mt2-native" ] || [ ! -f "$W/state/swept-mt2-l1" ]; then
+  stop e1p inventory/h200x1-vllm; stop e1 inventory/h200x1-vllm; stop e3 inventory/h200x1-vllm-native
+  stop e2 inventory/h200x1
+  start b1 inventory/h200x1-2e engine-0,engine-1,proxy
+  wait_up b1 || exit 0
+  run_variant mt2-native "$RATES_2E" http://127.0.0.1:8190,http://127.0.0.1:8191 http://127.0.0.1:8090 "${MT[@]}"
+  stop b1 inventory/h200x1-2e
+  start b2 inventory/h200x1-2e-l1 lmcache,engine-0,engine-1,proxy
+  wait_up b2 || exit 0
+  run_variant mt2-l1 "$RATES_2E" http://127.0.0.1:8195,http://127.0.0.1:8196 http://127.0.0.1:8095 "${MT[@]}" \
+    --metrics-url http://127.0.0.1:6091/metrics
+fi
 log "status: $(ls "$W/state" | tr '\n' ' ')"
 touch "$W/state/all-done"

@@ -34,7 +34,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     console = Console()
-    services = Table(title=f"{plan.deployment}: services ({plan.kv_mode}, tier {plan.kv_tier}, {plan.profile})")
+    services = Table(
+        title=f"{plan.deployment}: services ({plan.kv_mode}, tier {plan.kv_tier}, {plan.profile})"
+    )
     for col in ("node", "service", "role", "GPUs", "ports", "KV connector"):
         services.add_column(col)
     for node in plan.nodes.values():

@@ -125,18 +125,21 @@ def _kv(d: DeploymentSpec, f: Features) -> Board:
         ]
     if f.native_tier:
         kv_panels += [
+            # the names vLLM 0.26 exports once the tier moved a block (results/h200x1-tiers
+            # JSONs, "kv_offload"); stores = GPU -> CPU, loads = prefix hits from host RAM
             Panel("Native KV tier: bytes stored (GPU -> CPU) / loaded (CPU -> GPU)", "Bps", [
                 _q("sum by (service) (rate(vllm:kv_offload_store_bytes_total[1m]))",
                    "{{service}} stored"),
                 _q("sum by (service) (rate(vllm:kv_offload_load_bytes_total[1m]))",
                    "{{service}} loaded"),
-            ], description="vLLM's OffloadingConnector (pdstack_kv_tier: native); loads are "
-                           "prefix hits served from host RAM"),
-            Panel("Native KV tier: allocation failures", "ops", [
-                _q("sum by (service) (rate(vllm:kv_offload_allocation_failure_total[5m]))",
-                   "{{service}}"),
-            ], description="stores refused because the tier was full of blocks in use: "
-                           "raise pdstack_kv_tier_size_gb"),
+            ], description="vLLM's OffloadingConnector (pdstack_kv_tier: native)"),
+            Panel("Native KV tier: copy time per second", "s", [
+                _q("sum by (service) (rate(vllm:kv_offload_store_time_total[1m]))",
+                   "{{service}} store"),
+                _q("sum by (service) (rate(vllm:kv_offload_load_time_total[1m]))",
+                   "{{service}} load"),
+            ], description="seconds spent copying per second; near 1 = the copies are the "
+                           "bottleneck"),
         ]
     if f.lmcache:
         kv_panels += [

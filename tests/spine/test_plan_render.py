@@ -147,7 +147,10 @@ def test_cpu_profile_uses_cpu_kv_buffer_and_thread_binding():
     plan = plan_of("local-cpu")
     svc = services(plan, "local")
     assert svc["prefill-0"].env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
-    assert svc["lmcache"].command[-1] == "engine_driven"
+    cmd = svc["lmcache"].command
+    assert cmd[cmd.index("--supported-transfer-mode") + 1] == "engine_driven"
+    # LMCache's deployment guide: one GPU worker per engine sharing the server (3 here)
+    assert cmd[cmd.index("--max-gpu-workers") + 1] == "3"
     assert svc["decode-0"].gpu_ids == []
 
 
