@@ -11,9 +11,15 @@ per request), far above a loaded 2-core machine's scheduling noise.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from pdstack.proxy.admission import AdmissionConfig, FairQueue, _Waiter
@@ -27,6 +33,9 @@ from pdstack.proxy.tenants import (
     parse_tenant_keys,
 )
 from pdstack.testing import proxy_harness as ph
+from pdstack.testing.vllm_engines import free_port
+
+REPO = Path(__file__).resolve().parents[2]
 
 KEYS = {"alpha": "sk-alpha-1", "beta": "sk-beta-1", "gamma": "sk-gamma-1"}
 
@@ -396,3 +405,86 @@ async def test_weights_3_to_1_share_the_saturated_engine() -> None:
     print(f"weights 3:1 -> served {a1 - a0}:{g1 - g0} = {share:.2f}")
     assert (g1 - g0) >= 20
     assert 2.7 <= share <= 3.3  # within 10 % of 3
+
+
+# ------------------------------------------------------------------ many keys, bounded memory
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("VmRSS")
+
+
+RSS_BOUND_MIB = 16  # growth allowed for 2,000 requests from 500 keys (measured +0.4 MiB)
+
+
+async def test_2000_requests_from_500_keys_bound_rss_and_keep_keys_off_argv(tmp_path) -> None:
+    """A ``pdstack proxy`` process with 100 tenants x 5 named keys from a 0600 env file:
+    a burst of 2,000 requests (each key 4 times) grows its RSS by less than
+    RSS_BOUND_MIB; per-tenant series stop at 64 tenants + ``other``; no key is on its
+    command line or in its log."""
+    tenants = {f"t{i:03d}": {"weight": 1 + i % 3, "rpm": 1000} for i in range(100)}
+    keys = [(f"t{i // 5:03d}", f"sk-{i:04d}-{'x' * 40}") for i in range(500)]
+    async with ph.engines("e0", output_tokens=2) as e:
+        backends = ph.table("colocated", [ph.backend("n1/engine-0", "colocated", e["e0"])])
+        backends["tenants"] = tenants
+        (tmp_path / "backends.json").write_text(json.dumps(backends))
+        env = tmp_path / "secrets.env"
+        env.write_text("PDSTACK_TENANT_KEYS=" + ",".join(f"{t}:{k}" for t, k in keys) + "\n")
+        env.chmod(0o600)
+        port = free_port()
+        log = tmp_path / "proxy.log"
+        with log.open("w") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "pdstack.cli", "proxy", "--backends",
+                 str(tmp_path / "backends.json"), "--port", str(port), "--env-file", str(env),
+                 "--admission", "kv", "--log-level", "DEBUG"],
+                cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+            )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=100)) as s:
+                for _ in range(200):
+                    with contextlib.suppress(aiohttp.ClientError):
+                        async with s.get(url + "/health") as r:
+                            if r.status == 200:
+                                break
+                    await asyncio.sleep(0.05)
+
+                async def one(key: str) -> int:
+                    async with s.post(url + "/v1/completions",
+                                      headers={"Authorization": f"Bearer {key}"},
+                                      json={"model": "fake", "prompt": "hi", "max_tokens": 2}) as r:
+                        await r.read()
+                        return r.status
+
+                warm = await asyncio.gather(*(one(k) for _, k in keys[:100]))
+                assert set(warm) == {200}
+                before = _rss_kib(proc.pid)
+                statuses = await asyncio.gather(*(one(k) for _ in range(4) for _, k in keys))
+                after = _rss_kib(proc.pid)
+                assert len(statuses) == 2000 and set(statuses) == {200}
+                async with s.get(url + "/metrics") as r:
+                    text = await r.text()
+                async with s.post(url + "/v1/completions", headers={"Authorization": "Bearer no"},
+                                  json={"model": "fake", "prompt": "hi"}) as r:
+                    assert r.status == 401
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+        growth_mib = (after - before) / 1024
+        print(f"RSS {before / 1024:.1f} -> {after / 1024:.1f} MiB "
+              f"(+{growth_mib:.1f}) after 2,000 requests from 500 keys")
+        assert growth_mib < RSS_BOUND_MIB
+        labels = {
+            line.split('tenant="')[1].split('"')[0]
+            for line in text.splitlines()
+            if line.startswith("pdstack_proxy_tenant_requests_total{")
+        }
+        # 64 labels by name (default + 63 tenants), the other 37 tenants share "other"
+        assert len(labels) == 64 and "other" in labels and "t063" not in labels
+        assert ph.metric_value(text, "pdstack_proxy_tenant_requests_total", outcome="ok") == 2100
+        logged = log.read_text()
+        assert "pdstack proxy on" in logged
+        argv = " ".join(str(a) for a in proc.args)  # type: ignore[union-attr]
+        assert not any(k in logged or k in argv for _, k in keys)
