@@ -32,6 +32,7 @@ class Features:
     lmcache_pd: bool  # LMCache's legacy push (the proxy's ProxyNotif socket)
     skip_prefill: bool  # the proxy's prefix index is on
     admission: bool  # the proxy's KV-aware admission gate (pdstack_proxy_admission: kv)
+    tenants: bool = False  # pdstack_tenants: the proxy's per-tenant series
 
     @classmethod
     def of(cls, plan: Plan) -> Features:
@@ -47,6 +48,7 @@ class Features:
             skip_prefill=table.skip_prefill_threshold_tokens > 0 and mode.skip_prefill,
             admission=any("--admission" in s.command and "off" not in s.command
                           for s in services if s.kind == "proxy"),
+            tenants=bool(table.tenants),
         )
 
 
@@ -172,6 +174,7 @@ def alert_rules(d: DeploymentSpec, f: Features) -> list[dict[str, Any]]:
              "10m", "warning",
              "{{ $labels.service }} on {{ $labels.node }}: external prefix-cache hit ratio fell"
              " below half its last hour"))
+    alerts += _tenant_alerts(f)
     if f.pd:
         alerts += [
             # most of its prompt tokens computed locally (not GPU prefix-cache hits) and
@@ -196,6 +199,25 @@ def alert_rules(d: DeploymentSpec, f: Features) -> list[dict[str, Any]]:
             "annotations": {"summary": summary},
         }
         for name, expr, for_, severity, summary in alerts
+    ]
+
+
+TENANT_THROTTLED_RATIO = 0.1
+
+
+def _tenant_alerts(f: Features) -> list[tuple[str, str, str, str, str]]:
+    """A tenant refused (429 by its limits, or 503 by admission) for over 10 % of its
+    requests for 10 minutes: its limits are too tight, or it floods."""
+    if not f.tenants:
+        return []
+    return [
+        ("PdstackTenantThrottled",
+         "sum by (tenant) (rate(pdstack_proxy_tenant_rejected_total[10m]))"
+         f" > {TENANT_THROTTLED_RATIO:g}"
+         " * sum by (tenant) (rate(pdstack_proxy_tenant_requests_total[10m]))",
+         "10m", "warning",
+         "tenant {{ $labels.tenant }}: {{ $value | printf \"%.2f\" }} requests/s refused by its"
+         " limits or by admission (over 10 % of what it sends)"),
     ]
 
 
