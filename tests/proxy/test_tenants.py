@@ -230,7 +230,7 @@ async def test_stream_usage_settles_tpm() -> None:
 
 
 async def test_max_concurrency_exact() -> None:
-    async with ph.engines("e0", ttft_ms=600) as e:
+    async with ph.engines("e0", ttft_ms=2000) as e:  # long: the 4th comes while 3 run
         cfg = {"tenants": {"alpha": TenantPolicy("alpha", max_concurrency=3)},
                "tenant_keys": keyed("alpha", "beta"),
                }
@@ -247,7 +247,7 @@ async def test_max_concurrency_exact() -> None:
 
 
 async def test_max_queued_exact_and_keys_required() -> None:
-    async with ph.engines("e0", ttft_ms=500) as e:
+    async with ph.engines("e0", ttft_ms=1500) as e:  # long: the 4th comes while 2 wait
         cfg = {"tenants": {"alpha": TenantPolicy("alpha", max_queued=2)},
                "tenant_keys": keyed("alpha"),
                "admission": AdmissionConfig(enabled=True, max_running=1)}
