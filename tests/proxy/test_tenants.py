@@ -488,3 +488,30 @@ async def test_2000_requests_from_500_keys_bound_rss_and_keep_keys_off_argv(tmp_
         assert "pdstack proxy on" in logged
         argv = " ".join(str(a) for a in proc.args)  # type: ignore[union-attr]
         assert not any(k in logged or k in argv for _, k in keys)
+
+
+async def test_tenant_on_the_request_span_and_the_429_log_line(caplog) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from pdstack.proxy import tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.configure(provider)
+    try:
+        async with ph.engines("e0") as e:
+            cfg = {"tenants": {"alpha": TenantPolicy("alpha", rpm=1)},
+                   "tenant_keys": keyed("alpha")}
+            async with ph.running_proxy(table(e["e0"]), **cfg) as rp:
+                with caplog.at_level("INFO", logger="pdstack.proxy"):
+                    assert (await complete(rp, "alpha"))[0] == 200
+                    assert (await complete(rp, "alpha"))[0] == 429
+    finally:
+        tracing.disable()
+    roots = [s for s in exporter.get_finished_spans() if s.name == "pdstack.request"]
+    assert [s.attributes["pdstack.tenant"] for s in roots] == ["alpha", "alpha"]
+    assert [s.attributes["pdstack.outcome"] for s in roots] == ["ok", "rejected"]
+    assert any("tenant alpha over rpm" in r.getMessage() for r in caplog.records)
