@@ -9,6 +9,11 @@
   pdstack-gc:     (b) started through benchmarks/gc_tuned.py (collector frozen/tuned);
   pdstack-base:   (b) from another source tree (``--baseline-src DIR``, e.g. ``git worktree
                   add DIR main``): old and new code in the same run, on the same engines.
+  pdstack-fifo:   (b) with ``--admission kv --admission-fairness off`` and no tenants;
+  pdstack-fair:   (b) with ``--admission kv`` (fair queuing on) and tenants in its backend
+                  table (every request the ``default`` tenant's, with concurrency, rpm and
+                  tpm limits far above the load: every check, the tpm settlement, the
+                  per-tenant metrics run, none refuses): the cost of tenants + fairness.
 
 P and D are ``pdstack.testing.fake_engine`` processes with a fixed TTFT and
 inter-token delay, so every millisecond above the direct path is the proxy's.
@@ -198,6 +203,9 @@ def build_setup(args: argparse.Namespace) -> Setup:
             f"http://127.0.0.1:{port}",
             env=uv_env if name == "pdstack-uvloop" else None,
         )
+    for name in ("pdstack-fifo", "pdstack-fair"):
+        if name in args.targets:
+            setup.proxies[name] = tenant_proxy(name, prefill.url, decode.url, args)
     if "pdstack-base" in args.targets:
         port = free_port()
         src = args.baseline_src.resolve()
@@ -220,6 +228,33 @@ def build_setup(args: argparse.Namespace) -> Setup:
             f"http://127.0.0.1:{port}",
         )
     return setup
+
+
+def tenant_proxy(name: str, prefill: str, decode: str, args: argparse.Namespace) -> Proc:
+    """``pdstack proxy`` from a backend table file, with KV admission; ``pdstack-fair``
+    adds tenants and fair queuing, ``pdstack-fifo`` is one FIFO without tenants."""
+    from pdstack.plan import BackendTable
+    from pdstack.topology import TenantSpec
+
+    table = BackendTable.adhoc([prefill], [decode], "nixl", "fake")
+    fair = name == "pdstack-fair"
+    if fair:
+        big = 10**9
+        table = table.model_copy(update={"tenants": {
+            "default": TenantSpec(weight=1, max_concurrency=100_000, rpm=big, tpm=big),
+            "acme": TenantSpec(weight=3, max_queued=4096),
+            "nightly": TenantSpec(weight=1, priority="batch"),
+        }})
+    path = Path(tempfile.mkdtemp(prefix="pdstack-bench-")) / f"{name}.json"
+    path.write_text(table.model_dump_json())
+    port = free_port()
+    return Proc(
+        name,
+        [sys.executable, "-m", "pdstack.cli", "proxy", "--backends", str(path),
+         "--host", "127.0.0.1", "--port", str(port), "--admission", "kv",
+         "--admission-fairness", "on" if fair else "off", *args.pdstack_arg],
+        f"http://127.0.0.1:{port}",
+    )
 
 
 def output_len(args: argparse.Namespace, streams: int) -> Distribution:
@@ -401,7 +436,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--targets", default=None,
                    type=lambda s: [x.strip() for x in s.split(",")],
                    help="of direct, pdstack, pdstack-uvloop, pdstack-gc, pdstack-base, "
-                   "vllm-router "
+                   "pdstack-fifo, pdstack-fair, vllm-router "
                    "(default: all, pdstack-uvloop only when uvloop is there)")
     p.add_argument("--duration", type=float, default=20.0,
                    help="measured seconds per target and stream count (default 20)")
@@ -450,7 +485,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.uvloop_path is not None:
             args.targets.insert(2, "pdstack-uvloop")
     unknown = set(args.targets) - {"direct", "pdstack", "pdstack-uvloop", "pdstack-gc",
-                                   "pdstack-base", "vllm-router"}
+                                   "pdstack-base", "pdstack-fifo", "pdstack-fair",
+                                   "vllm-router"}
     if unknown:
         p.error(f"unknown targets {sorted(unknown)}")
     if args.rounds < 1 or args.duration <= 0:

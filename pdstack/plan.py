@@ -23,7 +23,13 @@ from pdstack.ports import (
 from pdstack.ports import has_lmcache_server as _has_lmcache_server
 from pdstack.ports import lmcache_push as _push
 from pdstack.ports import uses_nixl as _uses_nixl
-from pdstack.topology import DeploymentSpec, NodeSpec, Topology, native_tier_sizes
+from pdstack.topology import (
+    DeploymentSpec,
+    NodeSpec,
+    TenantSpec,
+    Topology,
+    native_tier_sizes,
+)
 
 KvPath = Literal["shared-l1", "nixl", "lmcache-pd"]
 ServiceKind = Literal["engine", "lmcache", "proxy"]
@@ -125,10 +131,15 @@ class BackendTable(_Model):
     skip_prefill_threshold_tokens: int = 0
     # lmcache-pd only (omitted from the JSON otherwise)
     lmcache_pd_notify: LmcachePdNotify | None = None
+    # pdstack_tenants: the proxy's per-tenant weights and limits (omitted when none)
+    tenants: dict[str, TenantSpec] = Field(default_factory=dict)
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict:
-        return _drop_none(handler(self), "lmcache_pd_notify")
+        data = _drop_none(handler(self), "lmcache_pd_notify")
+        if not data.get("tenants"):
+            data.pop("tenants", None)
+        return data
 
     @classmethod
     def adhoc(
@@ -565,6 +576,7 @@ def make_plan(topo: Topology) -> Plan:
             if _push(d)
             else None
         ),
+        tenants=topo.tenants,
     )
     return Plan(
         deployment=d.name,

@@ -12,6 +12,7 @@ fixes a broken inventory in one pass.
 from __future__ import annotations
 
 import ipaddress
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -181,10 +182,24 @@ class DeploymentSpec(_Strict):
         return kvmodes.resolve_tier(kvmodes.get(self.kv_mode), self.kv_tier, self.profile)
 
 
+class TenantSpec(_Strict):
+    """``pdstack_tenants.<name>``: one tenant's share and limits at the proxy
+    (:mod:`pdstack.proxy.tenants`); a limit left out is no limit. Its keys are in the
+    node's secrets file (``PDSTACK_TENANT_KEYS``), never here."""
+
+    weight: float = Field(default=1.0, gt=0, strict=True)
+    priority: Literal["interactive", "batch"] = "interactive"
+    max_concurrency: int | None = Field(default=None, gt=0, strict=True)
+    max_queued: int | None = Field(default=None, gt=0, strict=True)
+    rpm: int | None = Field(default=None, gt=0, strict=True)
+    tpm: int | None = Field(default=None, gt=0, strict=True)
+
+
 class Topology(_Strict):
     source: str
     deployment: DeploymentSpec
     nodes: list[NodeSpec]
+    tenants: dict[str, TenantSpec] = Field(default_factory=dict)  # pdstack_tenants
 
     def node(self, name: str) -> NodeSpec:
         return next(n for n in self.nodes if n.name == name)
@@ -275,9 +290,11 @@ def load_topology(inventory: str | Path) -> Topology:
     deployment = _deployment(allvars, inv, gorigin, gv_file, problems)
     nodes = _nodes(hosts, allvars, str(hosts_file), problems)
 
+    tenants = _tenants(allvars, gorigin, gv_file, problems)
+
     if problems or deployment is None:
         raise TopologyError(problems)
-    topo = Topology(source=str(inv), deployment=deployment, nodes=nodes)
+    topo = Topology(source=str(inv), deployment=deployment, nodes=nodes, tenants=tenants)
     problems.extend(check_topology(topo, hosts_file=str(hosts_file), vars_file=gv_file))
     if problems:
         raise TopologyError(problems)
@@ -318,6 +335,64 @@ def _deployment(allvars: dict[str, Any], inv: Path, gorigin: dict[str, str], gv_
                 msg = err["msg"]
             problems.append(Problem(gorigin.get(f"pdstack_{err['loc'][0]}", gv_file), field, msg))
     return None
+
+
+TENANT_FIELDS = tuple(TenantSpec.model_fields)
+
+
+def _tenants(allvars: dict[str, Any], gorigin: dict[str, str], gv_file: str,
+             problems: list[Problem]) -> dict[str, TenantSpec]:
+    """``pdstack_tenants``: name -> TenantSpec, one problem per bad field (appended);
+    the named keys of ``stack_secrets.PDSTACK_TENANT_KEYS`` checked when given here."""
+    from pdstack.proxy.tenants import NAME_PATTERN, OTHER_LABEL
+
+    raw = allvars.get("pdstack_tenants")
+    where = gorigin.get("pdstack_tenants", gv_file)
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        problems.append(Problem(where, "pdstack_tenants", "must be a mapping of tenant name "
+                                "-> {weight, priority, max_concurrency, max_queued, rpm, tpm}"))
+        return {}
+    out: dict[str, TenantSpec] = {}
+    for name, spec in raw.items():
+        field = f"pdstack_tenants.{name}"
+        if not isinstance(name, str) or not re.match(NAME_PATTERN, name) or name == OTHER_LABEL:
+            problems.append(Problem(where, field, f"tenant name {name!r}: letters, digits, "
+                                    f"'_', '.', '-' (at most 64), not {OTHER_LABEL!r} (the "
+                                    "metrics label of tenants past the first 64)"))
+            continue
+        if not isinstance(spec, dict):
+            problems.append(Problem(where, field, "must be a mapping (e.g. {weight: 1})"))
+            continue
+        try:
+            out[name] = TenantSpec.model_validate(spec)
+        except ValidationError as exc:
+            for err in exc.errors():
+                key = _loc(err)
+                if err["type"] == "extra_forbidden":
+                    msg = f"unknown tenant field; use {', '.join(TENANT_FIELDS)}"
+                else:
+                    msg = f"{err['msg']} (got {err.get('input')!r})"
+                problems.append(Problem(where, f"{field}.{key}", msg))
+    problems += _check_tenant_keys(allvars, gorigin, gv_file, out)
+    return out
+
+
+def _check_tenant_keys(allvars: dict[str, Any], gorigin: dict[str, str], gv_file: str,
+                       tenants: dict[str, TenantSpec]) -> list[Problem]:
+    """Named keys, where the inventory itself carries the secrets file's content
+    (``stack_secrets.PDSTACK_TENANT_KEYS``, the stack role writes it): each names a
+    tenant, no key belongs to two. Never prints a key."""
+    from pdstack.proxy.tenants import DEFAULT_TENANT, TENANT_KEYS_ENV, parse_tenant_keys
+
+    secrets = allvars.get("stack_secrets")
+    text = secrets.get(TENANT_KEYS_ENV) if isinstance(secrets, dict) else None
+    if not isinstance(text, str) or "{{" in text:  # absent, vaulted or templated
+        return []
+    _, messages = parse_tenant_keys(text, {*tenants, DEFAULT_TENANT})
+    where = gorigin.get("stack_secrets", gv_file)
+    return [Problem(where, f"stack_secrets.{TENANT_KEYS_ENV}", m) for m in messages]
 
 
 def _nodes(hosts: dict[str, Any], allvars: dict[str, Any], hosts_file: str,

@@ -137,6 +137,10 @@ def register(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentPar
     p.add_argument("--slo-ttft-p99-ms", type=float, default=3500.0)
     p.add_argument("--gpu-hour-price", type=float, default=None, help="price of one GPU-hour")
     p.add_argument("--gpus", type=int, default=None, help="GPUs serving the target")
+    p.add_argument("--tenant", action="append", default=[], metavar="NAME:SHARE",
+                   help="drive several tenants at once (repeatable): each gets SHARE of every "
+                   "asked rate, its own prompt mix and its key from PDSTACK_BENCH_KEY_<NAME>; "
+                   "TTFT and served are reported per tenant")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--label", default=None, help="name of this run in plots and compare")
     p.add_argument("--output", type=Path, default=None,
@@ -191,6 +195,7 @@ def resolve_scenario(args: argparse.Namespace) -> scenarios.Resolved:
 
 def _config(args: argparse.Namespace, resolved: scenarios.Resolved | None = None) -> Any:
     from pdstack.bench.runner import BenchConfig
+    from pdstack.bench.tenants import parse_tenant
 
     if resolved is None:
         resolved = resolve_scenario(args)
@@ -232,6 +237,7 @@ def _config(args: argparse.Namespace, resolved: scenarios.Resolved | None = None
         workload=workload,
         scenario=resolved.name,
         scenario_sizing=resolved.sizing or None,
+        tenants=[parse_tenant(t) for t in args.tenant],
     )
 
 

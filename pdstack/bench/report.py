@@ -45,6 +45,10 @@ def _cell(value: Any, fmt: str, width: int) -> str:
     return text.rjust(width)[:width] if len(text) <= width else text[: width - 1] + "~"
 
 
+def _ms(value: Any) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
 def summary_table(doc: dict[str, Any]) -> str:
     """Fixed-width table, one line per asked rate; times in ms."""
     results = doc["results"]
@@ -62,6 +66,14 @@ def summary_table(doc: dict[str, Any]) -> str:
                 for r in results
             )
         )
+    for r in results:
+        for name, t in (r.get("tenants") or {}).items():
+            lines.append(
+                f"  {r['request_rate']:g}/s tenant {name}: asked {t['request_rate']:.2f}/s, "
+                f"served {t['request_throughput']:.2f}/s, TTFT p50 "
+                f"{_ms(t.get('median_ttft_ms'))} ms, p99 {_ms(t.get('p99_ttft_ms'))} ms"
+                + (f", errors {t['errors']}" if t.get("errors") else "")
+            )
     errors = {
         f"{r['request_rate']:g}/s": r["errors"] for r in results if r.get("errors")
     }

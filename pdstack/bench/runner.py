@@ -11,7 +11,7 @@ import os
 import platform
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from rich.console import Console
@@ -20,6 +20,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from pdstack.bench import promscrape
 from pdstack.bench.client import BenchClient, RequestResult, first_model
 from pdstack.bench.stats import cost_per_million_output_tokens, summarize
+from pdstack.bench.tenants import BenchTenant, split_rate
 from pdstack.bench.workload import ChatRequest, Workload, WorkloadConfig
 
 SCHEMA_VERSION = 1
@@ -51,6 +52,7 @@ class BenchConfig:
     # how a preset sized itself (many-tenants: KV capacity, its source, prompts)
     scenario_sizing: dict[str, Any] | None = None
     gauge_interval: float = 1.0  # s between load-gauge samples of --metrics-url
+    tenants: list[BenchTenant] = field(default_factory=list)  # --tenant NAME:SHARE
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -299,6 +301,47 @@ async def _add_prometheus(entry: dict[str, Any], urls: list[str], scrapes: dict[
     entry["peak_kv_cache_usage"] = total["gauges"]["kv_cache_usage"]["peak"]
 
 
+async def _run_tenants(
+    cfg: BenchConfig, model: str, rate: float, progress: Progress,
+    hook: Callable[[], Awaitable[Any]] | None,
+) -> tuple[list[RequestResult], float, float, dict[str, Any]]:
+    """Every tenant open loop at once, each its share of ``rate``, its key and its own
+    prompt mix (workload seed + 1000 x its position); results merged and per tenant."""
+    rates = split_rate(cfg.tenants, rate)
+    clients = [
+        BenchClient(cfg.target, model, endpoint=cfg.endpoint, token_ids=cfg.workload.token_ids,
+                    ignore_eos=cfg.ignore_eos, timeout_s=cfg.request_timeout,
+                    prefill_url=cfg.prefill_url, api_key=t.key())
+        for t in cfg.tenants
+    ]
+    try:
+        runs = await asyncio.gather(*(
+            run_open_loop(
+                c, Workload(replace(cfg.workload, seed=cfg.workload.seed + 1000 * (i + 1))), r,
+                duration=cfg.duration, warmup=cfg.warmup, drain_timeout=cfg.drain_timeout,
+                max_concurrency=cfg.max_concurrency, seed=cfg.workload.seed + i,
+                progress=progress, on_window_start=hook if i == 0 else None,
+            )
+            for i, (c, r) in enumerate(zip(clients, rates, strict=True))
+        ))
+    finally:
+        for c in clients:
+            await c.close()
+    start, end = min(r[1] for r in runs), max(r[2] for r in runs)
+    per: dict[str, Any] = {}
+    for t, r, (results, s0, s1) in zip(cfg.tenants, rates, runs, strict=True):
+        e = summarize(results, window_start=s0, window_end=s1, asked_rate=r,
+                      max_concurrency=cfg.max_concurrency, slo_ttft_p50_ms=cfg.slo_ttft_p50_ms,
+                      slo_ttft_p99_ms=cfg.slo_ttft_p99_ms)
+        per[t.name] = {k: e.get(k) for k in TENANT_KEYS}
+        per[t.name]["share"] = t.share
+    return [x for rs, _, _ in runs for x in rs], start, end, per
+
+
+TENANT_KEYS = ("request_rate", "request_throughput", "completed", "errors",
+               "median_ttft_ms", "p99_ttft_ms")
+
+
 async def run_sweep(
     cfg: BenchConfig, console: Console | None = None, show_progress: bool = True
 ) -> dict[str, Any]:
@@ -345,18 +388,25 @@ async def run_sweep(
                     box["gauges"] = asyncio.create_task(sampler.run(stop_at))
                     box["before"] = await promscrape.snapshot(cfg.metrics_urls)
 
-                results, start, end = await run_open_loop(
-                    client,
-                    workload,
-                    rate,
-                    duration=cfg.duration,
-                    warmup=cfg.warmup,
-                    drain_timeout=cfg.drain_timeout,
-                    max_concurrency=cfg.max_concurrency,
-                    seed=cfg.workload.seed,
-                    progress=progress,
-                    on_window_start=scrape_before if cfg.metrics_urls else None,
-                )
+                hook = scrape_before if cfg.metrics_urls else None
+                if cfg.tenants:
+                    results, start, end, by_tenant = await _run_tenants(
+                        cfg, model, rate, progress, hook
+                    )
+                else:
+                    by_tenant = {}
+                    results, start, end = await run_open_loop(
+                        client,
+                        workload,
+                        rate,
+                        duration=cfg.duration,
+                        warmup=cfg.warmup,
+                        drain_timeout=cfg.drain_timeout,
+                        max_concurrency=cfg.max_concurrency,
+                        seed=cfg.workload.seed,
+                        progress=progress,
+                        on_window_start=hook,
+                    )
                 entry = summarize(
                     results,
                     window_start=start,
@@ -366,6 +416,8 @@ async def run_sweep(
                     slo_ttft_p50_ms=cfg.slo_ttft_p50_ms,
                     slo_ttft_p99_ms=cfg.slo_ttft_p99_ms,
                 )
+                if by_tenant:
+                    entry["tenants"] = by_tenant
                 if cfg.metrics_urls:
                     await _add_prometheus(entry, cfg.metrics_urls, scrapes, sampler)
                 if cfg.gpu_hour_price is not None and cfg.gpus:

@@ -254,7 +254,37 @@ def _proxy(d: DeploymentSpec, f: Features) -> Board:
                 _q("max by (backend) (pdstack_proxy_engine_kv_usage)", "{{backend}}"),
             ]),
         ]
-    return Board("pdstack-proxy", f"pdstack proxy ({d.name})", [("Proxy", proxy_panels)])
+    rows = [("Proxy", proxy_panels)]
+    if f.tenants:
+        rows.append(("Tenants", _tenant_panels()))
+    return Board("pdstack-proxy", f"pdstack proxy ({d.name})", rows)
+
+
+def _tenant_panels() -> list[Panel]:
+    """pdstack_tenants: who is served, who is refused and why, who waits."""
+    return [
+        Panel("Tenants: served per tenant", "reqps", [
+            _q('sum by (tenant) (rate(pdstack_proxy_tenant_requests_total{outcome="ok"}[1m]))',
+               "{{tenant}}"),
+        ], description="answered OK; under saturation the shares follow the weights"),
+        Panel("Tenants: refused by limit", "reqps", [
+            _q("sum by (tenant, limit) (rate(pdstack_proxy_tenant_rejected_total[5m]))"
+               " or vector(0)", "{{tenant}} {{limit}}"),
+        ], description="429 (max_concurrency, max_queued, rpm, tpm) and admission's 503 "
+                       "(queue_full, timeout, shed); alert PdstackTenantThrottled"),
+        Panel("Tenants: queue wait P99", "s", [
+            _q("histogram_quantile(0.99, sum by (le, tenant) "
+               "(rate(pdstack_proxy_tenant_queue_wait_seconds_bucket[5m])))", "{{tenant}}"),
+        ], description="time in KV admission's queue (fair queuing releases by weight)"),
+        Panel("Tenants: tokens per second", "short", [
+            _q("sum by (tenant, kind) (rate(pdstack_proxy_tenant_tokens_total[1m]))",
+               "{{tenant}} {{kind}}"),
+        ]),
+        Panel("Tenants: in flight / queued", "none", [
+            _q("sum by (tenant) (pdstack_proxy_tenant_in_flight)", "{{tenant}} in flight"),
+            _q("sum by (tenant) (pdstack_proxy_tenant_queued)", "{{tenant}} queued"),
+        ]),
+    ]
 
 
 def build(board: Board) -> dict[str, Any]:

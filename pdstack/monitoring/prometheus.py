@@ -33,6 +33,7 @@ class Features:
     skip_prefill: bool  # the proxy's prefix index is on
     admission: bool  # the proxy's KV-aware admission gate (pdstack_proxy_admission: kv)
     native_tier: bool = False  # some engine runs vLLM's native CPU tier (vllm:kv_offload_*)
+    tenants: bool = False  # pdstack_tenants: the proxy's per-tenant series
 
     @classmethod
     def of(cls, plan: Plan) -> Features:
@@ -49,6 +50,7 @@ class Features:
             admission=any("--admission" in s.command and "off" not in s.command
                           for s in services if s.kind == "proxy"),
             native_tier=plan.kv_tier == kvmodes.NATIVE,
+            tenants=bool(table.tenants),
         )
 
 
@@ -174,6 +176,7 @@ def alert_rules(d: DeploymentSpec, f: Features) -> list[dict[str, Any]]:
              "10m", "warning",
              "{{ $labels.service }} on {{ $labels.node }}: external prefix-cache hit ratio fell"
              " below half its last hour"))
+    alerts += _tenant_alerts(f)
     if f.pd:
         alerts += [
             # most of its prompt tokens computed locally (not GPU prefix-cache hits) and
@@ -198,6 +201,25 @@ def alert_rules(d: DeploymentSpec, f: Features) -> list[dict[str, Any]]:
             "annotations": {"summary": summary},
         }
         for name, expr, for_, severity, summary in alerts
+    ]
+
+
+TENANT_THROTTLED_RATIO = 0.1
+
+
+def _tenant_alerts(f: Features) -> list[tuple[str, str, str, str, str]]:
+    """A tenant refused (429 by its limits, or 503 by admission) for over 10 % of its
+    requests for 10 minutes: its limits are too tight, or it floods."""
+    if not f.tenants:
+        return []
+    return [
+        ("PdstackTenantThrottled",
+         "sum by (tenant) (rate(pdstack_proxy_tenant_rejected_total[10m]))"
+         f" > {TENANT_THROTTLED_RATIO:g}"
+         " * sum by (tenant) (rate(pdstack_proxy_tenant_requests_total[10m]))",
+         "10m", "warning",
+         "tenant {{ $labels.tenant }}: {{ $value | printf \"%.2f\" }} requests/s refused by its"
+         " limits or by admission (over 10 % of what it sends)"),
     ]
 
 

@@ -8,7 +8,8 @@ and final legs, their retry loop, upstream calls), ``sse`` (the SSE relay, the u
 rewrite), ``admin`` (auth and the admin API), ``errors``
 (OpenAI error JSON for every reply of the proxy's own, the connection protocol with a
 request-head timeout), ``limits`` (body size / bytes held / read timeouts, input checks,
-request ids, leg budgets, admin auth-failure limiting), ``breaker`` (fault
+request ids, leg budgets, admin auth-failure limiting), ``tenants`` (named keys, per-tenant
+limits; the fair queue is in ``admission``), ``breaker`` (fault
 classification, circuit breaker), ``config``
 (settings, secrets from env), ``cli`` (``pdstack proxy``), ``lmcache_pd`` (LMCache's
 ProxyNotif listener and disagg_spec).
@@ -25,7 +26,9 @@ HTTP API
   (``param``), a ``model`` not served a 404 as vLLM answers it; a body over
   ``--max-body-mb`` 413, one that does not arrive within ``--body-timeout`` 408, over
   ``--max-body-held-mb`` held at once 503 + ``Retry-After``; over ``--max-concurrency``
-  (counted only once the body is read): 429 with ``Retry-After``; nothing routable: 503
+  (counted only once the body is read): 429 with ``Retry-After``; over a tenant limit
+  (:mod:`pdstack.proxy.tenants`): 429, ``Retry-After``, ``code: rate_limit_exceeded`` and
+  ``param`` = the limit; nothing routable: 503
   with the reason (e.g. "no healthy decoder for prefiller n1/prefill-0 on node n1"); every
   try failed: 502, or 504 when the last one ran out of its leg budget. An engine's 4xx,
   and its 5xx when its /health still passes, reach the client as the engine answered.

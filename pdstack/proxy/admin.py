@@ -15,6 +15,7 @@ from pdstack.proxy.errors import error_response
 from pdstack.proxy.limits import (
     FailureLimiter,
 )
+from pdstack.proxy.tenants import digest
 
 log = logging.getLogger("pdstack.proxy")
 
@@ -34,9 +35,12 @@ class AdminAPI:
     # ------------------------------------------------------------------ auth helpers
     def _client_authorized(self, request: web.Request) -> bool:
         keys = self.config.api_keys
-        if not keys:
+        named = self.config.tenant_keys
+        if not keys and not named:
             return True
         token = _bearer(request)
+        if named and digest(token) in named:
+            return True
         return any(hmac.compare_digest(token, k) for k in keys)
 
     def _admin_error(self, request: web.Request) -> web.Response | None:

@@ -18,10 +18,20 @@ flat). This gate keeps every gated engine below a KV watermark:
   (``ignores_waiting``: NIXL decoders, whose requests sit in vLLM's waiting queue until
   their KV has arrived: that wait is the transfer, not a full engine); the running cap
   still bounds them;
-- when no candidate is open the request waits in a bounded FIFO queue with a deadline
+- when no candidate is open the request waits in a bounded queue with a deadline
   (``queue_max``, ``queue_timeout_s``); past either, the proxy answers 503 (OpenAI JSON,
   ``Retry-After``). A stale or failed scrape never blocks: that engine is judged by the
   proxy's own counts only.
+- the queue is fair across tenants (:mod:`pdstack.proxy.tenants`; ``fairness``, on by
+  default): one FIFO per tenant, released by start-time fair queuing (a weighted fair
+  queuing variant: each waiter's tag is ``max(virtual time, its tenant's last finish)``,
+  a tenant's finish advances by ``prompt tokens / weight``, the smallest tag goes first),
+  so under saturation tenants are served in proportion to their weights in prompt tokens,
+  not in arrival order. Priority classes are strict: ``interactive`` waiters go before
+  any ``batch`` one, and a full queue sheds its newest ``batch`` waiter (503) to make
+  room for an ``interactive`` request. A tenant's ``max_queued`` bounds its own share
+  (over it: 429 ``rate_limit_exceeded``). ``fairness: false`` is one FIFO (arrival order),
+  the tenant bounds still counted.
 
 Which engines are gated: the ones whose KV a request fills for its whole life (decoders,
 colocated engines). Prefillers hand their KV off and are not gated.
@@ -41,6 +51,7 @@ import aiohttp
 
 from pdstack.proxy.backends import BackendState
 from pdstack.proxy.periodic import every
+from pdstack.proxy.tenants import TenantState
 
 GATED_ROLES = ("decode", "colocated")
 
@@ -50,7 +61,7 @@ class AdmissionRejected(Exception):
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
-        self.reason = reason  # "queue_full" | "timeout"
+        self.reason = reason  # "queue_full" | "timeout" | "shed" | "max_queued"
 
 
 @dataclass
@@ -66,6 +77,7 @@ class AdmissionConfig:
     stale_after_s: float = 2.0  # an older scrape is not trusted (the engine is judged open)
     queue_max: int = 4096
     queue_timeout_s: float = 60.0
+    fairness: bool = True  # per-tenant fair queuing + priorities (False: one FIFO)
 
 
 @dataclass
@@ -174,7 +186,9 @@ class KvAdmission:
         self._headers = headers or dict
         self._ignores_waiting = ignores_waiting or (lambda backend: False)
         self.loads: dict[str, EngineLoad] = {}
-        self._queue: deque[_Waiter] = deque()
+        self._queue = FairQueue(config.fairness)
+        # called with (tenant, seconds) when a waiter leaves the queue (per-tenant metrics)
+        self.on_wait: Callable[[TenantState | None, float], None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         # read by the proxy's /metrics (rejections are counted there, by reason)
@@ -198,10 +212,9 @@ class KvAdmission:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        for waiter in self._queue:
+        for waiter in self._queue.drain():
             if not waiter.future.done():
                 waiter.future.cancel()
-        self._queue.clear()
 
     async def scrape_once(self) -> None:
         gated = [b for b in self._backends() if b.role in GATED_ROLES and not b.removed]
@@ -308,22 +321,37 @@ class KvAdmission:
             self.pump()
 
     async def wait_open(
-        self, candidates: Callable[[], list[BackendState]], tokens: int
+        self,
+        candidates: Callable[[], list[BackendState]],
+        tokens: int,
+        tenant: TenantState | None = None,
     ) -> None:
-        """Return once some candidate is open for ``tokens`` (FIFO behind earlier waiters),
-        or raise :class:`AdmissionRejected`."""
+        """Return once some candidate is open for ``tokens`` (behind earlier waiters: FIFO,
+        or fair across tenants), or raise :class:`AdmissionRejected`."""
         if not self.config.enabled:
             return
-        if not self._queue and self._fits(candidates(), tokens):
+        queue = self._queue
+        if not queue and self._fits(candidates(), tokens):
             return
-        if len(self._queue) >= self.config.queue_max:
+        if tenant is not None:
+            cap = tenant.policy.max_queued
+            if cap and tenant.queued >= cap:
+                raise AdmissionRejected(
+                    "max_queued",
+                    f"tenant {tenant.name!r} is at its max_queued limit ({cap} requests "
+                    "waiting for the engines); retry later",
+                )
+        rank = tenant.policy.rank if tenant is not None else 0
+        if len(queue) >= self.config.queue_max and not self._shed_for(rank):
             raise AdmissionRejected(
                 "queue_full",
-                f"every engine is near its KV limit and {len(self._queue)} requests wait "
+                f"every engine is near its KV limit and {len(queue)} requests wait "
                 "already; retry later",
             )
-        waiter = _Waiter(candidates, tokens, asyncio.get_running_loop().create_future())
-        self._queue.append(waiter)
+        waiter = _Waiter(candidates, tokens, asyncio.get_running_loop().create_future(), tenant)
+        queue.push(waiter)
+        if tenant is not None:
+            tenant.queued += 1
         started = time.monotonic()
         try:
             async with asyncio.timeout(self.config.queue_timeout_s):
@@ -335,22 +363,46 @@ class KvAdmission:
                 "retry later",
             ) from None
         finally:
-            with contextlib.suppress(ValueError):
-                self._queue.remove(waiter)
-            self.wait_seconds_sum += time.monotonic() - started
+            queue.discard(waiter)
+            if tenant is not None:
+                tenant.queued -= 1
+            waited = time.monotonic() - started
+            self.wait_seconds_sum += waited
+            if self.on_wait is not None:
+                self.on_wait(tenant, waited)
         self.admitted_after_wait += 1
 
+    def _shed_for(self, rank: int) -> bool:
+        """A full queue: drop its newest waiter of a lower class than ``rank`` (503 to
+        it); False when there is none."""
+        victim = self._queue.newest_below(rank) if self.config.fairness else None
+        if victim is None:
+            return False
+        self._queue.discard(victim)
+        if not victim.future.done():
+            victim.future.set_exception(
+                AdmissionRejected(
+                    "shed",
+                    "shed for an interactive request: every engine is near its KV limit "
+                    "and the queue is full; retry later",
+                )
+            )
+        return True
+
     def pump(self) -> None:
-        """Admit the head waiter if it fits somewhere. One at a time: the admitted request
-        reserves its tokens on the engine it picks, then calls :meth:`pump` again, so two
-        waiters never take the same headroom."""
-        while self._queue:
-            head = self._queue[0]
+        """Admit the next waiter (FIFO head, or the fair pick) if it fits somewhere. One
+        at a time: the admitted request reserves its tokens on the engine it picks, then
+        calls :meth:`pump` again, so two waiters never take the same headroom."""
+        queue = self._queue
+        while True:
+            head = queue.head()
+            if head is None:
+                return
             if head.future.done():
-                self._queue.popleft()
+                queue.discard(head)
                 continue
             if self._fits(head.candidates(), head.tokens):
-                self._queue.popleft()
+                queue.pop(head)
                 head.future.set_result(None)
             return
 
@@ -365,8 +417,112 @@ class KvAdmission:
         return len(self._queue)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Waiter:
     candidates: Callable[[], list[BackendState]]
     tokens: int
     future: asyncio.Future[None]
+    tenant: TenantState | None = None
+    tag: float = 0.0  # start tag (fair queuing)
+    queued: bool = False
+
+
+@dataclass(eq=False)
+class _Flow:
+    """One tenant's waiters (fair queuing) and the finish tag of its last one."""
+
+    waiters: deque[_Waiter] = field(default_factory=deque)
+    finish: float = 0.0
+    rank: int = 0
+    weight: float = 1.0
+
+
+class FairQueue:
+    """The admission queue. ``fair``: start-time fair queuing over one FIFO per tenant,
+    strict priority between classes (``interactive`` first); else one FIFO. Memory: the
+    waiters, plus one small record per tenant while it has waiters (the tenant set is
+    the configured one)."""
+
+    def __init__(self, fair: bool) -> None:
+        self.fair = fair
+        self._fifo: deque[_Waiter] = deque()
+        self._flows: dict[str, _Flow] = {}
+        self._vtime = 0.0
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __bool__(self) -> bool:
+        return self._len > 0
+
+    def push(self, w: _Waiter) -> None:
+        w.queued = True
+        self._len += 1
+        if not self.fair:
+            self._fifo.append(w)
+            return
+        name = w.tenant.name if w.tenant is not None else ""
+        flow = self._flows.get(name)
+        if flow is None:
+            flow = self._flows[name] = _Flow()
+            if w.tenant is not None:
+                flow.rank, flow.weight = w.tenant.policy.rank, w.tenant.policy.weight
+        w.tag = max(self._vtime, flow.finish)
+        flow.finish = w.tag + max(1, w.tokens) / flow.weight
+        flow.waiters.append(w)
+
+    def head(self) -> _Waiter | None:
+        """The waiter to admit next (not removed)."""
+        if not self.fair:
+            return self._fifo[0] if self._fifo else None
+        best: _Waiter | None = None
+        best_rank = 0
+        for flow in self._flows.values():
+            if not flow.waiters:
+                continue
+            w = flow.waiters[0]
+            if best is None or (flow.rank, w.tag) < (best_rank, best.tag):
+                best, best_rank = w, flow.rank
+        return best
+
+    def pop(self, w: _Waiter) -> None:
+        """``w`` (the head) is admitted: virtual time moves to its tag."""
+        if self.fair:
+            self._vtime = max(self._vtime, w.tag)
+        self.discard(w)
+
+    def discard(self, w: _Waiter) -> None:
+        if not w.queued:
+            return
+        w.queued = False
+        self._len -= 1
+        if not self.fair:
+            if self._fifo and self._fifo[0] is w:
+                self._fifo.popleft()
+            else:
+                self._fifo.remove(w)
+            return
+        name = w.tenant.name if w.tenant is not None else ""
+        flow = self._flows[name]
+        if flow.waiters[0] is w:
+            flow.waiters.popleft()
+        else:
+            flow.waiters.remove(w)
+        if not self._len:  # the busy period is over: nobody owes anything
+            self._flows.clear()
+            self._vtime = 0.0
+        elif not flow.waiters and flow.finish <= self._vtime:
+            del self._flows[name]  # nothing owed: forget it (bounded memory)
+
+    def newest_below(self, rank: int) -> _Waiter | None:
+        """The most recent waiter of a class below ``rank`` (a larger rank number)."""
+        victims = [f.waiters[-1] for f in self._flows.values() if f.waiters and f.rank > rank]
+        return max(victims, key=lambda w: w.tag, default=None)
+
+    def drain(self) -> list[_Waiter]:
+        out = [*self._fifo, *(w for f in self._flows.values() for w in f.waiters)]
+        self._fifo.clear()
+        self._flows.clear()
+        self._len = 0
+        return out

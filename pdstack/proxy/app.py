@@ -18,8 +18,8 @@ import aiohttp
 from aiohttp import web
 
 from pdstack.proxy import affinity, tracing
-from pdstack.proxy.admin import AdminAPI
-from pdstack.proxy.admission import KvAdmission
+from pdstack.proxy.admin import AdminAPI, _bearer
+from pdstack.proxy.admission import KvAdmission, prompt_tokens
 from pdstack.proxy.backends import BackendRegistry, BackendState
 from pdstack.proxy.breaker import Breaker
 from pdstack.proxy.config import ProxyConfig
@@ -42,6 +42,12 @@ from pdstack.proxy.routing import (
     HashRing,
     PrefixIndex,
     prompt_text,
+)
+from pdstack.proxy.tenants import (
+    RateLimited,
+    TenantState,
+    TenantTable,
+    max_tokens_of,
 )
 
 log = logging.getLogger("pdstack.proxy")
@@ -85,6 +91,10 @@ class Proxy(AdminAPI, Flows):
         )
         if self.config.admission.enabled:
             self.metrics.watch_admission(self.admission)
+        self.tenants = TenantTable(cfg.tenants, cfg.tenant_keys, cfg.tenant_window_s)
+        if self.tenants.configured:
+            self.metrics.watch_tenants(self.tenants)
+            self.admission.on_wait = lambda t, s: self.metrics.tenant_waited(t, s)
         self._health_task: asyncio.Task[None] | None = None
         self._probing: set[str] = set()
         threshold = self.config.skip_prefill_threshold_tokens
@@ -288,6 +298,9 @@ class Proxy(AdminAPI, Flows):
         if not self._client_authorized(request):
             metrics.outcome["unauthorized"].inc()
             return error_response(401, "invalid or missing API key", "authentication_error")
+        tenant: TenantState | None = None
+        if self.tenants.configured:  # a named key's tenant, else the default one
+            tenant = self.tenants.lookup(_bearer(request)) or self.tenants.default
         rid = valid_request_id(request.headers.get("X-Request-Id"))
         rid_header = {"X-Request-Id": rid}
         # the body first (bounded in size, bytes held at once, and time), admission after:
@@ -300,11 +313,13 @@ class Proxy(AdminAPI, Flows):
                 metrics.outcome["bad_request"].inc()
                 raw.headers.update(rid_header)
                 return raw
-            return await self._generate(request, raw, rid)
+            return await self._generate(request, raw, rid, tenant)
         finally:
             self.body_budget.give(taken)
 
-    async def _generate(self, request: web.Request, raw: bytes, rid: str) -> web.StreamResponse:
+    async def _generate(
+        self, request: web.Request, raw: bytes, rid: str, tenant: TenantState | None = None
+    ) -> web.StreamResponse:
         metrics = self.metrics
         rid_header = {"X-Request-Id": rid}
         try:
@@ -351,17 +366,57 @@ class Proxy(AdminAPI, Flows):
                 "X-Request-Id": rid,
                 **self._auth_headers(),
             }
-            with tracing.request(ctx, request.headers):
-                response = await self._serve(request, ctx)
+            with tracing.request(ctx, request.headers, tenant.name if tenant else ""):
+                if tenant is None:
+                    response = await self._serve(request, ctx)
+                else:
+                    response = await self._serve_tenant(request, ctx, tenant)
             metrics.outcome[ctx.outcome].inc()
             return response
         except asyncio.CancelledError:
             metrics.outcome["client_disconnect"].inc()
+            if ctx is not None:
+                ctx.outcome = "client_disconnect"
             raise
         finally:
             self.in_flight -= 1
             if ctx is not None:
                 self.admission.forget(ctx.request_id)  # a hold its final leg never took
+                if ctx.ticket is not None:
+                    self._tenant_done(ctx, ctx.ticket.tenant)
+
+    # ------------------------------------------------------------------ tenants
+    async def _serve_tenant(
+        self, request: web.Request, ctx: RequestContext, tenant: TenantState
+    ) -> web.StreamResponse:
+        """The tenant's limits first (429 naming the one it is over), then the flow."""
+        ctx.tokens = prompt_tokens(ctx.body, len(ctx.text or ""), self.config.chars_per_token)
+        try:
+            ctx.ticket = self.tenants.admit(tenant, ctx.tokens, max_tokens_of(ctx.body))
+        except RateLimited as exc:
+            return self.tenant_limited(ctx, exc, tenant)
+        return await self._serve(request, ctx)
+
+    def tenant_limited(
+        self, ctx: RequestContext, exc: RateLimited, tenant: TenantState | None = None
+    ) -> web.Response:
+        """A tenant limit's 429 (``Retry-After``, ``code: rate_limit_exceeded``)."""
+        ctx.outcome = "rejected"
+        label = tenant.label if tenant is not None else ctx.ticket.tenant.label  # type: ignore[union-attr]
+        self.metrics.tenant_rejected(label, exc.limit)
+        if tenant is not None:  # never admitted: counted here (admitted ones at their end)
+            self.metrics.tenant_outcome(label, "rejected")
+        log.info("429: tenant %s over %s (request %s)", exc.tenant, exc.limit, ctx.request_id)
+        return exc.response(ctx.request_id)
+
+    def _tenant_done(self, ctx: RequestContext, tenant: TenantState) -> None:
+        assert ctx.ticket is not None
+        served = ctx.outcome == "ok"
+        used = self.tenants.release(ctx.ticket, served)
+        self.metrics.tenant_outcome(tenant.label, ctx.outcome)
+        if used:
+            prompt = min(ctx.tokens, used)
+            self.metrics.tenant_tokens(tenant.label, prompt, used - prompt)
 
     def _served_names(self) -> frozenset[str]:
         name = self.registry.served_model_name

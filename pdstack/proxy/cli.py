@@ -234,6 +234,13 @@ def _add_admission_flags(p: argparse.ArgumentParser, a: AdmissionConfig) -> None
         help="off (default) or kv",
     )
     _add_fields(adm, a, _ADMISSION, prefix="admission-")
+    adm.add_argument(
+        "--admission-fairness",
+        choices=("on", "off"),
+        default="on" if a.fairness else "off",
+        help="on (default): the queue is fair across tenants (weights, priority classes); "
+        "off: one FIFO in arrival order",
+    )
 
 
 def backend_table_from_args(args: argparse.Namespace) -> Any:
@@ -317,17 +324,24 @@ def admission_from_args(args: argparse.Namespace) -> AdmissionConfig:
     for field in _ADMISSION_NONNEGATIVE:
         if values[field] < 0:
             raise SystemExit(f"pdstack proxy: {flags[field]} must be >= 0, got {values[field]}")
-    return AdmissionConfig(enabled=args.admission == "kv", **values)
+    fair = getattr(args, "admission_fairness", "on") == "on"
+    return AdmissionConfig(enabled=args.admission == "kv", fairness=fair, **values)
 
 
-def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+def config_from_args(args: argparse.Namespace, table: Any = None) -> ProxyConfig:
+    """The proxy's settings from its flags, the tenants of ``table`` (a BackendTable) and
+    the secrets (ValueError: named keys that do not fit the tenants)."""
+    from pdstack.proxy.tenants import TenantPolicy
+
     values = {f.field: getattr(args, _dest(f.name())) for f in _CONFIG_FLAGS}
     values["load_factor"] = max(1.0, values["load_factor"])
+    tenants = getattr(table, "tenants", None) or {}
     config = ProxyConfig(
         **values,
         max_body_bytes=int(args.max_body_mb * MIB),
         max_body_bytes_held=int(args.max_body_held_mb * MIB),
         admission=admission_from_args(args),
+        tenants={name: TenantPolicy.from_spec(name, spec) for name, spec in tenants.items()},
     )
     env_file = args.env_file
     if env_file is None and Path(DEFAULT_ENV_FILE).exists():
@@ -381,7 +395,11 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError, TopologyError) as exc:
         print(f"pdstack proxy: {exc}")
         return 2
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args, table)
+    except ValueError as exc:  # named keys (never printed) that do not fit the tenants
+        print(f"pdstack proxy: {exc}")
+        return 2
     from pdstack.proxy import tracing
 
     try:

@@ -5,6 +5,9 @@ environment, which an env file (``KEY=VALUE`` lines, ``#`` comments) may fill in
 - ``PDSTACK_ADMIN_TOKEN``: required for ``/admin/*`` (without it the admin API answers 403).
 - ``PDSTACK_API_KEYS``: comma-separated client keys; when set, ``/v1/*`` needs
   ``Authorization: Bearer <key>``.
+- ``PDSTACK_TENANT_KEYS``: named client keys, ``TENANT:KEY`` comma-separated (see
+  :mod:`pdstack.proxy.tenants`); when set, ``/v1/*`` needs one of them (or of
+  ``PDSTACK_API_KEYS``, whose keys belong to the tenant ``default``).
 - ``VLLM_API_KEY``: the engines' key. vLLM reads it from the environment (the node's
   secrets file is every service's ``env_file``), so with it set there every engine refuses
   requests without it, and the proxy sends it to the engines (both legs, ``/v1/models``)
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdstack.proxy.admission import AdmissionConfig
+from pdstack.proxy.tenants import TENANT_KEYS_ENV, TenantPolicy, parse_tenant_keys
 
 ADMIN_TOKEN_ENV = "PDSTACK_ADMIN_TOKEN"
 API_KEYS_ENV = "PDSTACK_API_KEYS"
@@ -75,7 +79,11 @@ class ProxyConfig:
     lmcache_pd_notify_host: str | None = None
     lmcache_pd_notify_port: int | None = None
     lmcache_pd_notify_timeout_s: float = 5.0
+    # tenants (pdstack.proxy.tenants): policies by name (the backend table's ``tenants``)
+    tenants: dict[str, TenantPolicy] = field(default_factory=dict)
+    tenant_window_s: float = 60.0  # the rpm / tpm window (tests shorten it)
     # secrets
+    tenant_keys: dict[str, str] = field(default_factory=dict, repr=False)  # sha256 -> tenant
     admin_token: str | None = field(default=None, repr=False)
     api_keys: frozenset[str] = field(default_factory=frozenset, repr=False)
     engine_api_key: str | None = field(default=None, repr=False)
@@ -99,7 +107,8 @@ def read_env_file(path: str | Path) -> dict[str, str]:
 def load_secrets(
     config: ProxyConfig, env_file: str | Path | None, environ: dict[str, str] | None = None
 ) -> ProxyConfig:
-    """Fill the secrets of ``config`` from the environment (which wins) and ``env_file``."""
+    """Fill the secrets of ``config`` from the environment (which wins) and ``env_file``;
+    ValueError for named keys that name no tenant of ``config.tenants`` or share a key."""
     env: dict[str, str] = {}
     if env_file is not None and Path(env_file).exists():
         env.update(read_env_file(env_file))
@@ -108,6 +117,12 @@ def load_secrets(
     config.api_keys = frozenset(
         k.strip() for k in env.get(API_KEYS_ENV, "").split(",") if k.strip()
     )
+    named = env.get(TENANT_KEYS_ENV, "")
+    if named.strip():
+        names = {*config.tenants, "default"}
+        config.tenant_keys, problems = parse_tenant_keys(named, names)
+        if problems:
+            raise ValueError("; ".join(problems))
     config.engine_api_key = (
         env.get(ENGINE_API_KEY_ENV) or env.get(LEGACY_ENGINE_API_KEY_ENV) or None
     )

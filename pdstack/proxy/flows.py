@@ -58,6 +58,7 @@ from pdstack.proxy.routing import (
     prompt_text,
     stable_hash,
 )
+from pdstack.proxy.tenants import RateLimited
 
 log = logging.getLogger("pdstack.proxy")
 
@@ -85,9 +86,13 @@ class Flows(Legs):
             return self._serve_lmcache_pd
         return self._serve_pd
 
+    def tenant_limited(self, ctx: RequestContext, exc: RateLimited) -> web.Response:
+        raise NotImplementedError  # pdstack.proxy.app.Proxy
+
     async def _serve(self, request: web.Request, ctx: RequestContext) -> web.StreamResponse:
-        ctx.tokens = prompt_tokens(ctx.body, len(self._key_text_full(ctx)),
-                                   self.config.chars_per_token)
+        if not ctx.tokens:
+            ctx.tokens = prompt_tokens(ctx.body, len(self._key_text_full(ctx)),
+                                       self.config.chars_per_token)
         return await self.flow(request, ctx)
 
     async def _serve_colocated(
@@ -315,11 +320,18 @@ class Flows(Legs):
     ) -> web.Response | None:
         """KV-aware admission (a no-op unless enabled): wait until some candidate has KV
         headroom; None = go on, else the client's 503."""
+        tenant = ctx.ticket.tenant if ctx.ticket is not None else None
         try:
-            await self.admission.wait_open(candidates, ctx.tokens)
+            await self.admission.wait_open(candidates, ctx.tokens, tenant)
         except AdmissionRejected as exc:
             ctx.outcome = "rejected"
             self.metrics.admission_rejected.labels(exc.reason).inc()
+            if exc.reason == "max_queued" and tenant is not None:
+                return self.tenant_limited(
+                    ctx, RateLimited(tenant.name, "max_queued", str(exc), self.config.retry_after_s)
+                )
+            if tenant is not None:
+                self.metrics.tenant_rejected(tenant.label, exc.reason)
             return error_response(
                 503,
                 str(exc),

@@ -31,6 +31,7 @@ from pdstack.proxy.sse import (
     start_stream,
     usage_rewriter,
 )
+from pdstack.proxy.tenants import Ticket, tenant_note
 
 log = logging.getLogger("pdstack.proxy")
 
@@ -75,6 +76,7 @@ class RequestContext:
     # is told, the decoder having got the whole prompt's KV from the prefiller)
     cached_tokens: int | None = None
     trace: Any = None  # tracing.RequestTrace while traced
+    ticket: Ticket | None = None  # its tenant's share (pdstack.proxy.tenants); None: no tenants
 
 
 class Legs:
@@ -259,6 +261,8 @@ class Legs:
             rewrite = usage_rewriter(ctx.cached_tokens)
             if rewrite is not None:
                 first, pending = rewrite(first), rewrite(pending) if pending else pending
+            if ctx.ticket is not None:  # the tenant's real usage (tpm settles with it)
+                rewrite = ctx.ticket.meter.wrap(rewrite, first)
             await response.write(first)
             self.admission.landed(backend, ctx.request_id)
             tracing.first_byte(ctx)
@@ -273,7 +277,7 @@ class Legs:
             )
             if failure:
                 message = f"{backend.role} {backend.name} failed mid-stream: {failure}"
-                log.warning("%s (request %s)", message, ctx.request_id)
+                log.warning("%s (request %s%s)", message, ctx.request_id, tenant_note(ctx.ticket))
                 self._record_failure(backend, message)
                 ctx.outcome = "stream_error"
                 await response.write(error_event(message))
@@ -411,6 +415,8 @@ class Legs:
         rewrite = usage_rewriter(ctx.cached_tokens)
         if rewrite is not None:
             data = rewrite(data)
+        if ctx.ticket is not None:
+            ctx.ticket.meter.feed(data)
         return web.Response(
             body=data,
             status=200,

@@ -20,6 +20,14 @@ Metric names (all prefixed ``pdstack_proxy_``):
   that waited in the proxy's queue) and ``admission_wait_seconds_total``;
   ``admission_queued`` gauge; ``engine_kv_usage`` / ``engine_reserved_tokens`` gauges
   {backend}: what the gate last read from each gated engine and what it reserved there.
+- Tenants (only when ``pdstack_tenants`` or named keys are configured; label ``tenant`` =
+  a configured tenant's name, ``default``, or ``other`` past the first 64: bounded):
+  ``tenant_requests_total`` {tenant, outcome} (the outcomes above), ``tenant_rejected_total``
+  {tenant, limit} (``max_concurrency``, ``max_queued``, ``rpm``, ``tpm``: 429; admission's
+  ``queue_full``, ``timeout``, ``shed``: 503), ``tenant_tokens_total`` {tenant, kind}
+  (``prompt``, ``completion``: the real usage where the answer carried it),
+  ``tenant_queue_wait_seconds`` histogram {tenant} (time in KV admission's queue),
+  ``tenant_in_flight`` / ``tenant_queued`` gauges {tenant}.
 - ``pairs_total`` counter {prefill, decode, prefill_generation, decode_generation}: which
   prefiller/decoder pairs served requests (proves generations never mix).
 - kv_mode ``lmcache-pd``: ``lmcache_pd_notify_total`` counter {outcome}: ``received`` (the
@@ -45,6 +53,7 @@ from pdstack.proxy.backends import BackendRegistry, BackendState
 TTFT_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
+QUEUE_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 OUTCOMES = (
     "ok", "client_error", "bad_request", "unauthorized", "rejected", "no_backend",
     "upstream_error", "stream_error", "client_disconnect",
@@ -170,6 +179,51 @@ class ProxyMetrics:
         """Export the KV-aware admission gate's state (a collector reading it live)."""
         self.registry.register(_AdmissionCollector(admission))
 
+    # ------------------------------------------------------------------ tenants
+    def watch_tenants(self, tenants: Any) -> None:
+        """Per-tenant series (``tenants``: a :class:`pdstack.proxy.tenants.TenantTable`)."""
+        r = self.registry
+        self._tenant_requests = Counter(
+            "pdstack_proxy_tenant_requests", "client requests by tenant and outcome",
+            ["tenant", "outcome"], registry=r,
+        )  # fmt: skip
+        self._tenant_rejected = Counter(
+            "pdstack_proxy_tenant_rejected", "requests refused by a tenant limit (429) or by "
+            "admission (503), by tenant and limit", ["tenant", "limit"], registry=r,
+        )  # fmt: skip
+        self._tenant_tokens = Counter(
+            "pdstack_proxy_tenant_tokens", "tokens used by tenant (prompt, completion)",
+            ["tenant", "kind"], registry=r,
+        )  # fmt: skip
+        self._tenant_wait = Histogram(
+            "pdstack_proxy_tenant_queue_wait_seconds", "time in KV admission's queue",
+            ["tenant"], buckets=QUEUE_BUCKETS, registry=r,
+        )  # fmt: skip
+        r.register(_TenantCollector(tenants))
+        self._tenant_children: dict[tuple[str, ...], Any] = {}
+
+    def _tenant_child(self, metric: Any, *labels: str) -> Any:
+        key = (metric._name, *labels)
+        child = self._tenant_children.get(key)
+        if child is None:
+            child = self._tenant_children[key] = metric.labels(*labels)
+        return child
+
+    def tenant_outcome(self, tenant: str, outcome: str) -> None:
+        self._tenant_child(self._tenant_requests, tenant, outcome).inc()
+
+    def tenant_rejected(self, tenant: str, limit: str) -> None:
+        self._tenant_child(self._tenant_rejected, tenant, limit).inc()
+
+    def tenant_tokens(self, tenant: str, prompt: int, completion: int) -> None:
+        self._tenant_child(self._tenant_tokens, tenant, "prompt").inc(prompt)
+        if completion > 0:
+            self._tenant_child(self._tenant_tokens, tenant, "completion").inc(completion)
+
+    def tenant_waited(self, tenant: Any, seconds: float) -> None:
+        if tenant is not None:
+            self._tenant_child(self._tenant_wait, tenant.label).observe(seconds)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -204,3 +258,27 @@ class _AdmissionCollector(Collector):
             usage.add_metric([name], load.kv_usage)
             reserved.add_metric([name], load.reserved_tokens())
         yield from (queued, waited, wait_s, usage, reserved)
+
+
+class _TenantCollector(Collector):
+    def __init__(self, tenants: Any) -> None:
+        self._tenants = tenants
+
+    def collect(self) -> Iterator[Any]:
+        in_flight = GaugeMetricFamily(
+            "pdstack_proxy_tenant_in_flight", "requests in the proxy by tenant (queued or "
+            "running)", labels=["tenant"],
+        )  # fmt: skip
+        queued = GaugeMetricFamily(
+            "pdstack_proxy_tenant_queued", "requests in KV admission's queue by tenant",
+            labels=["tenant"],
+        )  # fmt: skip
+        active: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for state in self._tenants.states.values():
+            active[state.label] = active.get(state.label, 0) + state.active
+            waiting[state.label] = waiting.get(state.label, 0) + state.queued
+        for label in sorted(active):
+            in_flight.add_metric([label], active[label])
+            queued.add_metric([label], waiting[label])
+        yield from (in_flight, queued)

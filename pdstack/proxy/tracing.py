@@ -9,7 +9,8 @@ One span per client request (``pdstack.request``, SERVER) with children:
 - ``kv wait``: in ``lmcache-pd`` the wait for LMCache's ProxyNotif; in the other P/D modes
   the decode leg's start to its first byte (the decoder pulls / loads the prompt's KV and
   computes the first token: the proxy cannot split the two).
-Every span carries ``pdstack.request_id`` (the X-Request-Id).
+Every span carries ``pdstack.request_id`` (the X-Request-Id); the request span also
+``pdstack.tenant`` when tenants are configured (:mod:`pdstack.proxy.tenants`).
 
 Enabled by :func:`configure_from_env` (``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, OTLP/HTTP,
 set by ``pdstack render`` from ``pdstack_observability.otlp_traces_endpoint``) or by
@@ -119,7 +120,7 @@ def _fail(span: Any, exc: BaseException) -> None:
 
 
 @contextlib.contextmanager
-def _request(ctx: RequestContext, headers: Mapping[str, str]) -> Iterator[None]:
+def _request(ctx: RequestContext, headers: Mapping[str, str], tenant: str) -> Iterator[None]:
     from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
 
     parent = _propagator.extract(headers)
@@ -128,6 +129,8 @@ def _request(ctx: RequestContext, headers: Mapping[str, str]) -> Iterator[None]:
         "pdstack.request", context=parent, kind=SpanKind.SERVER, start_time=start,
         attributes={"pdstack.request_id": ctx.request_id, "http.route": ctx.path},
     )
+    if tenant:
+        span.set_attribute("pdstack.tenant", tenant)
     ctx.trace = RequestTrace(span, set_span_in_context(span), start)
     try:
         yield
@@ -145,9 +148,12 @@ def _request(ctx: RequestContext, headers: Mapping[str, str]) -> Iterator[None]:
         span.end()
 
 
-def request(ctx: RequestContext, headers: Mapping[str, str]) -> contextlib.AbstractContextManager:
-    """The request's root span (a ``traceparent`` from the client becomes its parent)."""
-    return _NULL if _tracer is None else _request(ctx, headers)
+def request(
+    ctx: RequestContext, headers: Mapping[str, str], tenant: str = ""
+) -> contextlib.AbstractContextManager:
+    """The request's root span (a ``traceparent`` from the client becomes its parent),
+    tagged ``pdstack.tenant`` when tenants are configured."""
+    return _NULL if _tracer is None else _request(ctx, headers, tenant)
 
 
 def _routing(t: RequestTrace, ctx: RequestContext, backend: BackendState) -> None:

@@ -31,6 +31,9 @@ Endpoints
   socket) ``lmcache_pd_notify_delay_ms`` after the request arrived; sent notifications
   are listed in ``lmcache_pd_notified`` as ``(req_id, time.time())``. Without the
   option a ``disagg_spec`` is only recorded (no notification: LMCache's push failed).
+- ``max_running``: a fixed capacity (vLLM's ``--max-num-seqs``): at most that many
+  requests are served at once; the others wait in the engine, in arrival order (their
+  TTFT includes the wait).
 - ``GET /v1/models``: one model, ``model`` (default ``"fake"``).
 - ``GET /health``: 200, or ``faults.health_status``.
 - ``GET /metrics``: Prometheus text with vLLM's names:
@@ -200,6 +203,7 @@ class FakeEngine:
         lmcache_pd_notify_delay_ms: float = 0.0,
         api_key: str | None = None,
         kv_capacity_tokens: int | None = None,
+        max_running: int | None = None,
     ) -> None:
         self.name = name
         self.host = host
@@ -237,6 +241,9 @@ class FakeEngine:
         self.kv_held_tokens = 0
         self.num_waiting = 0
         self.running_prompt_tokens = 0
+        # a fixed capacity (vLLM's --max-num-seqs): more requests wait, FIFO, in the engine
+        self.max_running = max_running
+        self._slots = asyncio.Semaphore(max_running) if max_running else None
 
     # ----------------------------------------------------------------- lifecycle
     @property
@@ -444,6 +451,18 @@ class FakeEngine:
         if isinstance(early, web.StreamResponse):
             return early
         fault = early
+        if self._slots is not None:
+            async with self._slots:
+                return await self._serve(request, body, fault, transport)
+        return await self._serve(request, body, fault, transport)
+
+    async def _serve(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        fault: Faults | None,
+        transport: asyncio.BaseTransport | None,
+    ) -> web.StreamResponse:
         ans = self._answer(request, body)
         self.running += 1
         self.running_prompt_tokens += ans.prompt_tokens

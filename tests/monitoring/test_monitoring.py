@@ -173,22 +173,22 @@ def test_dashboards_load_back_and_point_at_the_rendered_prometheus(tmp_path, inv
 @pytest.mark.parametrize(("inventory", "want"), [
     # admission: on by default on the gpu profile (pdstack_proxy_admission unset), off on cpu
     ("local-cpu", dict(pd=True, connector=True, lmcache=True, nixl=False, lmcache_pd=False,
-                       skip_prefill=False, admission=False, native_tier=False)),
+                       skip_prefill=False, admission=False, native_tier=False, tenants=False)),
     ("h200x2-colocated", dict(pd=False, connector=False, lmcache=False, nixl=False,
                               lmcache_pd=False, skip_prefill=False, admission=True,
-                              native_tier=False)),
+                              native_tier=False, tenants=False)),
     # the default single-node GPU stack: vLLM's native tier (its vllm:kv_offload_* panels)
     ("h200x1", dict(pd=False, connector=True, lmcache=False, nixl=False, lmcache_pd=False,
-                    skip_prefill=False, admission=True, native_tier=True)),
+                    skip_prefill=False, admission=True, native_tier=True, tenants=False)),
     ("h200x1-nixl-l1", dict(pd=True, connector=True, lmcache=True, nixl=True,
                             lmcache_pd=False, skip_prefill=False, admission=True,
-                            native_tier=False)),
+                            native_tier=False, tenants=False)),
     ("h200x2-shared-l1-skip", dict(pd=True, connector=True, lmcache=True, nixl=False,
                                    lmcache_pd=False, skip_prefill=True, admission=True,
-                                   native_tier=False)),
+                                   native_tier=False, tenants=False)),
     ("a100x2-lmcache-pd", dict(pd=True, connector=True, lmcache=False, nixl=False,
                                lmcache_pd=True, skip_prefill=False, admission=True,
-                               native_tier=False)),
+                               native_tier=False, tenants=False)),
 ])
 def test_features_follow_the_plan(inventory, want):
     from dataclasses import asdict
