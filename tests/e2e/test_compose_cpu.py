@@ -349,6 +349,18 @@ def _engine_pids(service: str, needle: str) -> list[int]:
     return out
 
 
+def _crash(service: str, needle: str) -> None:
+    """SIGKILL the container's main process (``docker kill`` would count as a manual stop,
+    which the restart policy rightly leaves alone): a crash, as the kernel's OOM killer
+    would do it."""
+    import os
+    import signal
+
+    pids = _engine_pids(service, needle)
+    assert pids, f"no {needle!r} process in {service}"
+    os.kill(min(pids), signal.SIGKILL)
+
+
 def _direct_ok(url: str, model: str, timeout: float = 30) -> bool:
     import urllib.request
 
@@ -366,8 +378,6 @@ def test_heal_lmcache_killed_engines_go_on_and_use_it_again(cpu_stack: dict[str,
     """The LMCache server is SIGKILLed: at most the requests in flight then fail, it is back by
     its restart policy, every engine answers a direct request within 60 s afterwards, and
     the store is written again."""
-    import subprocess
-
     be = _backends()
     model = be["model"][0]
     lmc_url = _lmcache_metrics_url()
@@ -375,8 +385,7 @@ def test_heal_lmcache_killed_engines_go_on_and_use_it_again(cpu_stack: dict[str,
     with _Traffic(_proxy_url(), model) as traffic:
         time.sleep(5)
         killed_at = time.monotonic()
-        subprocess.run(["docker", "kill", _container("lmcache")], check=True,
-                       capture_output=True)
+        _crash("lmcache", "lmcache server")
         back = _wait(lambda: any(s.service == "lmcache" and s.ok for s in
                                  service_states(CPU_STACK)), "lmcache back", 120)
         time.sleep(20)
@@ -416,8 +425,7 @@ def test_heal_wedged_decoder_and_dead_prefiller_replaced_without_a_person(
         t0 = time.monotonic()
         for pid in _engine_pids("decode-0", "EngineCore"):
             os.kill(pid, signal.SIGSTOP)
-        subprocess.run(["docker", "kill", _container("prefill-0")], check=True,
-                       capture_output=True)
+        _crash("prefill-0", "vllm serve")
         detected = _wait(lambda: metric_sum(_proxy_backends(), "pdstack_proxy_wedged_total",
                                             backend="local/decode-0") >= 1,
                          "decode-0 found wedged", 60)
@@ -446,16 +454,11 @@ def test_heal_engine_process_killed_container_restarts_and_is_readmitted(
     """vLLM's API server process inside decode-1 is SIGKILLed: the container exits, restarts by
     itself and the proxy re-admits it; the client loses nothing (retries / the other
     decoder)."""
-    import os
-    import signal
-
     model = _backends()["model"][0]
     before = _restarts("decode-1")
     with _Traffic(_proxy_url(), model) as traffic:
         time.sleep(3)
-        pids = _engine_pids("decode-1", "vllm serve")
-        assert pids, "no vllm serve process in decode-1"
-        os.kill(min(pids), signal.SIGKILL)
+        _crash("decode-1", "vllm serve")
         _wait(lambda: _restarts("decode-1") > before, "decode-1 restarted", 60)
         back = _wait(lambda: _backend_healthy("decode-1"), "decode-1 re-admitted", ENGINE_BACK_S)
     failed = traffic.failed()
