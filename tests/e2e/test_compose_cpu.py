@@ -4,6 +4,7 @@ decoders read the shared prefix from the LMCache store (shared L1). Then `down`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -420,19 +421,27 @@ def test_heal_wedged_decoder_and_dead_prefiller_replaced_without_a_person(
 
     model = _backends()["model"][0]
     r_dec, r_pre = _restarts("decode-0"), _restarts("prefill-0")
-    with _Traffic(_proxy_url(), model) as traffic:
-        time.sleep(4)
-        t0 = time.monotonic()
-        for pid in _engine_pids("decode-0", "EngineCore"):
-            os.kill(pid, signal.SIGSTOP)
-        _crash("prefill-0", "vllm serve")
-        detected = _wait(lambda: metric_sum(_proxy_backends(), "pdstack_proxy_wedged_total",
-                                            backend="local/decode-0") >= 1,
-                         "decode-0 found wedged", 60)
-        replaced = _wait(lambda: _restarts("decode-0") > r_dec, "decode-0 restarted", 120)
-        readmitted = _wait(lambda: _backend_healthy("decode-0") and _backend_healthy(
-            "prefill-0"), "decode-0 and prefill-0 re-admitted", ENGINE_BACK_S)
-        time.sleep(3)
+    stopped = _engine_pids("decode-0", "EngineCore")
+    assert stopped, "no EngineCore process in decode-0"
+    try:
+        with _Traffic(_proxy_url(), model) as traffic:
+            time.sleep(4)
+            t0 = time.monotonic()
+            for pid in stopped:
+                os.kill(pid, signal.SIGSTOP)
+            _crash("prefill-0", "vllm serve")
+            detected = _wait(lambda: metric_sum(_proxy_backends(), "pdstack_proxy_wedged_total",
+                                                backend="local/decode-0") >= 1,
+                             "decode-0 found wedged", 60)
+            replaced = _wait(lambda: _restarts("decode-0") > r_dec, "decode-0 restarted",
+                             120) + detected
+            readmitted = _wait(lambda: _backend_healthy("decode-0") and _backend_healthy(
+                "prefill-0"), "decode-0 and prefill-0 re-admitted", ENGINE_BACK_S)
+            time.sleep(3)
+    finally:
+        for pid in stopped:  # a failed run must not leave the next tests a frozen engine
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
     budget_end = t0 + 20  # wedge budget (5 s) + probe (5 s) + health rounds, generously
     late = traffic.failed(since=budget_end)
     fallback = metric_sum(_proxy_backends(), "pdstack_proxy_decode_fallback_total")
