@@ -16,6 +16,7 @@ from pdstack import kvmodes, naming
 from pdstack.ports import (
     engine_names,
     engine_tp,
+    lmcache_api_port,
     lmcache_pd_notify_port,
     lmcache_pd_receiver_ports,
     make_node_ports,
@@ -395,8 +396,11 @@ def _lmcache_service(d: DeploymentSpec, node: NodeSpec) -> Service:
         "lmcache", "server",
         "--host", node.private_address,
         "--port", str(d.ports.lmcache_zmq),
-        "--http-host", node.private_address,
-        "--http-port", str(d.ports.lmcache_http),
+        # its HTTP API serves /env, /cache/clear, /reconfigure/* without authentication:
+        # loopback only; the rendered stack's metrics gate serves GET /metrics on
+        # lmcache_http (pdstack.sidecars.METRICS_GATE)
+        "--http-host", "127.0.0.1",
+        "--http-port", str(lmcache_api_port(d)),
         "--l1-size-gb", str(lm.l1_size_gb),
         "--eviction-policy", lm.eviction_policy,
         "--chunk-size", str(lm.chunk_size),
@@ -411,8 +415,13 @@ def _lmcache_service(d: DeploymentSpec, node: NodeSpec) -> Service:
         node=node.name,
         image=lm.image or d.engine_image,
         command=cmd,
+        # no secrets: it uses none (the rendered service has no env_file either)
         env={"LMCACHE_TRACK_USAGE": "false"},
-        ports={"zmq": d.ports.lmcache_zmq, "metrics": d.ports.lmcache_http},
+        ports={
+            "zmq": d.ports.lmcache_zmq,
+            "metrics": d.ports.lmcache_http,
+            "api": lmcache_api_port(d),
+        },
         # the engines hand it KV over CUDA IPC: it must see every GPU they use
         gpu_ids=sorted({g for eng in node.engines for g in eng.gpus}),
         bind_address=node.private_address,

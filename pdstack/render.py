@@ -13,7 +13,7 @@ from pathlib import Path
 
 import jinja2
 
-from pdstack import monitoring, naming
+from pdstack import monitoring, naming, sidecars
 from pdstack.plan import SECRETS_ENV_FILE, Plan, Service, model_path
 from pdstack.topology import Topology
 
@@ -55,6 +55,9 @@ def render_node(topo: Topology, plan: Plan, node_name: str) -> dict[str, str]:
     node = plan.nodes[node_name]
     env = _environment()
     model_arg = model_path(d)
+    # seconds an engine may hold requests with no progress before its watchdog restarts it:
+    # no single step of a healthy engine comes near it
+    wedge_s = 120 if d.profile == "gpu" else 30
     ctx = {
         "plan": plan,
         "node": node,
@@ -69,6 +72,13 @@ def render_node(topo: Topology, plan: Plan, node_name: str) -> dict[str, str]:
         "engine_start_period": "1800s" if d.profile == "gpu" else "600s",
         "env_prefix": env_prefix,
         "engine_command": lambda svc: engine_command(svc, model_arg),
+        "engine_wedge_s": wedge_s,
+        "engine_healthcheck": lambda svc: sidecars.engine_healthcheck(
+            (svc.healthcheck_url or "").removesuffix("/health"), wedge_s
+        ),
+        "metrics_gate": lambda svc: sidecars.metrics_gate_command(
+            svc.bind_address, svc.ports["metrics"], f"http://127.0.0.1:{svc.ports['api']}"
+        ),
     }
     has_proxy = any(s.kind == "proxy" for s in node.services)
     # the monitoring profile (Prometheus + Grafana) lives on the proxy's node

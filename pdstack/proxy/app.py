@@ -20,7 +20,7 @@ from aiohttp import web
 from pdstack.proxy import affinity, tracing
 from pdstack.proxy.admin import AdminAPI, _bearer
 from pdstack.proxy.admission import KvAdmission, prompt_tokens
-from pdstack.proxy.backends import BackendRegistry, BackendState
+from pdstack.proxy.backends import BackendRegistry, BackendState, PendingLegs
 from pdstack.proxy.breaker import Breaker
 from pdstack.proxy.config import ProxyConfig
 from pdstack.proxy.errors import ProxyRunner, error_response, openai_errors
@@ -37,6 +37,7 @@ from pdstack.proxy.limits import request_id as valid_request_id
 from pdstack.proxy.lmcache_pd import NotifyListener
 from pdstack.proxy.metrics import ProxyMetrics
 from pdstack.proxy.periodic import every
+from pdstack.proxy.progress import ProgressWatch
 from pdstack.proxy.relay import RelayPool
 from pdstack.proxy.routing import (
     HashRing,
@@ -72,6 +73,10 @@ class Proxy(AdminAPI, Flows):
         registry.on_eject = self._on_eject
         cfg = self.config
         self.breaker = Breaker(registry, self.probe, cfg.eject_after, cfg.close_after)
+        self.progress = ProgressWatch(
+            lambda: self.registry, lambda: self.session, self._auth_headers, cfg,
+            lambda b: self.metrics.wedged.labels(b.name).inc(),
+        )
         self.body_budget = BodyBudget(cfg.max_body_bytes_held)
         self.admin_failures = FailureLimiter(cfg.admin_auth_failures_per_min, 60.0)
         self.leg_budget = LegBudget(
@@ -174,6 +179,7 @@ class Proxy(AdminAPI, Flows):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
         self.breaker.close()
+        self.progress.close()
         if self.session is not None:
             await self.session.close()
         self.relay.close()
@@ -194,6 +200,7 @@ class Proxy(AdminAPI, Flows):
     async def probe_all(self) -> None:
         backends = [b for b in self.registry.backends.values() if b.name not in self._probing]
         await asyncio.gather(*(self.probe(b) for b in backends))
+        self.progress.round()  # wedged engines: stuck legs, confirmed by a generation
 
     async def probe(self, backend: BackendState) -> bool:
         """Check the engine's /health now (and record it); True when it passed."""
@@ -207,6 +214,8 @@ class Proxy(AdminAPI, Flows):
                 await resp.read()
                 ok = resp.status == 200
                 error = "" if ok else f"/health answered {resp.status}"
+            if ok and backend.wedged:
+                ok, error = await self.progress.readmissible(backend)
         except TimeoutError:
             error = "/health timed out"
             if backend.last_success >= started:
@@ -223,7 +232,7 @@ class Proxy(AdminAPI, Flows):
     def _on_eject(self, backend: BackendState) -> None:
         self.metrics.ejections.labels(backend.name).inc()
         # its legs that have sent nothing to a client: abort now, so they are re-routed
-        pending, backend.pending = backend.pending, set()
+        pending, backend.pending = backend.pending, PendingLegs()
         for proto in pending:
             proto.abort()
 
@@ -251,8 +260,13 @@ class Proxy(AdminAPI, Flows):
     def _routable(self) -> bool:
         if not self.registry.mode.disaggregated:
             return any(b.usable for b in self.registry.by_role("colocated"))
-        return any(
+        if any(
             p.usable and self.registry.decoders_for(p) for p in self.registry.by_role("prefill")
+        ):
+            return True
+        # the decode fallback (pdstack.proxy.flows): decoders serve whole requests
+        return self.config.decode_fallback and any(
+            d.usable for d in self.registry.by_role("decode")
         )
 
     async def handle_metrics(self, request: web.Request) -> web.Response:

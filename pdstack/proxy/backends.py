@@ -9,6 +9,7 @@ backends at run time (the rolling upgrade uses it).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,29 @@ from pdstack import kvmodes
 log = logging.getLogger("pdstack.proxy")
 
 ROLES = ("prefill", "decode", "colocated")
+
+
+class PendingLegs(set[Any]):
+    """The upstream connections of a backend's legs that have sent nothing to a client yet,
+    each with the ``time.monotonic()`` it was added: the oldest one's age, with no answer
+    from the backend since (``BackendState.last_success``), is what makes the proxy suspect
+    a wedged engine (one that accepts requests and makes no progress)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.since: dict[Any, float] = {}
+
+    def add(self, item: Any) -> None:
+        super().add(item)
+        self.since.setdefault(item, time.monotonic())
+
+    def discard(self, item: Any) -> None:
+        super().discard(item)
+        self.since.pop(item, None)
+
+    def oldest(self) -> float | None:
+        """When the oldest leg still waiting was sent (None: none waits)."""
+        return min(self.since.values(), default=None)
 
 
 @dataclass(eq=False)
@@ -41,6 +65,9 @@ class BackendState:
     served: int = 0
     last_success: float = 0.0  # time.monotonic() of the last successful leg
     last_error: str = ""
+    # accepted requests and made no progress (pdstack.proxy.progress): ejected, and
+    # re-admitted only after a real generation answers, not a bare /health
+    wedged: bool = False
     # lmcache-pd decoders: {"host", "init_ports": [..], "alloc_ports": [..]} (per TP rank)
     lmcache_pd: dict[str, Any] | None = None
     # circuit breaker (pdstack.proxy.breaker): re-admitted, on trial until it has served
@@ -48,7 +75,7 @@ class BackendState:
     half_open_successes: int = 0
     # upstream connections of legs that have sent nothing to a client yet (aborted,
     # and so re-routed, when the backend is ejected)
-    pending: set[Any] = field(default_factory=set, repr=False)
+    pending: PendingLegs = field(default_factory=PendingLegs, repr=False)
 
     @property
     def usable(self) -> bool:
@@ -80,6 +107,7 @@ class BackendState:
             "consecutive_failures": self.consecutive_failures,
             "ejections": self.ejections,
             "half_open": self.half_open,
+            "wedged": self.wedged,
             "last_error": self.last_error,
         }
         if self.lmcache_pd is not None:

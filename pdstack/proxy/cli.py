@@ -81,6 +81,15 @@ _TUNING = (
     _Flag(
         "close_after", "successful legs before a re-admitted (half-open) backend is closed again"
     ),
+    _Flag(
+        "wedge_after_s",
+        "a leg waiting this long with no answer from its backend since makes it a wedge "
+        "suspect, confirmed by a 1-token generation; 0 = off (default %(default)s)",
+    ),
+    _Flag(
+        "wedge_probe_timeout_s",
+        "deadline of that generation; past it the backend is wedged (default %(default)s)",
+    ),
     _Flag("max_retries"),
     _Flag("connect_timeout_s"),
     _Flag(

@@ -60,6 +60,14 @@ class ProxyConfig:
     eject_after: int = 3
     readmit_after: int = 2  # passing probes: ejected -> half-open
     close_after: int = 2  # successful legs: half-open -> closed
+    # wedged engines (pdstack.proxy.progress): a leg waiting this long with no answer from
+    # its backend since makes it a suspect (0 = off), confirmed by a 1-token generation
+    # that must answer within wedge_probe_timeout_s
+    wedge_after_s: float = 5.0
+    wedge_probe_timeout_s: float = 5.0
+    # no usable prefiller (of any generation with usable decoders): decoders serve whole
+    # requests themselves (they compute the prompt)
+    decode_fallback: bool = True
     # retries and timeouts (per leg)
     max_retries: int = 2
     connect_timeout_s: float = 10.0

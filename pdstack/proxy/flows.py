@@ -23,6 +23,10 @@ Request flow (``/v1/completions``, ``/v1/chat/completions``):
    ``lmcache_pd_notify_timeout_s``) for the prefiller's ZMQ ``ProxyNotif(req_id)`` on
    its PULL socket, then sends the original request to that decoder. No notification
    in time: logged + counted, the decode leg goes anyway (the decoder recomputes).
+6. Decode fallback (``decode_fallback``, on by default): when no prefiller can take the
+   request (none usable with a usable paired decoder, or every prefill try failed and left
+   none), one leg with the original request to a decoder (p2c), which computes the prompt
+   itself; route ``decode_fallback``, counted in ``decode_fallback_total``.
 Retries: a failed prefill leg, or a decode leg that has not produced its first byte,
 is retried on another backend (which failures count against a backend, and the circuit
 breaker: :mod:`pdstack.proxy.breaker`); each leg waits at most its budget
@@ -125,6 +129,10 @@ class Flows(Legs):
         if rejected is not None:
             return rejected
 
+        # ---- no usable prefiller: the decoders serve whole requests (decode fallback)
+        if self._prefill_down():
+            return await self._serve_decode_fallback(request, ctx)
+
         # ---- leg 1: prefill
         kv_params: dict[str, Any] | None = None
         kv_path = ""
@@ -137,6 +145,10 @@ class Flows(Legs):
 
         answered = await self._run_prefill_leg(ctx, prefill_leg)
         if not isinstance(answered, BackendState):
+            if ctx.outcome in ("no_backend", "upstream_error") and self._prefill_down():
+                # every prefiller failed it and is out now: the decoders compute it
+                ctx.outcome = "ok"
+                return await self._serve_decode_fallback(request, ctx)
             return answered
         prefill = answered
         if self.skip_threshold_tokens > 0 and registry.mode.skip_prefill:
@@ -173,6 +185,32 @@ class Flows(Legs):
         return await self._final_leg(
             request, ctx, pick_decoder, decode_payload, no_backend_hint=chosen_prefill
         )
+
+    def _prefill_down(self) -> bool:
+        """No prefiller can take a request now, and some decoder can serve it whole."""
+        registry = self.registry
+        if not self.config.decode_fallback:
+            return False
+        if any(p.usable and registry.decoders_for(p) for p in registry.by_role("prefill")):
+            return False
+        return any(d.usable for d in registry.by_role("decode"))
+
+    async def _serve_decode_fallback(
+        self, request: web.Request, ctx: RequestContext
+    ) -> web.StreamResponse:
+        """One leg to a decoder (p2c, KV headroom first) with the original request: it
+        computes the prompt itself (no KV handoff), as a colocated engine would."""
+        ctx.route = "decode_fallback"
+        self.metrics.decode_fallback.inc()
+        log.info("no usable prefiller: decoder serves request %s whole", ctx.request_id)
+
+        def pick(tried: set[str]) -> BackendState | None:
+            decoders = [
+                d for d in self.registry.by_role("decode") if d.usable and d.name not in tried
+            ]
+            return self._pick_decoder(ctx, decoders)
+
+        return await self._final_leg(request, ctx, pick, lambda backend: ctx.raw)
 
     async def _serve_lmcache_pd(
         self, request: web.Request, ctx: RequestContext

@@ -257,6 +257,7 @@ class Legs:
                 )
 
             # ---------- first byte: from here on, never retry
+            backend.last_success = time.monotonic()  # it answers: progress (not wedged)
             response, chunked = await start_stream(request, ctx.request_id, proto)
             rewrite = usage_rewriter(ctx.cached_tokens)
             if rewrite is not None:

@@ -2,7 +2,7 @@
 
 Metric names (all prefixed ``pdstack_proxy_``):
 - ``ttft_seconds`` histogram {route}: request arrival -> first byte written to the client
-  (route: ``pd`` two legs, ``skip_prefill``, ``colocated``).
+  (route: ``pd`` two legs, ``skip_prefill``, ``colocated``, ``decode_fallback``).
 - ``leg_seconds`` histogram {leg}: ``prefill`` (whole leg), ``decode_first_byte``,
   ``decode`` (whole leg).
 - ``requests_total`` counter {outcome}: ``ok``, ``client_error`` (4xx passed through),
@@ -15,6 +15,11 @@ Metric names (all prefixed ``pdstack_proxy_``):
 - ``prefix_index_lookups_total``, ``prefix_index_hits_total`` counters and
   ``prefix_index_hit_ratio`` gauge (hits / lookups; a hit = some prefix cached).
 - ``retries_total`` counter {leg}; ``ejections_total`` counter {backend}.
+- ``wedged_total`` counter {backend}: backends found wedged (a leg stuck with no progress,
+  and a 1-token generation unanswered: :mod:`pdstack.proxy.progress`); ``backend_wedged``
+  gauge {backend, role, node, generation}: 1 until it generates again.
+- ``decode_fallback_total`` counter: requests a decoder served whole because no prefiller
+  was usable (route ``decode_fallback`` in ``ttft_seconds``).
 - KV-aware admission (``--admission kv``): ``admission_rejected_total`` counter {reason}
   (``queue_full``, ``timeout``: answered 503); ``admission_waited_total`` counter (requests
   that waited in the proxy's queue) and ``admission_wait_seconds_total``;
@@ -54,6 +59,7 @@ TTFT_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
 QUEUE_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ROUTES = ("pd", "skip_prefill", "colocated", "decode_fallback")
 OUTCOMES = (
     "ok", "client_error", "bad_request", "unauthorized", "rejected", "no_backend",
     "upstream_error", "stream_error", "client_disconnect",
@@ -76,14 +82,19 @@ class _BackendCollector(Collector):
         drained = GaugeMetricFamily(
             "pdstack_proxy_backend_drained", "1 = drained (no new requests)", labels=labels
         )
+        wedged = GaugeMetricFamily(
+            "pdstack_proxy_backend_wedged", "1 = accepts requests, makes no progress",
+            labels=labels,
+        )
         for b in self._backends().backends.values():
             values = [b.name, b.role, b.node, b.generation]
             in_flight.add_metric(values, b.in_flight)
             healthy.add_metric(values, 1 if b.healthy else 0)
             drained.add_metric(values, 1 if b.drained else 0)
+            wedged.add_metric(values, 1 if b.wedged else 0)
         total = GaugeMetricFamily("pdstack_proxy_in_flight", "client requests in flight")
         total.add_metric([], self._in_flight())
-        yield from (in_flight, healthy, drained, total)
+        yield from (in_flight, healthy, drained, wedged, total)
 
 
 class ProxyMetrics:
@@ -125,6 +136,17 @@ class ProxyMetrics:
         self.ejections = Counter(
             "pdstack_proxy_ejections", "backends ejected", ["backend"], registry=r
         )
+        self.wedged = Counter(
+            "pdstack_proxy_wedged",
+            "backends found wedged (accepting requests, no progress)",
+            ["backend"],
+            registry=r,
+        )
+        self.decode_fallback = Counter(
+            "pdstack_proxy_decode_fallback",
+            "requests served whole by a decoder: no usable prefiller",
+            registry=r,
+        )
         self.pairs = Counter(
             "pdstack_proxy_pairs",
             "requests per prefiller/decoder pair",
@@ -152,7 +174,7 @@ class ProxyMetrics:
         r.register(_BackendCollector(backends, in_flight))
         # pre-bound children: label lookups off the hot path
         self.outcome = {o: self.requests.labels(o) for o in OUTCOMES}
-        self.ttft_route = {k: self.ttft.labels(k) for k in ("pd", "skip_prefill", "colocated")}
+        self.ttft_route = {k: self.ttft.labels(k) for k in ROUTES}
         self.leg_prefill = self.leg.labels("prefill")
         self.leg_decode_first = self.leg.labels("decode_first_byte")
         self.leg_decode = self.leg.labels("decode")

@@ -98,3 +98,73 @@ def test_crash_looping_proxy_is_reported_not_waited_for(stack_copy: Path) -> Non
     assert "proxy" in [s.service for s in info.value.failing], msg
     assert "--- last log lines of proxy ---" in msg
     assert took < 120, f"took {took:.0f} s"
+
+
+def test_canary_secrets_reach_no_http_api_no_process_args_and_not_lmcache(
+    stack_copy: Path, tmp_path: Path
+) -> None:
+    """A secrets file of canaries (issue 27): the engine, the LMCache server and its metrics
+    gate are started on it; no canary in any HTTP answer of any of them (LMCache's loopback
+    API included, /env first), in any process's arguments, nor in the environment of the
+    services that use no secret (LMCache and its gate)."""
+    import json
+    import re
+    import subprocess
+    import urllib.error
+    import urllib.request
+
+    from pdstack.compose_up import service_states
+
+    from .conftest import container_pids
+
+    canaries = {k: f"canary-{k.lower()}-5f3a9c" for k in
+                ("HF_TOKEN", "PDSTACK_ADMIN_TOKEN", "PDSTACK_API_KEYS", "VLLM_API_KEY")}
+    secrets = tmp_path / "secrets.env"
+    secrets.write_text("".join(f"{k}={v}\n" for k, v in canaries.items()))
+    compose = stack_copy / "compose.yaml"
+    compose.write_text(compose.read_text().replace("/etc/pdstack/secrets.env", str(secrets)))
+    services = ["lmcache", "lmcache-metrics", "decode-0"]
+    compose_up(stack_copy, project=PROJECT, services=services, timeout=600)
+    text = compose.read_text()
+    ports = sorted({int(p) for p in re.findall(r'"--(?:port|http-port)", "(\d+)"', text)}
+                   | {int(m) for m in re.findall(r'"python3", "-c", "[^"]*", "[^"]+", "(\d+)"',
+                                                 text)})
+    paths = ("/env", "/metrics", "/health", "/v1/models", "/version", "/server_info",
+             "/openapi.json", "/config", "/info", "/")
+    answered = 0
+    auth = {"Authorization": f"Bearer {canaries['VLLM_API_KEY']}"}
+    for port in ports:
+        for path in paths:
+            req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=auth)
+            try:
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    body = r.read().decode(errors="replace")
+            except urllib.error.HTTPError as exc:
+                body = exc.read().decode(errors="replace")
+            except OSError:
+                continue  # the zmq port speaks no HTTP
+            answered += 1
+            for name, value in canaries.items():
+                assert value not in body, f"{name} in GET :{port}{path}"
+    assert answered >= 10, f"only {answered} HTTP answers: nothing was checked"
+    checked = {}
+    for s in service_states(stack_copy, PROJECT):
+        for pid in container_pids(s.container):
+            try:
+                args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+                env = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            checked[s.service] = checked.get(s.service, 0) + 1
+            for name, value in canaries.items():
+                assert value not in args, f"{name} in the arguments of {s.service} pid {pid}"
+                if s.service.startswith("lmcache"):
+                    assert value not in env, f"{name} in the environment of {s.service}"
+    inspect = json.loads(subprocess.run(
+        ["docker", "inspect", *(s.container for s in service_states(stack_copy, PROJECT))],
+        capture_output=True, text=True, check=True).stdout)
+    for c in inspect:
+        if "lmcache" in c["Name"]:
+            assert not any(v in " ".join(c["Config"]["Env"]) for v in canaries.values()), c["Name"]
+    print(f"\n[e2e] canaries: {answered} HTTP answers on ports {ports}, processes {checked}: clean")
+    assert set(checked) == set(services), checked

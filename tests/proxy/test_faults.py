@@ -31,7 +31,10 @@ async def test_prefill_500_retried_on_other_prefiller() -> None:
 async def test_all_prefillers_failing_gives_502_with_reason() -> None:
     async with (
         ph.engines("p0", "d0") as e,
-        ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"]), eject_after=100) as rp,
+        # without the decode fallback (tests/proxy/test_heal.py has it on)
+        ph.running_proxy(
+            ph.pd_table(e, ["p0"], ["d0"]), eject_after=100, decode_fallback=False
+        ) as rp,
     ):
         e["p0"].faults = Faults(status=503, health_status=503)
         res = await ph.stream_completion(rp.session, rp.url, "hello")
@@ -237,7 +240,8 @@ async def test_generations_pair_only_same_generation() -> None:
                 ph.backend("d_new", "decode", e["d_new"], gen="rev2@img1"),
             ],
         )
-        async with ph.running_proxy(t) as rp:
+        # the pairing rule alone (no decode fallback: d_new would serve "c" whole)
+        async with ph.running_proxy(t, decode_fallback=False) as rp:
             h = rp.admin_headers()
             for i in range(6):
                 assert (await ph.stream_completion(rp.session, rp.url, f"a{i}")).status == 200

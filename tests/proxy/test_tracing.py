@@ -74,7 +74,7 @@ async def test_client_traceparent_is_the_parent_and_failed_leg_is_an_error(expor
     parent = "00f067aa0ba902b7"
     async with engines("p0", "d0", output_tokens=2) as e:
         t = table("nixl", [backend("p0", "prefill", e["p0"]), backend("d0", "decode", e["d0"])])
-        async with running_proxy(t, eject_after=100) as rp:
+        async with running_proxy(t, eject_after=100, decode_fallback=False) as rp:
             # the only prefiller fails, and its /health confirms it: 502 to the client (a 5xx
             # with a passing /health would go to the client as is)
             e["p0"].faults = Faults(status=500, health_status=503)

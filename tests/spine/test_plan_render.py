@@ -146,7 +146,9 @@ def test_colocated_has_no_pairings_and_the_native_tier():
 def test_cpu_profile_uses_cpu_kv_buffer_and_thread_binding():
     plan = plan_of("local-cpu")
     svc = services(plan, "local")
-    assert svc["prefill-0"].env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    binds = {n: svc[n].env["VLLM_CPU_OMP_THREADS_BIND"] for n in ("decode-0", "decode-1")}
+    assert svc["prefill-0"].env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert binds == {"decode-0": "0", "decode-1": "1"}, "the decoders must not share a core"
     cmd = svc["lmcache"].command
     assert cmd[cmd.index("--supported-transfer-mode") + 1] == "engine_driven"
     # LMCache's deployment guide: one GPU worker per engine sharing the server (3 here)

@@ -50,13 +50,20 @@ def test_standin_keeps_the_old_generation_serving_while_its_prefiller_is_out(
     assert pairs and all(f'prefill_generation="{A}"' in ln and f'decode_generation="{A}"' in ln
                          for ln in pairs), pairs
 
-    # once retired, nothing of rev1 serves: the stand-in was what kept requests going
+    # once retired, no prefiller of rev1 is left: the proxy's decode fallback has the rev1
+    # decoder serve requests whole (one leg, no prefill), still never paired across
+    # generations
     up.retire_standins()
     assert up.standins == []
     assert admin.backend("local/prefill-standin-decode-0") is None
+    before = {name: len(seen(urls[name])) for name in ("decode-0", "decode-1")}
     status, body = post(node["proxy"] + "/v1/completions",
                         {"model": "fake", "prompt": "hello", "max_tokens": 4})
-    assert status == 503, body
+    assert status == 200, body
+    # one whole-request leg on one decoder (either: decode-1 is not drained here), no prefill
+    legs = [r["body"]["max_tokens"] for name, n in before.items() for r in seen(urls[name])[n:]]
+    assert legs == [4]
+    assert seen(urls["prefill-0"]) == []
 
 
 def test_cli_refuses_a_revision_change_that_keeps_the_lmcache_namespace(

@@ -1,0 +1,134 @@
+"""Self-healing against FakeEngine test doubles: a wedged engine (accepts requests, /health
+passes, never answers) is found, ejected and kept out until it generates again; a slow one
+is not; with no usable prefiller the decoders serve whole requests (decode fallback)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+
+from pdstack.testing import proxy_harness as ph
+from pdstack.testing.fake_engine import Faults
+
+
+async def test_wedged_decoder_found_ejected_and_readmitted_only_when_it_generates(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """d0 takes every request and answers none while /health says 200: the requests on it
+    are re-routed to d1 within the wedge budget (not after the 30 s leg budget), d0 stays
+    out while /health alone passes, and comes back once a generation answers again."""
+    caplog.set_level(logging.WARNING, logger="pdstack.proxy")
+    async with ph.engines("p0", "d0", "d1", output_tokens=3) as e:
+        cfg = {
+            "leg_budget_base_s": 30.0,
+            "wedge_after_s": 0.5,
+            "wedge_probe_timeout_s": 0.5,
+            "eject_after": 100,
+        }
+        async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0", "d1"]), **cfg) as rp:
+            e["d0"].faults = Faults(hang=True)  # health_status stays 200
+            t0 = time.monotonic()
+            results = await asyncio.gather(
+                *(ph.stream_completion(rp.session, rp.url, f"q{i}", max_tokens=3) for i in range(8))
+            )
+            took = time.monotonic() - t0
+            d0 = rp.registry.backends["d0"]
+            assert all(r.status == 200 and r.events[-1] == "[DONE]" for r in results), [
+                r.text for r in results
+            ]
+            assert e["d0"].seen("/v1/completions"), "no request went to d0: nothing tested"
+            assert took < 15.0, f"requests on the wedged decoder waited {took:.1f}s"
+            assert d0.wedged and not d0.healthy and d0.state == "ejected"
+            text = await rp.metrics()
+            assert ph.metric_value(text, "pdstack_proxy_wedged_total", backend="d0") == 1
+            assert ph.metric_value(text, "pdstack_proxy_backend_wedged", backend="d0") == 1
+            assert ph.metric_value(text, "pdstack_proxy_wedged_total", backend="d1") == 0
+            assert any("wedged backend d0" in r.getMessage() for r in caplog.records)
+            # /health passes all along, and still no re-admission: ten rounds later it is out
+            await asyncio.sleep(10 * 0.2 + 0.5)
+            assert not d0.healthy and d0.wedged
+            # it generates again: re-admitted, the gauge drops
+            e["d0"].faults = Faults()
+            await ph.until(lambda: d0.healthy, "d0 re-admitted", timeout=10)
+            assert not d0.wedged
+            text = await rp.metrics()
+            assert ph.metric_value(text, "pdstack_proxy_backend_wedged", backend="d0") == 0
+            assert any(
+                "d0" in r.getMessage() and "progress again" in r.getMessage()
+                for r in caplog.records
+            )
+
+
+async def test_slow_engine_is_suspected_but_not_wedged() -> None:
+    """One request far slower than the wedge budget, alone on its decoder: the 1-token probe
+    answers, so nothing is ejected and the request is served."""
+    async with ph.engines("p0", "d0", output_tokens=2) as e:
+        cfg = {"wedge_after_s": 0.3, "wedge_probe_timeout_s": 3.0, "leg_budget_base_s": 30.0}
+        async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"]), **cfg) as rp:
+            e["d0"].faults = Faults(delay_ms=2000, times=1)  # this request only
+            res = await ph.stream_completion(rp.session, rp.url, "slow", max_tokens=2)
+            text = await rp.metrics()
+            assert res.status == 200 and res.events[-1] == "[DONE]", res.text
+            assert rp.registry.backends["d0"].healthy
+            # the probe ran (the suspicion was real) and answered
+            probes = [r for r in e["d0"].seen("/v1/completions") if r.body.get("prompt") == "ping"]
+            assert probes, "the slow leg never made d0 a suspect"
+            assert ph.metric_value(text, "pdstack_proxy_wedged_total", backend="d0") == 0
+            assert ph.metric_value(text, "pdstack_proxy_ejections_total", backend="d0") == 0
+
+
+async def test_no_prefiller_decoders_serve_whole_requests_then_pd_again() -> None:
+    """The only prefiller dies: every request is served by a decoder (the whole prompt, no
+    kv_transfer_params), /health stays 200; it comes back: two legs again."""
+    async with (
+        ph.engines("p0", "d0", "d1", output_tokens=3) as e,
+        ph.running_proxy(ph.pd_table(e, ["p0"], ["d0", "d1"])) as rp,
+    ):
+        await e["p0"].kill()
+        p0 = rp.registry.backends["p0"]
+        await ph.until(lambda: not p0.healthy, "p0 ejected")
+        results = [
+            await ph.stream_completion(rp.session, rp.url, f"whole {i}", max_tokens=3)
+            for i in range(6)
+        ]
+        assert all(r.status == 200 and r.events[-1] == "[DONE]" for r in results)
+        assert all(len(ph.completion_text(r.events).split()) == 3 for r in results)
+        decoded = [*e["d0"].seen("/v1/completions"), *e["d1"].seen("/v1/completions")]
+        assert len(decoded) == 6
+        assert all("kv_transfer_params" not in r.body and r.body.get("stream") for r in decoded)
+        assert {r.body["prompt"] for r in decoded} == {f"whole {i}" for i in range(6)}
+        async with rp.session.get(rp.url + "/health") as resp:
+            assert resp.status == 200 and (await resp.json())["status"] == "degraded"
+        text = await rp.metrics()
+        assert ph.metric_value(text, "pdstack_proxy_decode_fallback_total") == 6
+        assert (
+            ph.metric_value(text, "pdstack_proxy_ttft_seconds_count", route="decode_fallback") == 6
+        )
+        # the prefiller is back: P/D again
+        await e["p0"].start()
+        await ph.until(lambda: p0.healthy, "p0 re-admitted")
+        res = await ph.stream_completion(rp.session, rp.url, "two legs", max_tokens=3)
+        assert res.status == 200
+        assert [r.body["max_tokens"] for r in e["p0"].seen("/v1/completions")] == [1]
+        text = await rp.metrics()
+        assert ph.metric_value(text, "pdstack_proxy_decode_fallback_total") == 6
+
+
+async def test_prefill_failing_on_every_try_falls_back_to_a_decoder() -> None:
+    """The prefiller answers 503 and its /health confirms it: it is ejected during the
+    request, which a decoder then serves whole instead of a 502."""
+    async with (
+        ph.engines("p0", "d0", output_tokens=2) as e,
+        ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"]), eject_after=100) as rp,
+    ):
+        e["p0"].faults = Faults(status=503, health_status=503)
+        res = await ph.stream_completion(rp.session, rp.url, "hello", max_tokens=2)
+        text = await rp.metrics()
+    assert res.status == 200 and res.events[-1] == "[DONE]", res.text
+    assert len(e["p0"].seen("/v1/completions")) == 1
+    assert [r.body["prompt"] for r in e["d0"].seen("/v1/completions")] == ["hello"]
+    assert ph.metric_value(text, "pdstack_proxy_decode_fallback_total") == 1
+    assert ph.metric_value(text, "pdstack_proxy_requests_total", outcome="ok") == 1
