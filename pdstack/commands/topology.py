@@ -32,7 +32,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    # piped or redirected: no terminal width to fit, so never wrap or cut a cell ("…")
+    console = Console() if sys.stdout.isatty() else Console(width=10_000, no_color=True)
     services = Table(title=f"{plan.deployment}: services ({plan.kv_mode}, {plan.profile})")
     for col in ("node", "service", "role", "GPUs", "ports", "KV connector"):
         services.add_column(col)
