@@ -63,7 +63,7 @@ def test_fresh_clone_install_line_puts_pdstack_on_path(tmp_path: Path) -> None:
     # the installed command runs the clone's code (editable), not this checkout's
     where = subprocess.run([str(Path(found).resolve().parent / "python"), "-c",
                             "import pdstack; print(pdstack.__file__)"], env=env,
-                           capture_output=True, text=True, check=True).stdout
+                           cwd=tmp_path, capture_output=True, text=True, check=True).stdout
     assert where.startswith(str(clone)), where
 
 
