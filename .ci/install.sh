@@ -6,6 +6,7 @@
 #   3. the Python 3.11 vLLM CPU venv for real-engine tests              (.ci/install-vllm-venv.sh)
 #   4. the network-namespace lab's packages (sshd, iproute2, iptables)  (.ci/install-ansible-lab.sh)
 #   5. Prometheus + promtool (Debian package) for the monitoring tests   (.ci/install-prometheus.sh)
+#   (and pipx, for the fresh-clone test of the README's CLI install line)
 # Steps 2 and 3 run in the background from the start, while 1, 4 and 5 run in the
 # foreground: step 2 (apt, mmdebstrap, then the engine image build: ~6 min fresh) is the
 # longest path, step 3 (pip downloads and unpacking, ~4 GB) and step 1 (pip) only compete
@@ -49,6 +50,11 @@ if [ ! -x .venv/bin/pdstack ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; t
   echo "$want" > "$stamp"
 fi
 
+if ! command -v pipx >/dev/null; then
+  step "pipx (the README's CLI install line; tests/spine/test_first_day.py runs it)"
+  flock "${CI_APT_LOCK:-/var/tmp/ci-apt.lock}" apt-get -o DPkg::Lock::Timeout=600 -qq \
+    install -y --no-install-recommends pipx >/dev/null
+fi
 step "lab packages"
 bash .ci/install-ansible-lab.sh
 step "prometheus (promtool + server for the monitoring tests)"

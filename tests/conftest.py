@@ -37,6 +37,7 @@ DEFAULT_WORKERS = 3
 # Only the order on xdist workers depends on this list: a stale entry costs a little wall
 # time, never a test.
 SLOW_FIRST = (
+    "tests/spine/test_first_day.py::test_fresh_clone_install_line_puts_pdstack_on_path",
     "tests/ansible/test_playbooks.py::test_ansible_lint_production",
     "tests/host/test_host_path_script.py::test_host_path_script_with_the_nvidia_smi_double",
     "tests/bench/test_proxy_overhead_script.py::test_script_writes_ratio_table",

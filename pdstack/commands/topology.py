@@ -33,7 +33,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    # piped or redirected: no terminal width to fit, so never wrap or cut a cell ("…")
+    console = Console() if sys.stdout.isatty() else Console(width=10_000, no_color=True)
     services = Table(
         title=f"{plan.deployment}: services ({plan.kv_mode}, tier {plan.kv_tier}, {plan.profile})"
     )

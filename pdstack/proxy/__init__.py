@@ -31,11 +31,18 @@ HTTP API
   ``param`` = the limit; nothing routable: 503
   with the reason (e.g. "no healthy decoder for prefiller n1/prefill-0 on node n1"); every
   try failed: 502, or 504 when the last one ran out of its leg budget. An engine's 4xx,
-  and its 5xx when its /health still passes, reach the client as the engine answered.
+  and its 5xx when its /health still passes, reach the client with the engine's status,
+  message and param, in the proxy's vocabulary: ``type`` is OpenAI's for the status
+  (``not_found_error``, ``invalid_request_error``, ...), never vLLM's class names
+  (:func:`pdstack.proxy.errors.engine_error`).
   In P/D, ``usage.prompt_tokens_details.cached_tokens`` is the prefill leg's (its prefix
   cache hit; the engines run with ``--enable-prompt-tokens-details``).
   A stream whose upstream dies after its first byte ends with
   ``data: {"error": {...}}`` then ``data: [DONE]``.
+- ``POST /tokenize``, ``POST /detokenize`` (vLLM's), ``GET /v1/models/{model}``: forwarded
+  to a usable engine of the body's ``model`` (decoders / colocated first, the next one on a
+  5xx or connection error); a ``model`` not served is the proxy's 404
+  (:mod:`pdstack.proxy.engine_routes`).
 - ``GET /health``: ``{"status": "ok"}`` (every backend healthy) or ``"degraded"``; 200
   when at least one route (prefiller with a same-generation healthy decoder, or a
   colocated engine) is usable, else 503. Backend names and states, ``kv_mode`` and the

@@ -1,7 +1,9 @@
 """The proxy's aiohttp application: routes, the generation entry point (auth, body,
 input checks, admission), health, models, metrics. The flows are in
 :mod:`pdstack.proxy.flows`, the legs in :mod:`pdstack.proxy.legs` and
-:mod:`pdstack.proxy.sse`, auth and the admin API in :mod:`pdstack.proxy.admin`.
+:mod:`pdstack.proxy.sse`, auth and the admin API in :mod:`pdstack.proxy.admin`, the routes
+forwarded to an engine as they are (``/tokenize``, ``/detokenize``, ``/v1/models/{model}``)
+in :mod:`pdstack.proxy.engine_routes`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pdstack.proxy.admission import KvAdmission, prompt_tokens
 from pdstack.proxy.backends import BackendRegistry, BackendState, PendingLegs
 from pdstack.proxy.breaker import Breaker
 from pdstack.proxy.config import ProxyConfig
+from pdstack.proxy.engine_routes import EngineRoutes
 from pdstack.proxy.errors import ProxyRunner, error_response, openai_errors
 from pdstack.proxy.flows import Flows
 from pdstack.proxy.legs import RequestContext
@@ -56,7 +59,7 @@ log = logging.getLogger("pdstack.proxy")
 PROXY_KEY: web.AppKey[Proxy] = web.AppKey("pdstack_proxy", object)  # type: ignore[arg-type]
 
 
-class Proxy(AdminAPI, Flows):
+class Proxy(AdminAPI, EngineRoutes, Flows):
     """One proxy instance: backends, routers, metrics, the aiohttp app."""
 
     def __init__(
@@ -121,6 +124,7 @@ class Proxy(AdminAPI, Flows):
         app.router.add_post("/v1/completions", self.handle_generate)
         app.router.add_post("/v1/chat/completions", self.handle_generate)
         app.router.add_get("/v1/models", self.handle_models)
+        self.add_engine_routes(app)  # /tokenize, /detokenize, /v1/models/{model}
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/metrics", self.handle_metrics)
         app.router.add_get("/admin/backends", self.admin_list)
@@ -275,31 +279,13 @@ class Proxy(AdminAPI, Flows):
         )
 
     async def handle_models(self, request: web.Request) -> web.StreamResponse:
+        """The engines' model list (decoders first), else the served names."""
         if not self._client_authorized(request):
             return error_response(401, "invalid or missing API key", "authentication_error")
-        assert self.session is not None
-        role = "decode" if self.registry.mode.disaggregated else "colocated"
-        for backend in self.registry.by_role(role):
-            if not backend.usable:
-                continue
-            try:
-                timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s + 3)
-                async with self.session.get(
-                    f"{backend.url}/v1/models", timeout=timeout, headers=self._auth_headers()
-                ) as resp:
-                    if resp.status == 200:
-                        return web.Response(body=await resp.read(), content_type="application/json")
-            except (aiohttp.ClientError, TimeoutError):
-                continue
-        name = self.registry.served_model_name
-        if not name:
+        doc = self.model_list(await self.engine_models())
+        if doc is None:
             return error_response(503, self.registry.describe_unroutable())
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [{"id": name, "object": "model", "created": 0, "owned_by": "pdstack"}],
-            }
-        )
+        return web.json_response(doc)
 
     def _auth_headers(self) -> dict[str, str]:
         key = self.config.engine_api_key

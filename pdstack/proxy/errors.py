@@ -1,6 +1,11 @@
-"""OpenAI error JSON for every reply the proxy itself makes.
+"""OpenAI error JSON for every error a client sees: the proxy's own and the engines'.
 
 Shape: ``{"error": {"message", "type", "param", "code"}}`` (``code`` = the HTTP status).
+One vocabulary, OpenAI's: ``type`` is one of :data:`OPENAI_TYPES` and follows from the
+HTTP status (:data:`ERROR_TYPES`). vLLM names its types after its exception classes
+(``BadRequestError``, ``NotFoundError``, ...); :func:`engine_error` rewrites an engine's
+error body into this shape (same message, param and status), so a client handles one set
+of ``type`` values whichever part answered.
 Three places produce replies without a handler of ours: aiohttp's router (404, 405),
 its body-size check (413) and its HTTP parser (400 for a bad request line or header, 500
 for an unhandled exception). :func:`openai_errors` (a middleware) covers the first two;
@@ -34,14 +39,52 @@ ERROR_TYPES = {
 }
 
 
+# every ``type`` a client can see (OpenAI's API reference and its Python client)
+OPENAI_TYPES = frozenset({*ERROR_TYPES.values(), "server_error", "not_found_error"})
+
+
 def error_type(status: int) -> str:
     return ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+
+def openai_type(given: object, status: int) -> str:
+    """``given`` when it is OpenAI's, else the type of ``status`` (vLLM's class names,
+    e.g. ``NotFoundError`` / ``BadRequestError``, map to ``not_found_error`` /
+    ``invalid_request_error`` through the status they come with)."""
+    return given if isinstance(given, str) and given in OPENAI_TYPES else error_type(status)
 
 
 def error_body(
     message: str, err_type: str, code: int | str | None, param: str | None = None
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def engine_error(status: int, data: bytes) -> bytes:
+    """An engine's error reply (status >= 400) as the proxy's own error JSON: vLLM's
+    ``{"error": {...}}`` and its older flat ``{"object": "error", "message": ...}`` keep
+    their message and param; a body that is no JSON object (a plain-text 500 from the
+    engine's web server) becomes the message."""
+    message: object = None
+    param: object = None
+    given: object = None
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        doc = None
+    if isinstance(doc, dict):
+        inner = doc.get("error")
+        fields = inner if isinstance(inner, dict) else doc
+        message, param, given = fields.get("message"), fields.get("param"), fields.get("type")
+        if message is None and isinstance(inner, str):
+            message = inner
+    if not isinstance(message, str) or not message:
+        text = data[:2000].decode(errors="replace").strip()
+        message = text or f"engine answered {status}"
+    body = error_body(
+        message, openai_type(given, status), status, param if isinstance(param, str) else None
+    )
+    return json.dumps(body).encode()
 
 
 def error_response(
@@ -51,7 +94,7 @@ def error_response(
     headers: dict[str, str] | None = None,
     param: str | None = None,
 ) -> web.Response:
-    body = error_body(message, err_type or error_type(status), status, param)
+    body = error_body(message, openai_type(err_type, status), status, param)
     return web.json_response(body, status=status, headers=headers)
 
 

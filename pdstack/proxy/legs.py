@@ -21,7 +21,7 @@ from pdstack.proxy.admission import KvAdmission
 from pdstack.proxy.backends import BackendRegistry, BackendState
 from pdstack.proxy.breaker import Breaker
 from pdstack.proxy.config import ProxyConfig
-from pdstack.proxy.errors import error_event, error_response
+from pdstack.proxy.errors import engine_error, error_event, error_response
 from pdstack.proxy.metrics import ProxyMetrics
 from pdstack.proxy.relay import RelayError, RelayPool, RelayProtocol, build_request, split_url
 from pdstack.proxy.sse import (
@@ -428,10 +428,11 @@ class Legs:
         )
 
     def _passthrough(self, exc: Passthrough, ctx: RequestContext) -> web.Response:
+        """The engine's error, in the proxy's error vocabulary (errors.engine_error)."""
         return web.Response(
-            body=exc.body,
+            body=engine_error(exc.status, exc.body),
             status=exc.status,
-            headers={"Content-Type": exc.content_type, "X-Request-Id": ctx.request_id},
+            headers={"Content-Type": "application/json", "X-Request-Id": ctx.request_id},
         )
 
 

@@ -35,6 +35,14 @@ Endpoints
   requests are served at once; the others wait in the engine, in arrival order (their
   TTFT includes the wait).
 - ``GET /v1/models``: one model, ``model`` (default ``"fake"``).
+- ``POST /tokenize`` (``prompt`` or chat ``messages``) and ``POST /detokenize``
+  (``tokens``), vLLM's shapes (``count``, ``max_model_len``, ``tokens`` / ``prompt``): one
+  token per whitespace-separated word, ids assigned in order of first sight (so
+  detokenize inverts tokenize); a ``model`` other than ``model`` is vLLM's 404.
+- Errors carry vLLM's ``type`` names (its exception classes: ``BadRequestError``,
+  ``NotFoundError``, ``InternalServerError``, ...), as the real engine does. With
+  ``max_model_len`` set, a generate request whose prompt tokens + ``max_tokens`` exceed it
+  is vLLM's 400 (``max_tokens`` too large).
 - ``GET /health``: 200, or ``faults.health_status``.
 - ``GET /metrics``: Prometheus text with vLLM's names:
   ``vllm:num_requests_running``, ``vllm:prompt_tokens_total``,
@@ -165,8 +173,23 @@ def _prompt_text(body: dict[str, Any]) -> str:
     return str(prompt)
 
 
-def _error_json(status: int, message: str, err_type: str = "server_error") -> dict[str, Any]:
-    return {"error": {"message": message, "type": err_type, "param": None, "code": status}}
+# vLLM's error ``type`` per status: the names of its exception classes (vllm 0.32)
+VLLM_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "UnauthorizedError",
+    404: "NotFoundError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    503: "ServiceUnavailableError",
+}
+
+
+def _error_json(
+    status: int, message: str, err_type: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    default = "BadRequestError" if status < 500 else "InternalServerError"
+    kind = err_type or VLLM_ERROR_TYPES.get(status, default)
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 @dataclass
@@ -204,8 +227,11 @@ class FakeEngine:
         api_key: str | None = None,
         kv_capacity_tokens: int | None = None,
         max_running: int | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         self.name = name
+        self.max_model_len = max_model_len
+        self._vocab: dict[str, int] = {}  # /tokenize: word -> id, in order of first sight
         self.host = host
         self.port = port
         self.ttft_ms = ttft_ms
@@ -255,6 +281,8 @@ class FakeEngine:
         app.router.add_post("/v1/completions", self._handle_generate)
         app.router.add_post("/v1/chat/completions", self._handle_generate)
         app.router.add_get("/v1/models", self._handle_models)
+        app.router.add_post("/tokenize", self._handle_tokenize)
+        app.router.add_post("/detokenize", self._handle_detokenize)
         app.router.add_get("/health", self._handle_health)
         app.router.add_get("/metrics", self._handle_metrics)
         app.router.add_get("/fake/requests", self._handle_get_requests)
@@ -376,6 +404,44 @@ class FakeEngine:
             }
         )
 
+    async def _tokenizer_body(self, request: web.Request) -> dict[str, Any] | web.Response:
+        """The request body of /tokenize or /detokenize, recorded; or vLLM's error."""
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return web.json_response(_error_json(400, "body is not JSON"), status=400)
+        if self.record:
+            headers = {k.lower(): v for k, v in request.headers.items()}
+            self.requests.append(SeenRequest(request.path, headers, body))
+        model = body.get("model")
+        if model is not None and model != self.model:
+            return web.json_response(
+                _error_json(404, f"The model `{model}` does not exist.", param="model"),
+                status=404,
+            )
+        return body
+
+    async def _handle_tokenize(self, request: web.Request) -> web.Response:
+        body = await self._tokenizer_body(request)
+        if isinstance(body, web.Response):
+            return body
+        ids = [self._vocab.setdefault(w, len(self._vocab)) for w in _prompt_text(body).split()]
+        return web.json_response(
+            {"count": len(ids), "max_model_len": self.max_model_len or 4096, "tokens": ids,
+             "token_strs": None}
+        )
+
+    async def _handle_detokenize(self, request: web.Request) -> web.Response:
+        body = await self._tokenizer_body(request)
+        if isinstance(body, web.Response):
+            return body
+        words = {i: w for w, i in self._vocab.items()}
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            return web.json_response(_error_json(400, "tokens must be a list of ints",
+                                                 param="tokens"), status=400)
+        return web.json_response({"prompt": " ".join(words.get(t, "<unk>") for t in tokens)})
+
     async def _handle_health(self, request: web.Request) -> web.Response:
         return web.Response(status=self.faults.health_status)
 
@@ -451,6 +517,9 @@ class FakeEngine:
         if isinstance(early, web.StreamResponse):
             return early
         fault = early
+        too_long = self._too_long(body)
+        if too_long is not None:
+            return too_long
         if self._slots is not None:
             async with self._slots:
                 return await self._serve(request, body, fault, transport)
@@ -510,6 +579,22 @@ class FakeEngine:
                     status=fault.status,
                 )
         return fault
+
+    def _too_long(self, body: dict[str, Any]) -> web.Response | None:
+        """vLLM's 400 for prompt + max_tokens past ``max_model_len`` (None: it fits)."""
+        limit = self.max_model_len
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
+        if limit is None or not isinstance(max_tokens, int):
+            return None
+        prompt = len(_prompt_text(body).split())
+        if prompt + max_tokens <= limit:
+            return None
+        message = (
+            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
+            f"model's maximum context length is {limit} tokens and your request has "
+            f"{prompt} input tokens ({max_tokens} > {limit} - {prompt})."
+        )
+        return web.json_response(_error_json(400, message), status=400)
 
     def _answer(self, request: web.Request, body: dict[str, Any]) -> _Answer:
         """What the answer says: tokens, usage, kv_transfer_params; counts the prompt."""

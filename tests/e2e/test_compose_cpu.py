@@ -5,6 +5,7 @@ decoders read the shared prefix from the LMCache store (shared L1). Then `down`.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -239,6 +240,138 @@ def test_prometheus_scrapes_the_stack_and_every_rule_and_panel_has_data(
     from .monitoring_check import check_prometheus_against_stack
 
     check_prometheus_against_stack(_proxy_url(), _backends()["model"][0], tmp_path)
+
+
+# ---------------------------------------------------------------- a newcomer's first day
+# Standard clients against the same running stack: vLLM's own benchmark client, the
+# official `openai` client, /tokenize through the proxy, and the proxy's error vocabulary.
+VLLM_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"
+SYSTEM_4KB = " ".join(
+    f"Policy {i}: answer briefly, cite the rule number, and keep the shared prefix stable."
+    for i in range(48)
+)[:4096]
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_tokenize_and_detokenize_through_the_proxy(cpu_stack: dict[str, float]) -> None:
+    proxy, model = _proxy_url(), _backends()["model"][0]
+    prompt = "The prefill node writes the shared prefix into the LMCache store."
+    status, tok = _post(proxy + "/tokenize", {"model": model, "prompt": prompt,
+                                              "add_special_tokens": False})
+    assert status == 200, tok
+    # the same answer as an engine's own /tokenize: the request reached a real engine
+    _, direct = _post(_backends()["decode"][0] + "/tokenize",
+                      {"model": model, "prompt": prompt, "add_special_tokens": False})
+    assert tok["tokens"] == direct["tokens"] and tok["count"] == len(tok["tokens"]) > 5
+    assert tok["max_model_len"] >= 8192, tok  # inventory/local-cpu: an 8 k context
+    status, detok = _post(proxy + "/detokenize", {"model": model, "tokens": tok["tokens"]})
+    assert status == 200 and detok["prompt"] == prompt, detok
+    status, err = _post(proxy + "/tokenize", {"model": "gpt-4", "prompt": "x"})
+    assert status == 404 and err["error"]["type"] == "not_found_error", err
+
+
+def test_vllm_bench_serve_prefix_repetition_aligns_through_the_proxy(
+    cpu_stack: dict[str, float], tmp_path: Path
+) -> None:
+    """The real `vllm bench serve` (the CPU venv's), tokenizer from the host copy of the
+    stack's model (what ./quickstart prints): every request served, no /tokenize warning."""
+    import subprocess
+
+    from pdstack.quickstart import bench_args, copy_model
+
+    vllm = VLLM_VENV / "bin" / "vllm"
+    assert vllm.is_file(), f"{vllm} missing: run .ci/install.sh (.ci/install-vllm-venv.sh)"
+    model_dir = copy_model(CPU_STACK, tmp_path)
+    args = bench_args(CPU_STACK, str(model_dir))
+    # smaller than the printed line: 8 prompts of 512 + 32 tokens, 8 out, at 4 req/s
+    small = {"--prefix-repetition-prefix-len": "512", "--prefix-repetition-suffix-len": "32",
+             "--prefix-repetition-output-len": "8", "--num-prompts": "8",
+             "--request-rate": "4"}
+    for i, arg in enumerate(args[:-1]):
+        if arg in small:
+            args[i + 1] = small[arg]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    t0 = time.monotonic()
+    r = subprocess.run([str(vllm), *args, "--save-result", "--result-dir", str(tmp_path),
+                        "--result-filename", "bench.json"],
+                       capture_output=True, text=True, timeout=600, env=env, check=False)
+    out = r.stdout + r.stderr
+    print(f"[e2e] vllm bench serve: {time.monotonic() - t0:.0f} s\n{r.stdout[-1500:]}")
+    assert r.returncode == 0, out[-4000:]
+    assert "/tokenize unavailable" not in out and "tokenizer mismatch" not in out, out[-3000:]
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["completed"] == 8 and doc.get("failed", 0) == 0, {k: doc.get(k) for k in (
+        "completed", "failed", "errors")}
+
+
+def test_openai_client_long_system_prompt_cached_tokens_and_errors(
+    cpu_stack: dict[str, float]
+) -> None:
+    """The official client: a 4 kB system prompt works, the second request with it reports
+    cached tokens (whole KV blocks), a ~6 k-token prompt fits the 8 k context, and the
+    errors of a bad model and of an oversize max_tokens (the engine's) carry the proxy's
+    own `type` values."""
+    import openai
+
+    from pdstack.proxy.errors import OPENAI_TYPES
+
+    model = _backends()["model"][0]
+    client = openai.OpenAI(base_url=_proxy_url() + "/v1", api_key="unused", max_retries=0,
+                           timeout=300)
+    assert [m.id for m in client.models.list().data] == [model]
+    assert client.models.retrieve(model).id == model
+    usages = []
+    for question in ("Which policy comes first?", "What must stay stable?"):
+        chat = client.chat.completions.create(
+            model=model, max_tokens=8, temperature=0,
+            messages=[{"role": "system", "content": SYSTEM_4KB},
+                      {"role": "user", "content": question}])
+        assert chat.choices[0].message.content, chat
+        usages.append(chat.usage)
+    first, second = usages
+    assert first is not None and second is not None
+    assert first.prompt_tokens > 1000, first  # 4 kB of text: over 1 k tokens here
+    cached = second.prompt_tokens_details.cached_tokens if second.prompt_tokens_details else 0
+    print(f"[e2e] 4 kB system prompt: {first.prompt_tokens} prompt tokens; second request "
+          f"cached_tokens={cached} of {second.prompt_tokens}")
+    assert cached and cached >= 768, second
+    assert cached % 128 == 0, f"cached_tokens {cached} is not whole 128-token KV blocks"
+    # ~6 k tokens: only an 8 k context takes it
+    long_prompt = " ".join(["prefill decode cache token"] * 1500)
+    done = client.completions.create(model=model, prompt=long_prompt, max_tokens=4)
+    assert done.usage is not None and 5000 < done.usage.prompt_tokens < 8192, done.usage
+    errors = {}
+    try:
+        client.chat.completions.create(model="no-such-model", max_tokens=4,
+                                       messages=[{"role": "user", "content": "hi"}])
+    except openai.NotFoundError as exc:
+        errors["bad model"] = exc
+    try:
+        client.chat.completions.create(model=model, max_tokens=100_000,
+                                       messages=[{"role": "user", "content": "hi"}])
+    except openai.BadRequestError as exc:
+        errors["oversize max_tokens"] = exc
+    assert set(errors) == {"bad model", "oversize max_tokens"}, errors
+    for cause, exc in errors.items():
+        body = exc.body if isinstance(exc.body, dict) else {}
+        print(f"[e2e] {cause}: {exc.status_code} {body}")
+        assert body.get("type") in OPENAI_TYPES, (cause, body)
+        assert set(body) == {"message", "type", "param", "code"}, (cause, body)
+    assert errors["bad model"].body["type"] == "not_found_error"  # type: ignore[index]
+    assert errors["oversize max_tokens"].body["type"] == "invalid_request_error"  # type: ignore[index]
+    assert "max_tokens" in str(errors["oversize max_tokens"].body)
 
 
 # --------------------------------------------------------------------------- self-healing
