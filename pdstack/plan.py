@@ -330,6 +330,9 @@ def _engine_service(
         # leg's prefix-cache hit (pdstack.proxy.app); VLLM_API_KEY, when the node's
         # secrets file sets it, makes vLLM refuse requests without it (never in argv)
         "--enable-prompt-tokens-details",
+        # GET /load: the API server's requests in flight, which the engine watchdog counts
+        # as held (pdstack.sidecars): the scheduler's gauges freeze with a stopped core
+        "--enable-server-load-tracking",
     ]
     if "{revision}" not in m.name and not m.name.startswith("/"):
         cmd += ["--revision", m.revision]

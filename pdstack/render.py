@@ -74,7 +74,8 @@ def render_node(topo: Topology, plan: Plan, node_name: str) -> dict[str, str]:
         "engine_command": lambda svc: engine_command(svc, model_arg),
         "engine_wedge_s": wedge_s,
         "engine_healthcheck": lambda svc: sidecars.engine_healthcheck(
-            (svc.healthcheck_url or "").removesuffix("/health"), wedge_s
+            (svc.healthcheck_url or "").removesuffix("/health"), wedge_s, svc.name,
+            d.model.served_name,
         ),
         "metrics_gate": lambda svc: sidecars.metrics_gate_command(
             svc.bind_address, svc.ports["metrics"], f"http://127.0.0.1:{svc.ports['api']}"

@@ -3,14 +3,22 @@ engine image, which has Python): nothing to install, nothing to mount.
 
 - :data:`ENGINE_WATCHDOG` is an engine's container healthcheck: ``/health`` must pass, and
   the engine must make progress while it holds requests. It reads the engine's own
-  ``/metrics``: requests running or waiting (``vllm:num_requests_running`` /
-  ``vllm:num_requests_waiting*``) with the progress counters (prompt and generation
-  tokens, finished requests) unchanged for ``WEDGE_S`` seconds = wedged. Then it ends every
-  process of the container but its init (``kill(-1, SIGKILL)`` in the container's PID
-  namespace), the container exits 137 and its restart policy starts it again: the
-  replacement happens on the node, without a person and without the Docker socket.
-  Its state (last counters and since when) is a small JSON file in the container's /tmp.
-  Arguments: ``URL WEDGE_S STATE_FILE [dry]`` (``dry``: report, exit 1, kill nothing).
+  ``/metrics`` and ``/load``: requests held are the scheduler's running and waiting gauges
+  (``vllm:num_requests_running`` / ``vllm:num_requests_waiting*``) plus the API server's
+  in-flight count (``/load``, ``--enable-server-load-tracking``; the gauges alone freeze
+  when the engine core stops, so requests that reach a stopped core never show there);
+  progress is the prompt and generation token and finished-request counters. A request
+  held with those counters flat for ``WEDGE_S`` seconds is confirmed with one 1-token
+  generation (4 s deadline, the container's ``VLLM_API_KEY``); it fails = wedged. So is an
+  engine that once answered and whose ``/health`` or ``/metrics`` fails for ``WEDGE_S``
+  (a hung API server). Then it writes one line naming the engine to the container's log
+  (``pdstack-watchdog: NAME wedged: ...``, through PID 1's stdout) and ends every process
+  of the container but its init (``kill(-1, SIGKILL)`` in the container's PID namespace):
+  the container exits 137 and its restart policy starts it again, on the node, without a
+  person and without the Docker socket. Its state is a small JSON file in the
+  container's /tmp, reset when the container restarts (PID 1's start time).
+  Arguments: ``URL WEDGE_S STATE_FILE NAME MODEL [dry]`` (``dry``: report, exit 1, kill
+  nothing and write no container log).
 - :data:`METRICS_GATE` serves ``GET /metrics`` of a loopback-only HTTP API on an address
   others reach, and nothing else (404): LMCache's HTTP server also serves ``/env`` (its
   environment), ``/cache/clear``, ``/reconfigure/*`` and ``/metrics/reset`` without
@@ -22,32 +30,78 @@ from __future__ import annotations
 
 ENGINE_WATCHDOG = """\
 import json, os, sys, time, urllib.request as u
-url, wedge_s, state = sys.argv[1], float(sys.argv[2]), sys.argv[3]
-u.urlopen(url + '/health', timeout=3).read()
-busy = progress = 0.0
-for line in u.urlopen(url + '/metrics', timeout=3).read().decode().splitlines():
-    name = line.split('{', 1)[0].split(' ', 1)[0]
-    if name.startswith(('vllm:num_requests_running', 'vllm:num_requests_waiting')):
-        busy += float(line.rsplit(' ', 1)[1])
-    elif name in ('vllm:prompt_tokens_total', 'vllm:generation_tokens_total',
-                  'vllm:request_success_total'):
-        progress += float(line.rsplit(' ', 1)[1])
+url, wedge_s, state, name, model = sys.argv[1], float(sys.argv[2]), *sys.argv[3:6]
+dry = sys.argv[6:] == ['dry']
 now = time.time()
+boot = open('/proc/1/stat').read().rsplit(')', 1)[1].split()[19]
 try:
     with open(state) as f:
         last = json.load(f)
 except (OSError, ValueError):
     last = {}
-stuck = busy > 0 and last.get('progress') == progress
-since = last.get('since', now) if stuck else now
-with open(state, 'w') as f:
-    json.dump({'progress': progress, 'since': since}, f)
-if now - since > wedge_s:
-    print('wedged: %g requests held, no progress for %.0fs: restarting' % (busy, now - since))
+if last.get('boot') != boot:
+    last = {'boot': boot}
+def save(**kw):
+    last.update(kw)
+    with open(state, 'w') as f:
+        json.dump(last, f)
+def restart(why):
+    line = 'pdstack-watchdog: %s wedged: %s: restarting its container' % (name, why)
+    print(line)
     sys.stdout.flush()
-    if sys.argv[4:] != ['dry']:
+    if not dry:
+        try:
+            with open('/proc/1/fd/1', 'w') as log:
+                log.write(line + '\\n')
+        except OSError:
+            pass
         os.kill(-1, 9)
     sys.exit(1)
+def get(path, timeout):
+    return u.urlopen(url + path, timeout=timeout).read().decode()
+try:
+    get('/health', 2)
+    text = get('/metrics', 2)
+except Exception as exc:
+    if last.get('up'):
+        down = last.get('down') or now
+        save(down=down)
+        if now - down > wedge_s:
+            restart('/health or /metrics failing for %.0fs (%s)' % (now - down, exc))
+    else:
+        save()
+    raise
+busy = progress = 0.0
+for line in text.splitlines():
+    key = line.split('{', 1)[0].split(' ', 1)[0]
+    if key.startswith(('vllm:num_requests_running', 'vllm:num_requests_waiting')):
+        busy += float(line.rsplit(' ', 1)[1])
+    elif key in ('vllm:prompt_tokens_total', 'vllm:generation_tokens_total',
+                 'vllm:request_success_total'):
+        progress += float(line.rsplit(' ', 1)[1])
+try:
+    busy += float(json.loads(get('/load', 1)).get('server_load', 0))
+except Exception:
+    pass
+if last.get('progress') != progress:
+    save(up=True, down=None, progress=progress, since=now, held=busy > 0)
+    sys.exit(0)
+if busy > 0 and not last.get('held'):
+    save(up=True, down=None, since=now, held=True)
+    sys.exit(0)
+save(up=True, down=None)
+if not last.get('held') or now - last['since'] <= wedge_s:
+    sys.exit(0)
+body = json.dumps({'model': model, 'prompt': [1], 'max_tokens': 1}).encode()
+headers = {'Content-Type': 'application/json'}
+if os.environ.get('VLLM_API_KEY'):
+    headers['Authorization'] = 'Bearer ' + os.environ['VLLM_API_KEY']
+try:
+    u.urlopen(u.Request(url + '/v1/completions', data=body, headers=headers), timeout=4).read()
+except Exception as exc:
+    restart('requests held, no progress for %.0fs, a 1-token probe failed (%s)'
+            % (now - last['since'], exc))
+save(since=now, held=False)
 """
 
 METRICS_GATE = """\
@@ -75,9 +129,10 @@ http.server.ThreadingHTTPServer((host, port), Gate).serve_forever()
 WATCHDOG_STATE = "/tmp/pdstack-watchdog.json"
 
 
-def engine_healthcheck(url: str, wedge_s: float) -> list[str]:
+def engine_healthcheck(url: str, wedge_s: float, name: str, model: str) -> list[str]:
     """The engine container's healthcheck ``test`` (exec form)."""
-    return ["CMD", "python3", "-c", ENGINE_WATCHDOG, url, f"{wedge_s:g}", WATCHDOG_STATE]
+    return ["CMD", "python3", "-c", ENGINE_WATCHDOG, url, f"{wedge_s:g}", WATCHDOG_STATE, name,
+            model]
 
 
 def metrics_gate_command(host: str, port: int, upstream: str) -> list[str]:

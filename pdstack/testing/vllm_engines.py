@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdstack.testing.ports import free_port as free_port  # ve.free_port, re-exported
+
 REPO = Path(__file__).resolve().parents[2]  # the checkout (editable install)
 VENV = Path(os.environ.get("PDSTACK_VLLM_VENV", REPO / ".venv-vllm"))
 MODEL_DIR = REPO / "build" / "models" / "tiny-llama-s1"
@@ -52,12 +54,6 @@ def ensure_model() -> Path:
             check=True,
         )
     return MODEL_DIR
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def base_env(cpu: str) -> dict[str, str]:
@@ -171,7 +167,24 @@ def start_lmcache(zmq_port: int, http_port: int) -> Proc:
     return proc
 
 
-def wait_ready(procs: list[Proc], path: str = "/health", timeout: float = 900.0) -> None:
+# Lines in an engine's log after which it never becomes ready although its API process
+# lives on (a background thread died): waiting out the budget would only cost minutes.
+FATAL_LOG_MARKS = ("Address already in use", "Exception in thread", "Traceback (most recent")
+
+# An engine on a 2-core machine is ready in 30-75 s (CI logs: "cold start 74s"); the budget
+# leaves room for a loaded machine, not for a wedged start.
+READY_BUDGET_S = 300.0
+
+
+def _fatal_line(proc: Proc) -> str | None:
+    try:
+        text = proc.log.read_text(errors="replace")
+    except OSError:
+        return None
+    return next((mark for mark in FATAL_LOG_MARKS if mark in text), None)
+
+
+def wait_ready(procs: list[Proc], path: str = "/health", timeout: float = READY_BUDGET_S) -> None:
     deadline = time.monotonic() + timeout
     pending = list(procs)
     while pending:
@@ -182,8 +195,13 @@ def wait_ready(procs: list[Proc], path: str = "/health", timeout: float = 900.0)
                 with urllib.request.urlopen(proc.url + path, timeout=2) as resp:
                     if resp.status == 200:
                         pending.remove(proc)
+                        continue
             except OSError:
                 pass
+            mark = _fatal_line(proc)
+            if mark is not None:
+                raise RuntimeError(f"{proc.name} will not become ready ({mark!r} in its log):\n"
+                                   f"{proc.tail()}")
         if time.monotonic() > deadline:
             names = ", ".join(p.name for p in pending)
             raise TimeoutError(f"{names} not ready after {timeout}s:\n{pending[0].tail()}")

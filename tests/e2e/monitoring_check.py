@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -21,15 +20,10 @@ import yaml
 
 from pdstack.monitoring import render_monitoring
 from pdstack.plan import make_plan
+from pdstack.testing.ports import free_port as _free_port
 from pdstack.topology import load_topology
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _get(url: str) -> dict:

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from pfhelpers import validate_def
 
+from pdstack.testing.ports import free_port
+
 PROBE = Path(__file__).resolve().parents[2] / "scripts" / "pdstack_probe.py"
 # the interpreter a fresh Debian host has; the project venv's as a fallback
 PY = "/usr/bin/python3" if Path("/usr/bin/python3").is_file() else sys.executable
@@ -24,12 +26,6 @@ def probe(*args: str, stdin: str | None = None, timeout: float = 30) -> tuple[in
     proc = subprocess.run([PY, str(PROBE), *args], capture_output=True, text=True,
                           input=stdin, timeout=timeout)
     return proc.returncode, proc.stdout
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_probe_is_stdlib_only_and_python39_syntax() -> None:

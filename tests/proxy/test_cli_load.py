@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,16 +20,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from pdstack.testing.ports import free_port
 from pdstack.testing.proxy_harness import completion_text, stream_completion
 
 REPO = Path(__file__).resolve().parents[2]
 PDSTACK = [sys.executable, "-m", "pdstack.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, timeout: float = 30.0) -> None:

@@ -5,7 +5,6 @@ real against the FakeEngine test double, in its report-only ``dry`` mode)."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 import urllib.error
 import urllib.request
@@ -17,6 +16,7 @@ import yaml
 
 from pdstack import sidecars
 from pdstack.testing.fake_engine import FakeEngine, Faults
+from pdstack.testing.ports import free_port as _free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SECRETS = "/etc/pdstack/secrets.env"
@@ -57,12 +57,6 @@ def test_lmcache_api_on_loopback_and_its_metrics_gate_on_the_private_address(sta
     prom = REPO / "compose" / stack / "monitoring" / "prometheus.yml"
     if prom.is_file():
         assert f"{host}:{port}" in prom.read_text()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _run(*args: str) -> tuple[int, str]:
@@ -121,6 +115,8 @@ async def test_engine_watchdog_fails_an_engine_that_holds_requests_without_progr
                 engine.url,
                 str(wedge_s),
                 state,
+                "decode-0",
+                "fake",
                 "dry",
             )
 
@@ -128,7 +124,8 @@ async def test_engine_watchdog_fails_an_engine_that_holds_requests_without_progr
         assert (await watchdog(0.2))[0] == 0
         await asyncio.sleep(0.3)
         assert (await watchdog(0.2))[0] == 0
-        # one request that never progresses past its start: failed once past the budget
+        # one request that never progresses past its start: failed once past the budget,
+        # when the 1-token probe fails too (the double hangs it as well)
         engine.faults = Faults(hang_after_chunks=0)
         async with aiohttp.ClientSession() as session:
             stuck = asyncio.create_task(
@@ -142,18 +139,40 @@ async def test_engine_watchdog_fails_an_engine_that_holds_requests_without_progr
                     break
                 await asyncio.sleep(0.02)
             assert engine.running == 1
+            assert (await watchdog(1.0))[0] == 0  # first seen held: the budget starts
             assert (await watchdog(1.0))[0] == 0  # within the budget
             await asyncio.sleep(1.2)
             rc, out = await watchdog(1.0)
-            assert rc == 1 and "wedged: 1 requests held, no progress" in out, out
+            assert rc == 1, out
+            assert "pdstack-watchdog: decode-0 wedged: requests held, no progress for" in out
+            assert "1-token probe failed" in out, out
             (await stuck).close()  # the client goes away: the engine aborts it
-        # progress again (the counters move): healthy again
+        # the engine generates again: the same held-and-flat state is cleared by a probe
+        # that succeeds (a live engine is never restarted for an aborted request)
         engine.faults = Faults()
         for _ in range(100):
             if not engine.running:
                 break
             await asyncio.sleep(0.02)
+        rc, out = await watchdog(1.0)
+        assert rc == 0, out
         assert (await watchdog(1.0))[0] == 0
-        # /health failing fails the check
+        # /health failing fails the check at once, and past the budget it is a wedge (the
+        # engine answered before: a hung API server, not a start)
         engine.faults = Faults(health_status=503)
-        assert (await watchdog(1.0))[0] != 0
+        rc, out = await watchdog(1.0)
+        assert rc == 1 and "wedged" not in out, out
+        await asyncio.sleep(1.2)
+        rc, out = await watchdog(1.0)
+        assert rc == 1 and "decode-0 wedged: /health or /metrics failing for" in out, out
+
+
+async def test_engine_watchdog_waits_for_a_starting_engine(tmp_path: Path) -> None:
+    """An engine that never answered /health yet is starting, not wedged, however long."""
+    port = _free_port()
+    state = str(tmp_path / "state.json")
+    for _ in range(2):
+        rc, out = await _run(sys.executable, "-c", sidecars.ENGINE_WATCHDOG,
+                             f"http://127.0.0.1:{port}", "0.1", state, "decode-0", "m", "dry")
+        assert rc == 1 and "wedged" not in out, out
+        await asyncio.sleep(0.2)
