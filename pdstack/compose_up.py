@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 DEFAULT_TIMEOUT_S = 900.0
@@ -40,6 +40,7 @@ class ServiceState:
     health: str  # "" (no healthcheck) | starting | healthy | unhealthy
     exit_code: int
     status: str  # human text, e.g. "Exited (1) 3 seconds ago"
+    restarts: int = 0  # restarts by its policy while compose_up watched (a crash loop)
 
     @property
     def ok(self) -> bool:
@@ -52,7 +53,7 @@ class ServiceState:
         """Definitely broken (as opposed to still starting or never started)."""
         if self.state in ("exited", "dead"):
             return True
-        if self.state == "restarting":
+        if self.state == "restarting" or self.restarts > 0:
             return True
         return self.state == "running" and self.health == "unhealthy"
 
@@ -61,6 +62,9 @@ class ServiceState:
             return f"{self.state} with code {self.exit_code} ({self.status})"
         if self.state == "restarting":
             return f"crash-looping ({self.status})"
+        if self.restarts > 0:
+            return (f"crash-looping: exited and restarted by its policy {self.restarts} "
+                    f"time(s) while starting ({self.status})")
         if self.state == "created":
             return "never started (a service it depends on failed)"
         if self.health:
@@ -163,6 +167,48 @@ def service_states(stack_dir: str | Path, project: str | None = None,
     return parse_ps_json(res.stdout)
 
 
+def restart_counts(containers: Sequence[str], env: Mapping[str, str] | None = None
+                   ) -> dict[str, tuple[str, int]]:
+    """Each container's id and Docker RestartCount (restarts by its restart policy)."""
+    if not containers:
+        return {}
+    res = _run(["docker", "inspect", "--format", "{{.Name}} {{.Id}} {{.RestartCount}}",
+                *containers], env)
+    counts = {}
+    for line in res.stdout.splitlines():
+        words = line.strip().lstrip("/").split()
+        if len(words) == 3 and words[2].isdigit():
+            counts[words[0]] = (words[1], int(words[2]))
+    return counts
+
+
+def _with_restarts(states: list[ServiceState], before: dict[str, int],
+                   env: Mapping[str, str] | None) -> list[ServiceState]:
+    """``states`` with ``restarts`` = restarts since ``before`` (container id -> count before
+    ``up``; a container created since counts from 0).
+
+    Docker's back-off between restarts starts at 0.1 s, so a poll every few seconds rarely
+    sees a crash-looping container in the "restarting" state; its RestartCount says it."""
+    counts = restart_counts([s.container for s in states if s.state in ("running", "restarting")],
+                            env)
+    out = []
+    for s in states:
+        if s.container in counts:
+            cid, count = counts[s.container]
+            s = replace(s, restarts=max(0, count - before.get(cid, 0)))
+        out.append(s)
+    return out
+
+
+def _restarts_before(stack: Path, project: str | None, env: Mapping[str, str] | None
+                     ) -> dict[str, int]:
+    try:
+        states = service_states(stack, project, env)
+    except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError):
+        return {}
+    return dict(restart_counts([s.container for s in states], env).values())
+
+
 def service_logs(stack_dir: str | Path, service: str, tail: int = DEFAULT_LOG_TAIL,
                  project: str | None = None, env: Mapping[str, str] | None = None) -> str:
     res = _run([*compose_base(stack_dir, project), "logs", "--no-color", "--no-log-prefix",
@@ -187,6 +233,7 @@ def compose_up(stack_dir: str | Path, *, project: str | None = None,
     base = compose_base(stack, project)
     cmd = [*base, "up", "-d", "--wait", "--wait-timeout", str(int(timeout)), *services]
     t0 = time.monotonic()
+    baseline = _restarts_before(stack, project, env)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(env) if env is not None else None)
     out_lines: list[str] = []
@@ -202,6 +249,7 @@ def compose_up(stack_dir: str | Path, *, project: str | None = None,
     reader.start()
     reason = ""
     last_poll = 0.0
+    watched: list[ServiceState] = []
     while True:
         try:
             proc.wait(timeout=0.5)
@@ -216,9 +264,10 @@ def compose_up(stack_dir: str | Path, *, project: str | None = None,
             continue
         last_poll = now
         try:
-            states = service_states(stack, project, env)
+            states = _with_restarts(service_states(stack, project, env), baseline, env)
         except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError):
             continue
+        watched = states
         bad = [s for s in states if s.failed]
         if bad:
             reason = "; ".join(f"{s.service} {s.describe()}" for s in bad)
@@ -242,9 +291,10 @@ def compose_up(stack_dir: str | Path, *, project: str | None = None,
     if not reason:
         reason = f"`docker compose up --wait` exited with code {proc.returncode}"
     try:
-        states = service_states(stack, project, env)
+        states = _with_restarts(service_states(stack, project, env), baseline, env)
     except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as e:
-        raise ComposeUpError(stack, f"{reason} (and `ps` failed: {e})", [], {}, up_output) from None
+        raise ComposeUpError(stack, f"{reason} (and `ps` failed: {e})", watched, {},
+                             up_output) from None
     err = ComposeUpError(stack, reason, states, {}, up_output)
     for s in err.failing:
         err.logs[s.service] = service_logs(stack, s.service, log_tail, project, env)

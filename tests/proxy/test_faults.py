@@ -130,10 +130,18 @@ async def test_passive_ejection_from_request_failures() -> None:
         cfg = {"eject_after": 2, "health_interval_s": 60}
         async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0", "d1"]), **cfg) as rp:
             e["d0"].faults = Faults(close_after_chunks=0)  # dies before its first byte
-            for i in range(8):
-                res = await ph.stream_completion(rp.session, rp.url, f"q{i}")
-                assert res.status == 200
+            # decoders are picked by power of two choices (random when idle): send until d0
+            # has failed twice (bounded), then d0 must be out and never picked again
+            sent = 0
+            while len(e["d0"].seen()) < 2 and sent < 64:
+                res = await ph.stream_completion(rp.session, rp.url, f"q{sent}")
+                assert res.status == 200  # retried on d1
+                sent += 1
+            assert len(e["d0"].seen()) == 2, f"d0 picked {len(e['d0'].seen())} times in {sent}"
             assert not rp.registry.backends["d0"].healthy
+            for i in range(8):
+                res = await ph.stream_completion(rp.session, rp.url, f"after{i}")
+                assert res.status == 200
     assert len(e["d0"].seen()) == 2  # two failures, then never picked again
 
 
