@@ -540,20 +540,80 @@ def test_heal_lmcache_killed_engines_go_on_and_use_it_again(cpu_stack: dict[str,
     assert len(failed) <= max(len(in_flight), 2), failed
 
 
-def test_heal_engine_process_killed_container_restarts_and_is_readmitted(
+# compose/cpu's engine watchdog (pdstack/render.py, pdstack/sidecars.py): 30 s of requests held
+# with no progress, checked every 10 s, confirmed by a 1-token probe (4 s): the container is
+# killed within WEDGE_S + two checks + the probe of the core stopping
+WEDGE_S, CHECK_S, PROBE_S = 30, 10, 4
+REPLACE_BUDGET_S = WEDGE_S + 2 * CHECK_S + PROBE_S + 6
+# the proxy ejects a dead backend after 3 failed probes 2 s apart (2 s timeout each) and a
+# wedged one after a 5 s wait + a 5 s probe (pdstack/proxy/config.py)
+HEALTH_BUDGET_S = 15
+
+
+def _signal_all(service: str, needle: str, sig: int) -> list[int]:
+    import os
+
+    pids = _engine_pids(service, needle)
+    assert pids, f"no {needle!r} process in {service}"
+    for pid in pids:
+        os.kill(pid, sig)
+    return pids
+
+
+def _container_log(service: str) -> str:
+    import subprocess
+
+    res = subprocess.run(["docker", "logs", _container(service)], capture_output=True,
+                         text=True, check=True)
+    return res.stdout + res.stderr
+
+
+def test_heal_prefiller_killed_and_decoder_wedged_both_replaced_and_readmitted(
     cpu_stack: dict[str, float],
 ) -> None:
-    """vLLM's API server process inside decode-1 is SIGKILLed: the container exits, restarts by
-    itself and the proxy re-admits it; the client loses nothing (retries / the other
-    decoder)."""
+    """Two faults in one 2 req/s traffic window.
+
+    - prefill-0's vLLM is SIGKILLed (a crash): its container restarts by itself, the
+      decoders serve whole requests meanwhile, nothing that starts after the proxy's
+      health budget fails, and prefill-0 is re-admitted.
+    - decode-1's engine core is SIGSTOPped: its API server lives on and /health says 200,
+      the wedge that issue 27 found. The proxy flags it (``pdstack_proxy_wedged_total``) and
+      re-routes; the engine watchdog kills the container within REPLACE_BUDGET_S with a log
+      line naming decode-1; it restarts and is re-admitted.
+    """
+    import signal
+
     model = _backends()["model"][0]
-    before = _restarts("decode-1")
+    before = {s: _restarts(s) for s in ("prefill-0", "decode-1")}
+    wedged0 = metric_sum(_proxy_backends(), "pdstack_proxy_wedged_total",
+                         backend="local/decode-1")
     with _Traffic(_proxy_url(), model) as traffic:
         time.sleep(3)
-        _crash("decode-1", "vllm serve")
-        _wait(lambda: _restarts("decode-1") > before, "decode-1 restarted", 60)
-        back = _wait(lambda: _backend_healthy("decode-1"), "decode-1 re-admitted", ENGINE_BACK_S)
+        t0 = time.monotonic()
+        _crash("prefill-0", "vllm serve")
+        stopped = _signal_all("decode-1", "EngineCore", signal.SIGSTOP)
+        flagged = _wait(lambda: metric_sum(_proxy_backends(), "pdstack_proxy_wedged_total",
+                                           backend="local/decode-1") > wedged0,
+                        "the proxy flags decode-1 wedged", 60)
+        replaced = _wait(lambda: _restarts("decode-1") > before["decode-1"],
+                         "decode-1 replaced by its watchdog", REPLACE_BUDGET_S)
+        replaced += flagged
+        assert _restarts("prefill-0") == before["prefill-0"] + 1
+        back_p = _wait(lambda: _backend_healthy("prefill-0"), "prefill-0 re-admitted",
+                       ENGINE_BACK_S)
+        back_d = _wait(lambda: _backend_healthy("decode-1"), "decode-1 re-admitted",
+                       ENGINE_BACK_S)
+        took = time.monotonic() - t0
     failed = traffic.failed()
-    print(f"\n[heal] vLLM killed in decode-1: restarted and re-admitted after {back:.0f} s; "
-          f"failed {len(failed)} of {len(traffic.results)}")
-    assert len(failed) <= 2, failed
+    late = traffic.failed(since=t0 + HEALTH_BUDGET_S)
+    print(f"\n[heal] prefill-0 killed + decode-1 core stopped (pids {stopped}): decode-1 "
+          f"flagged wedged by the proxy after {flagged:.0f} s, replaced by its watchdog "
+          f"after {replaced:.0f} s (budget {REPLACE_BUDGET_S} s); both re-admitted after "
+          f"{took:.0f} s (prefill-0 +{back_p:.0f} s, decode-1 +{back_d:.0f} s); failed "
+          f"{len(failed)} of {len(traffic.results)}, {len(late)} after the "
+          f"{HEALTH_BUDGET_S} s health budget; errors {sorted({e for _, _, e in failed})[:3]}")
+    log = _container_log("decode-1")
+    assert "pdstack-watchdog: decode-1 wedged: requests held, no progress for" in log, log[-3000:]
+    assert not late, late
+    assert len(failed) <= 3, failed
+    assert _direct_ok(_backends()["decode"][1], model)
