@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from pdstack.compose_up import compose_down, compose_up, service_states
+from pdstack.compose_up import (
+    compose_down,
+    compose_up,
+    restart_counts,
+    service_logs,
+    service_states,
+)
 
 from .conftest import (
     CPU_STACK,
@@ -441,11 +447,8 @@ def _container(service: str) -> str:
 
 
 def _restarts(service: str) -> int:
-    import subprocess
-
-    out = subprocess.run(["docker", "inspect", "-f", "{{.RestartCount}}", _container(service)],
-                         capture_output=True, text=True, check=True).stdout
-    return int(out.strip())
+    container = _container(service)
+    return restart_counts([container])[container][1]
 
 
 def _proxy_backends() -> dict[str, float]:
@@ -482,16 +485,24 @@ def _engine_pids(service: str, needle: str) -> list[int]:
     return out
 
 
+def _signal(service: str, needle: str, sig: int, *, main_only: bool = False) -> list[int]:
+    """Send ``sig`` to the container's processes whose command line contains ``needle`` (only
+    the first of them, the main one, with ``main_only``); the PIDs signalled."""
+    pids = _engine_pids(service, needle)
+    assert pids, f"no {needle!r} process in {service}"
+    targets = [min(pids)] if main_only else pids
+    for pid in targets:
+        os.kill(pid, sig)
+    return targets
+
+
 def _crash(service: str, needle: str) -> None:
     """SIGKILL the container's main process (``docker kill`` would count as a manual stop,
     which the restart policy rightly leaves alone): a crash, as the kernel's OOM killer
     would do it."""
-    import os
     import signal
 
-    pids = _engine_pids(service, needle)
-    assert pids, f"no {needle!r} process in {service}"
-    os.kill(min(pids), signal.SIGKILL)
+    _signal(service, needle, signal.SIGKILL, main_only=True)
 
 
 def _direct_ok(url: str, model: str, timeout: float = 30) -> bool:
@@ -550,24 +561,6 @@ REPLACE_BUDGET_S = WEDGE_S + 2 * CHECK_S + PROBE_S + 6
 HEALTH_BUDGET_S = 15
 
 
-def _signal_all(service: str, needle: str, sig: int) -> list[int]:
-    import os
-
-    pids = _engine_pids(service, needle)
-    assert pids, f"no {needle!r} process in {service}"
-    for pid in pids:
-        os.kill(pid, sig)
-    return pids
-
-
-def _container_log(service: str) -> str:
-    import subprocess
-
-    res = subprocess.run(["docker", "logs", _container(service)], capture_output=True,
-                         text=True, check=True)
-    return res.stdout + res.stderr
-
-
 def test_heal_prefiller_killed_and_decoder_wedged_both_replaced_and_readmitted(
     cpu_stack: dict[str, float],
 ) -> None:
@@ -591,7 +584,7 @@ def test_heal_prefiller_killed_and_decoder_wedged_both_replaced_and_readmitted(
         time.sleep(3)
         t0 = time.monotonic()
         _crash("prefill-0", "vllm serve")
-        stopped = _signal_all("decode-1", "EngineCore", signal.SIGSTOP)
+        stopped = _signal("decode-1", "EngineCore", signal.SIGSTOP)
         flagged = _wait(lambda: metric_sum(_proxy_backends(), "pdstack_proxy_wedged_total",
                                            backend="local/decode-1") > wedged0,
                         "the proxy flags decode-1 wedged", 60)
@@ -612,7 +605,7 @@ def test_heal_prefiller_killed_and_decoder_wedged_both_replaced_and_readmitted(
           f"{took:.0f} s (prefill-0 +{back_p:.0f} s, decode-1 +{back_d:.0f} s); failed "
           f"{len(failed)} of {len(traffic.results)}, {len(late)} after the "
           f"{HEALTH_BUDGET_S} s health budget; errors {sorted({e for _, _, e in failed})[:3]}")
-    log = _container_log("decode-1")
+    log = service_logs(CPU_STACK, "decode-1", tail=100_000)  # this run's and the last one's
     assert "pdstack-watchdog: decode-1 wedged: requests held, no progress for" in log, log[-3000:]
     assert not late, late
     assert len(failed) <= 3, failed
