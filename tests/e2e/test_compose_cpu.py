@@ -4,6 +4,7 @@ decoders read the shared prefix from the LMCache store (shared L1). Then `down`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -518,10 +519,28 @@ def _direct_ok(url: str, model: str, timeout: float = 30) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def _logs_on_failure(*services: str, tail: int = 60) -> Iterator[None]:
+    """On any failure inside, print the last ``tail`` log lines of ``services`` (the stack is
+    gone once the module ends, and a fault test's failure is about what they said)."""
+    try:
+        yield
+    except BaseException:
+        for service in services:
+            print(f"\n--- last {tail} log lines of {service} ---\n"
+                  f"{service_logs(CPU_STACK, service, tail=tail)}")
+        raise
+
+
 def test_heal_lmcache_killed_engines_go_on_and_use_it_again(cpu_stack: dict[str, float]) -> None:
     """The LMCache server is SIGKILLed: at most the requests in flight then fail, it is back by
     its restart policy, every engine answers a direct request within 60 s afterwards, and
     the store is written again."""
+    with _logs_on_failure("proxy", "lmcache", "prefill-0", "decode-0", "decode-1"):
+        _heal_lmcache_killed()
+
+
+def _heal_lmcache_killed() -> None:
     be = _backends()
     model = be["model"][0]
     lmc_url = _lmcache_metrics_url()
@@ -574,6 +593,11 @@ def test_heal_prefiller_killed_and_decoder_wedged_both_replaced_and_readmitted(
       re-routes; the engine watchdog kills the container within REPLACE_BUDGET_S with a log
       line naming decode-1; it restarts and is re-admitted.
     """
+    with _logs_on_failure("proxy", "prefill-0", "decode-1"):
+        _heal_prefiller_killed_and_decoder_wedged()
+
+
+def _heal_prefiller_killed_and_decoder_wedged() -> None:
     import signal
 
     model = _backends()["model"][0]
