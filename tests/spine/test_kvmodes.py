@@ -167,6 +167,14 @@ def test_plan_adhoc_and_proxy_agree_on_pairings(
         assert adhoc_reg.pairings == {}
 
 
+def _lmcache_budgets(profile: str) -> dict[str, float]:
+    """The LMCache MP client's budgets the planner sets on the cpu profile (pdstack/plan.py:
+    a reply lost with a killed server is a miss after 5 s, an outage seen within 2 s)."""
+    if profile == "cpu":
+        return {"lmcache.mp.mq_timeout": 5.0, "lmcache.mp.heartbeat_interval": 2.0}
+    return {}
+
+
 def _engines(plan: Plan, node: str) -> dict[str, object]:
     return {s.name: s for s in plan.nodes[node].services if s.kind == "engine"}
 
@@ -194,6 +202,7 @@ def test_nixl_l1_engine_configs(tmp_path: Path, profile: str) -> None:
                     "kv_connector_extra_config": {
                         "lmcache.mp.host": "tcp://10.0.0.1",
                         "lmcache.mp.port": LMCACHE_ZMQ,
+                        **_lmcache_budgets(profile),
                     },
                 },
             ]
@@ -262,6 +271,7 @@ def test_colocated_l1_engines_use_the_node_tier(tmp_path: Path, profile: str) ->
                 "kv_connector_extra_config": {
                     "lmcache.mp.host": f"tcp://{node.private_address}",
                     "lmcache.mp.port": LMCACHE_ZMQ,
+                    **_lmcache_budgets(profile),
                 },
             }
             assert svc.depends_on == ["lmcache"]  # type: ignore[attr-defined]
