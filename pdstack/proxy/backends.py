@@ -54,7 +54,7 @@ class BackendState:
     url: str
     generation: str = ""
     healthy: bool = False
-    probed: bool = False  # a first passing probe admits at once; later re-admission waits
+    probed: bool = False  # checked at least once ("down", not "unknown", while never healthy)
     drained: bool = False
     removed: bool = False
     in_flight: int = 0
@@ -270,7 +270,6 @@ class BackendRegistry:
             self.on_eject(backend)
 
     def record_probe(self, backend: BackendState, ok: bool, error: str, cfg: Any) -> None:
-        first = not backend.probed
         backend.probed = True
         if ok:
             # a passing /health clears failed probes, not failed requests (a hung engine
@@ -278,7 +277,10 @@ class BackendRegistry:
             backend.probe_failures = 0
             if not backend.healthy:
                 backend.consecutive_failures = 0
-            if first:
+            if not backend.healthy and not backend.ejections:
+                # never admitted yet (an engine still starting fails its first probes): its
+                # first passing probe admits it at once; only an ejected backend waits for
+                # readmit_after passing probes and a trial (half-open)
                 backend.healthy = True
             elif not backend.healthy:
                 backend.consecutive_successes += 1

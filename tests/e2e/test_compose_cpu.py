@@ -66,6 +66,18 @@ def _lmcache_metrics_url() -> str:
     return f"http://{m.group(1)}:{m.group(2)}/metrics"
 
 
+def _proxy_status() -> str:
+    """The proxy's /health status ("ok", "degraded"), or what went wrong reading it."""
+    import urllib.error
+
+    try:
+        return str(json.loads(http_get(_proxy_url() + "/health"))["status"])
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}"
+    except OSError as exc:
+        return str(exc)
+
+
 @pytest.fixture(scope="module")
 def cpu_stack(docker_ready: None) -> Iterator[dict[str, float]]:
     running = {s.service for s in service_states(CPU_STACK) if s.state == "running"}
@@ -80,6 +92,11 @@ def cpu_stack(docker_ready: None) -> Iterator[dict[str, float]]:
         raise
     print(f"\n[e2e] compose/cpu up --wait: {took:.0f} s "
           f"({'already running: ' + ', '.join(sorted(running)) if running else 'cold'})")
+    # `up --wait` says every container is healthy; the proxy takes each engine on its next
+    # health round (2 s): the tests below assume every backend routable (prefill included)
+    admitted = _wait(lambda: _proxy_status() == "ok",
+                     "the proxy routes to every backend after up --wait", 30)
+    print(f"[e2e] every backend admitted by the proxy {admitted:.0f} s after up --wait")
     try:
         yield {"up_s": took, "t0": t0}
     finally:
@@ -526,6 +543,13 @@ def _logs_on_failure(*services: str, tail: int = 60) -> Iterator[None]:
     try:
         yield
     except BaseException:
+        try:
+            states = {s.service: (s.state, s.health) for s in service_states(CPU_STACK)}
+            healthy = {k: v for k, v in _proxy_backends().items()
+                       if k.startswith(("pdstack_proxy_backend_healthy", "pdstack_proxy_wedged"))}
+        except Exception as exc:  # the report must not hide the failure
+            states, healthy = {"error": str(exc)}, {}
+        print(f"\n--- containers: {states}\n--- proxy: {healthy}")
         for service in services:
             print(f"\n--- last {tail} log lines of {service} ---\n"
                   f"{service_logs(CPU_STACK, service, tail=tail)}")
@@ -540,7 +564,14 @@ def test_heal_lmcache_killed_engines_go_on_and_use_it_again(cpu_stack: dict[str,
         _heal_lmcache_killed()
 
 
+def _all_routable() -> None:
+    """Before a fault: every backend in the proxy's rotation (a test before may have left one
+    out: then that is what failed, not the fault's recovery)."""
+    _wait(lambda: _proxy_status() == "ok", "every backend routable before the fault", 120)
+
+
 def _heal_lmcache_killed() -> None:
+    _all_routable()
     be = _backends()
     model = be["model"][0]
     lmc_url = _lmcache_metrics_url()
@@ -600,6 +631,7 @@ def test_heal_prefiller_killed_and_decoder_wedged_both_replaced_and_readmitted(
 def _heal_prefiller_killed_and_decoder_wedged() -> None:
     import signal
 
+    _all_routable()
     model = _backends()["model"][0]
     before = {s: _restarts(s) for s in ("prefill-0", "decode-1")}
     wedged0 = metric_sum(_proxy_backends(), "pdstack_proxy_wedged_total",

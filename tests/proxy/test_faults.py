@@ -411,3 +411,29 @@ async def test_acceptance_kill_decoder_mid_load() -> None:
     assert all(len(ph.completion_text(r.events).split()) == 30 for r in second)
     assert all(r.status == 200 and not r.error_events for r in third)
     assert e["d0"].seen()[-1].body["prompt"].startswith("w3-")
+
+
+async def test_engine_still_starting_admitted_on_its_first_passing_probe() -> None:
+    """An engine that fails its first probes (still loading when the proxy starts) is taken
+    on its first passing probe, not after readmit_after of them: the prefiller of a stack
+    that `docker compose up --wait` just reported healthy serves the next request (CI saw
+    the decoders serve whole requests because the prefiller still waited to be re-admitted)."""
+    async with ph.engines("p0", "d0") as e:
+        e["p0"].faults = Faults(health_status=503)
+        cfg = {"readmit_after": 5, "health_interval_s": 60}  # no health round in the test
+        async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"]), **cfg) as rp:
+            p0 = rp.registry.backends["p0"]
+            assert not p0.healthy and p0.state == "down"
+            e["p0"].faults = Faults()
+            assert await rp.proxy.probe(p0)
+            assert p0.healthy and p0.state == "healthy" and not p0.half_open
+            res = await ph.stream_completion(rp.session, rp.url, "hello")
+            assert res.status == 200
+            assert len(e["p0"].seen()) == 1 and len(e["d0"].seen()) == 1
+            # once ejected, one passing probe is not enough: it waits for readmit_after
+            rp.registry.eject(p0, "test")
+            for _ in range(4):
+                assert await rp.proxy.probe(p0)
+            assert not p0.healthy
+            assert await rp.proxy.probe(p0)
+            assert p0.healthy and p0.half_open
