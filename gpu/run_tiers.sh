@@ -16,6 +16,15 @@
 #      request, so the same requests miss both the GPU cache and the native tier (which keeps
 #      its blocks across /reset_prefix_cache; vLLM keys every cached block by the salt)
 #   5. pack results + logs into $OUT/results.tar.gz (always)
+#
+# PHASES (default "single two-engine pd") picks what runs, in this order:
+#   single      E1/E2/E3 above, every single-engine sweep
+#   two-engine  two engines on the one GPU: a native tier each (inventory/h200x1-2e) vs one
+#               shared LMCache L1 (inventory/h200x1-2e-l1), both behind the planned proxy
+#   pd          1P1D on the one GPU, both behind the planned proxy (admission): NIXL alone
+#               (inventory/h200x1-nixl) vs NIXL + the native tier on the prefiller
+#               (inventory/h200x1-nixl-native: MultiConnector[Nixl, Offloading])
+# A phase stops the engines of the phases before it (three V2-Lite engines fit the GPU at most).
 set -uo pipefail
 T0=$(date +%s)
 BUDGET=${1:-560}
@@ -29,6 +38,8 @@ WARMUP=${WARMUP:-5}
 RATES_MT=${RATES_MT:-8,16,24,32}
 RATES_TURN=${RATES_TURN:-8,16}
 RATES_SEED=${RATES_SEED:-8,16,24}
+PHASES=${PHASES:-single two-engine pd}
+want() { case " $PHASES " in *" $1 "*) return 0;; esac; return 1; }
 
 elapsed() { echo $(( $(date +%s) - T0 )); }
 left() { echo $(( BUDGET - $(elapsed) )); }
@@ -71,7 +82,11 @@ for p in ("torch", "vllm", "lmcache", "nixl", "aiohttp"):
     except Exception as e:
         print(p, "missing", e)
 EOF
-    for inv in h200x1-vllm h200x1-vllm-native h200x1; do
+    invs=""
+    want single && invs="$invs h200x1-vllm h200x1-vllm-native h200x1"
+    want two-engine && invs="$invs h200x1-2e h200x1-2e-l1"
+    want pd && invs="$invs h200x1-nixl h200x1-nixl-native"
+    for inv in $invs; do
       echo "## $inv"; "${PD[@]}" plan -i "inventory/$inv" --json | "$PY" -c \
         "import json,sys; p=json.load(sys.stdin); [print(s['name'], ' '.join(s['command'])) for n in p['nodes'].values() for s in n['services']]"
     done
@@ -81,7 +96,10 @@ fi
 
 # sweeps already brought back from an earlier machine (their JSONs are in the repo)
 for d in ${DONE:-}; do touch "$W/state/swept-$d"; done
-ENV=(--env VLLM_SERVER_DEV_MODE=1 --env VLLM_DISABLE_COMPILE_CACHE=1)
+# UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y: NIXL's READ over cuda_ipc on a GPU without active NVLinks
+# (UCX turns it off there and falls back to TCP: gpu/run_h200x1.sh, results/h200x1)
+ENV=(--env VLLM_SERVER_DEV_MODE=1 --env VLLM_DISABLE_COMPILE_CACHE=1 --env UCX_TLS=
+     --env UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y)
 start() {  # key inventory services
   local key=$1 inv=$2 svcs=$3
   [ -f "$W/state/launched-$key" ] && return
@@ -89,6 +107,12 @@ start() {  # key inventory services
   log "launch $key: $inv $svcs"
   setsid bash -c "'${PD[0]}' ${PD[*]:1} launch -i $inv start --services $svcs --log-dir $W/logs/$key \
     --timeout 900 ${ENV[*]} ; echo \$? > $W/state/launch-$key.rc" > "$W/logs/launch-$key.out" 2>&1 < /dev/null &
+}
+stop() {  # key inventory (no-op unless it was launched)
+  [ -f "$W/state/launched-$1" ] || return 0
+  [ -f "$W/state/stopped-$1" ] && return
+  "${PD[@]}" launch -i "$2" stop --log-dir "$W/logs/$1" --grace 15 2>&1 | tail -2 >> "$W/run.log"
+  touch "$W/state/stopped-$1"
 }
 wait_up() {  # key...: 0 when all healthy, 1 when one failed, 2 when the budget ran out
   local k
@@ -145,6 +169,7 @@ run_variant() {
   if [ -f "$out" ]; then touch "$W/state/swept-$name"; else touch "$W/state/failed-$name"; fi
 }
 
+if want single; then
 start e1 inventory/h200x1-vllm engine-0
 start e3 inventory/h200x1-vllm-native engine-0
 start e2 inventory/h200x1 engine-0,proxy
@@ -175,16 +200,12 @@ run_variant turn-native "$RATES_TURN" $E3 $E3 "${TURN[@]}"
 run_variant mt-vllm-rep "$RATES_MT" $E1 $E1 "${MT[@]}"
 run_variant seed-native "$RATES_SEED" $E3 $E3 "${SEED[@]}"
 [ -n "$P1" ] && run_variant seed-vllm-proxy "$RATES_SEED" $E1 $P1 "${SEED[@]}"
+fi
 
 # two engines on the one GPU: a native tier each vs one shared LMCache L1 (same 32 GiB of host
 # RAM), both behind the planned proxy (prefix/session affinity + admission)
-stop() {  # key inventory
-  [ -f "$W/state/stopped-$1" ] && return
-  "${PD[@]}" launch -i "$2" stop --log-dir "$W/logs/$1" --grace 15 2>&1 | tail -2 >> "$W/run.log"
-  touch "$W/state/stopped-$1"
-}
 RATES_2E=${RATES_2E:-16,32,48}
-if [ ! -f "$W/state/swept-mt2-native" ] || [ ! -f "$W/state/swept-mt2-l1" ]; then
+if want two-engine && { [ ! -f "$W/state/swept-mt2-native" ] || [ ! -f "$W/state/swept-mt2-l1" ]; }; then
   stop e1p inventory/h200x1-vllm; stop e1 inventory/h200x1-vllm; stop e3 inventory/h200x1-vllm-native
   stop e2 inventory/h200x1
   start b1 inventory/h200x1-2e engine-0,engine-1,proxy
@@ -195,6 +216,22 @@ if [ ! -f "$W/state/swept-mt2-native" ] || [ ! -f "$W/state/swept-mt2-l1" ]; the
   wait_up b2 || exit 0
   run_variant mt2-l1 "$RATES_2E" http://127.0.0.1:8195,http://127.0.0.1:8196 http://127.0.0.1:8095 "${MT[@]}" \
     --metrics-url http://127.0.0.1:6091/metrics
+fi
+stop b2 inventory/h200x1-2e-l1
+
+# 1P1D on the one GPU (a prefiller and a decoder, 10 GiB KV each), the planned proxy in front
+RATES_PD=${RATES_PD:-8,16,24}
+if want pd && { [ ! -f "$W/state/swept-mtpd-nixl" ] || [ ! -f "$W/state/swept-mtpd-native" ]; }; then
+  stop e1p inventory/h200x1-vllm; stop e1 inventory/h200x1-vllm; stop e3 inventory/h200x1-vllm-native
+  stop e2 inventory/h200x1; stop b1 inventory/h200x1-2e; stop b2 inventory/h200x1-2e-l1
+  start d1 inventory/h200x1-nixl prefill-0,decode-0,proxy
+  wait_up d1 || exit 0
+  run_variant mtpd-nixl "$RATES_PD" http://127.0.0.1:8111,http://127.0.0.1:8112 http://127.0.0.1:8011 "${MT[@]}"
+  stop d1 inventory/h200x1-nixl
+  start d2 inventory/h200x1-nixl-native prefill-0,decode-0,proxy
+  wait_up d2 || exit 0
+  run_variant mtpd-native "$RATES_PD" http://127.0.0.1:8115,http://127.0.0.1:8116 http://127.0.0.1:8013 "${MT[@]}"
+  stop d2 inventory/h200x1-nixl-native
 fi
 log "status: $(ls "$W/state" | tr '\n' ' ')"
 touch "$W/state/all-done"
