@@ -205,16 +205,16 @@ fi
 # two engines on the one GPU: a native tier each vs one shared LMCache L1 (same 32 GiB of host
 # RAM), both behind the planned proxy (prefix/session affinity + admission)
 RATES_2E=${RATES_2E:-16,32,48}
-if want two-engine && { [ ! -f "$W/state/swept-mt2-native" ] || [ ! -f "$W/state/swept-mt2-l1" ]; }; then
+if want two-engine && { [ ! -f "$W/state/swept-mt2-native${REP:-}" ] || [ ! -f "$W/state/swept-mt2-l1${REP:-}" ]; }; then
   stop e1p inventory/h200x1-vllm; stop e1 inventory/h200x1-vllm; stop e3 inventory/h200x1-vllm-native
   stop e2 inventory/h200x1
   start b1 inventory/h200x1-2e engine-0,engine-1,proxy
   wait_up b1 || exit 0
-  run_variant mt2-native "$RATES_2E" http://127.0.0.1:8190,http://127.0.0.1:8191 http://127.0.0.1:8090 "${MT[@]}"
+  run_variant "mt2-native${REP:-}" "$RATES_2E" http://127.0.0.1:8190,http://127.0.0.1:8191 http://127.0.0.1:8090 "${MT[@]}"
   stop b1 inventory/h200x1-2e
   start b2 inventory/h200x1-2e-l1 lmcache,engine-0,engine-1,proxy
   wait_up b2 || exit 0
-  run_variant mt2-l1 "$RATES_2E" http://127.0.0.1:8195,http://127.0.0.1:8196 http://127.0.0.1:8095 "${MT[@]}" \
+  run_variant "mt2-l1${REP:-}" "$RATES_2E" http://127.0.0.1:8195,http://127.0.0.1:8196 http://127.0.0.1:8095 "${MT[@]}" \
     --metrics-url http://127.0.0.1:6091/metrics
 fi
 stop b2 inventory/h200x1-2e-l1

@@ -21,6 +21,22 @@ VARIANTS = {
     "pdstack-rep": "  repeat (new cache salt)",
 }
 WORKLOADS = ("mt", "turn", "seed")
+# the phases after the single-engine one: their own variants, many-tenants workload
+PAIRS = {
+    "mt2": ("many-tenants, two engines on the one GPU (10 GiB KV each), the planned proxy in "
+            "front (prefix/session affinity + admission)", {
+        "native": "a native tier each (`inventory/h200x1-2e`: 16 GiB each)",
+        "l1": "one shared LMCache L1 (`inventory/h200x1-2e-l1`: 32 GiB, `colocated+l1`)",
+        "native-rep": "  native tier each, repeat",
+        "l1-rep": "  shared LMCache L1, repeat",
+    }),
+    "mtpd": ("many-tenants, 1P1D on the one GPU (10 GiB KV each), the planned proxy in front "
+             "(admission)", {
+        "nixl": "NIXL alone (`inventory/h200x1-nixl`)",
+        "native": "NIXL + the native tier on the prefiller (`inventory/h200x1-nixl-native`: "
+                  "MultiConnector[Nixl, Offloading], 32 GiB)",
+    }),
+}
 
 
 def load(d: Path) -> dict[str, dict[str, Any]]:
@@ -45,11 +61,11 @@ def fmt(v: float | None, spec: str = ".0f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def table(runs: dict[str, dict[str, Any]], wl: str) -> str:
+def table(runs: dict[str, dict[str, Any]], wl: str, variants: dict[str, str] = VARIANTS) -> str:
     lines = ["| variant | asked req/s | served req/s | TTFT P50 ms | TTFT P99 ms | external hits "
              "| prompt tokens computed | preemptions | JSON |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for key, what in VARIANTS.items():
+    for key, what in variants.items():
         name = f"{wl}-{key}"
         if name not in runs:
             continue
@@ -102,6 +118,9 @@ def main() -> None:
     runs = load(a.dir)
     for wl, title in zip(WORKLOADS, ("many-tenants", "multi-turn", "seed"), strict=True):
         print(f"\n### {title}\n\n{table(runs, wl)}")
+    for wl, (title, variants) in PAIRS.items():
+        if any(f"{wl}-{k}" in runs for k in variants):
+            print(f"\n### {title}\n\n{table(runs, wl, variants)}")
     acc = acceptance(runs)
     print("\n```\n" + json.dumps(acc, indent=1) + "\n```")
     if a.json:

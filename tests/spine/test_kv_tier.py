@@ -65,7 +65,8 @@ def offloading(gib: float) -> dict:
 @pytest.mark.parametrize(("mode", "profile", "requested", "want"), [
     ("colocated", "gpu", None, "native"),       # the measured default (results/h200x1-tiers)
     ("colocated", "cpu", None, "none"),
-    ("nixl", "gpu", None, "none"),              # P/D + native tier: only when asked
+    ("nixl", "gpu", None, "native"),            # P/D: native on prefillers (measured 1P1D)
+    ("nixl", "gpu", "none", "none"),
     ("nixl", "gpu", "native", "native"),
     ("colocated", "gpu", "none", "none"),
     ("colocated+l1", "gpu", None, "lmcache"),

@@ -125,9 +125,16 @@ def test_nixl_pairs_every_prefiller_with_every_decoder():
     svc = services(plan, "a100-node1")
     ports = {s.ports["nixl_side_channel"] for s in svc.values() if s.kind == "engine"}
     assert ports == {5600, 5601, 5602, 5603}
+    # the default tier on GPUs: the prefillers keep reusable KV in host RAM beside NIXL
+    # (128 GiB = 25 % of 512, split over the node's 2 prefillers: 64 GiB each)
     assert svc["prefill-0"].kv_transfer_config == {
-        "kv_connector": "NixlConnector", "kv_role": "kv_producer"}
-    assert svc["decode-1"].kv_transfer_config["kv_role"] == "kv_consumer"
+        "kv_connector": "MultiConnector", "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"connectors": [
+            {"kv_connector": "NixlConnector", "kv_role": "kv_producer"},
+            {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+             "kv_connector_extra_config": {"cpu_bytes_to_use": 64 * 2**30}}]}}
+    assert svc["decode-1"].kv_transfer_config == {
+        "kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
 
 
 def test_colocated_has_no_pairings_and_the_native_tier():
