@@ -2,6 +2,12 @@
 engine, and the proxy answers (marker ``netns``; needs .ci/install-docker.sh's engine and
 the pdstack/engine-cpu:dev + pdstack/proxy:dev images).
 
+The stack is one colocated engine on the node's LMCache server (``colocated+l1``: engine,
+LMCache, its metrics gate, proxy) with canary secrets given to Ansible (``stack_secrets``,
+written to the node's 0600 secrets file): the proxy then wants a client key and the engine
+its own, and no canary may show up in any service's HTTP answers, process arguments, or the
+environment of the LMCache services (issue 27; :mod:`pdstack.testing.canaries`).
+
 The lab node (SSH on 10.77.0.1, its own mount namespace) drives the root namespace's
 Docker daemon through DOCKER_HOST=/proc/<dockerd>/root/run/docker.sock.  Containers use
 ``network_mode: host`` and so live in the *root* network namespace: the node's private
@@ -17,6 +23,7 @@ import json
 import os
 import shutil
 import subprocess
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -24,11 +31,13 @@ import pytest
 import yaml
 from anshelpers import docker_host, playbook
 
+from pdstack.testing.canaries import canaries, check_stack
 from pdstack.testing.heavy import CPU_STACK_IMAGES, heavy_lock, require_docker
 
 PROXY_PORT = 28000
 ENGINE_PORT = 28100
 IMAGES = CPU_STACK_IMAGES
+SECRETS = canaries()
 
 
 def _inventory(lab, dest: Path, stack_root: Path, dh: str) -> Path:
@@ -52,7 +61,8 @@ def _inventory(lab, dest: Path, stack_root: Path, dh: str) -> Path:
     gv = {
         "pdstack_deployment_name": "ansdeploy",
         "pdstack_profile": "cpu",
-        "pdstack_kv_mode": "colocated",
+        "pdstack_kv_mode": "colocated+l1",
+        "pdstack_lmcache": {"l1_size_gb": 1, "chunk_size": 256},
         "pdstack_engine_image": IMAGES[0],
         "pdstack_proxy_image": IMAGES[1],
         # no C++ compiler in the CPU engine image: no torch.compile
@@ -65,6 +75,8 @@ def _inventory(lab, dest: Path, stack_root: Path, dh: str) -> Path:
         "stack_root": str(stack_root),
         "stack_health_check_from": "container",
         "stack_pull": "never",
+        # written to the node's secrets file (its /etc is the lab node's own overlay)
+        "stack_secrets": SECRETS,
     }
     (dest / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
     (dest / "group_vars" / "all.yml").write_text(yaml.safe_dump(gv, sort_keys=False))
@@ -96,13 +108,31 @@ def _deploy_and_check(lab, inv: Path, project_dir: Path, stack_root: Path) -> No
             assert r.status == 200
         body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 4,
                            "ignore_eos": True}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{PROXY_PORT}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+        url = f"http://127.0.0.1:{PROXY_PORT}/v1/completions"
+        # the secrets file Ansible wrote holds the client keys: no key, no answer
+        anonymous = urllib.request.Request(url, data=body,
+                                           headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(anonymous, timeout=30)
+            raise AssertionError("the proxy answered without a client key")
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 401, exc.code
+        req = urllib.request.Request(url, data=body, headers={
+            "Content-Type": "application/json",
+            "Authorization": f"Bearer {SECRETS['PDSTACK_API_KEYS']}"})
         with urllib.request.urlopen(req, timeout=120) as r:
             answer = json.load(r)
         assert answer["model"] == "tiny", answer
         assert answer["usage"]["completion_tokens"] == 4, answer
         assert answer["choices"][0]["finish_reason"] == "length", answer
+        # the engine wants its own key (the proxy sent it), and nothing hands a secret out
+        report = check_stack(project_dir, SECRETS, bearer=SECRETS["VLLM_API_KEY"])
+        print(f"\ncanaries: {report.answered} HTTP answers on ports {report.ports}, "
+              f"processes {report.processes}: {report.leaks or 'clean'}")
+        assert not report.leaks, report.leaks
+        assert report.answered >= 20, f"only {report.answered} HTTP answers: nothing checked"
+        assert set(report.processes) == {"engine-0", "lmcache", "lmcache-metrics", "proxy"}, (
+            report.processes)
         again = playbook(lab, "ansible/deploy.yml", inv, timeout=900)
         assert again.rc == 0, again.tail(150)
         assert again.changed() == 0, again.tail(150)
