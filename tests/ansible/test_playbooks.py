@@ -185,15 +185,13 @@ def test_converge_idempotent_and_check_mode(clean_alab, tmp_path):
     # every node's state is its own: the machine's /opt and /etc are untouched
     assert not Path(stack_dir).exists()
 
+    # a second run changes nothing (check mode on a converged node: deploy.yml's, in
+    # tests/ansible/test_deploy_docker.py; a 4th site.yml here cost ~45 s of CI)
     again = playbook(lab, "site.yml", inv, *args)
     assert again.rc == 0, again.tail()
     assert again.changed() == 0, again.tail()
-
-    check2 = playbook(lab, "site.yml", inv, "--check", "--diff", *args)
-    assert check2.rc == 0, check2.tail()
-    assert check2.changed() == 0, check2.tail()
     print(f"\ncheck mode (fresh) {check.seconds:.1f}s, converge {converge.seconds:.1f}s, "
-          f"idempotence {again.seconds:.1f}s, check mode (converged) {check2.seconds:.1f}s")
+          f"idempotence {again.seconds:.1f}s")
 
 
 def _gpu_inventory(lab, dest: Path) -> Path:
