@@ -78,7 +78,10 @@ def row(name: str, r: dict) -> str:
     computed = by_src.get("local_compute")
     waited = pd.get("pdstack_proxy_admission_waited_total")
     wait_s = pd.get("pdstack_proxy_admission_wait_seconds_total")
-    adm = "-" if waited is None else f"{waited:.0f} ({(wait_s or 0) / waited:.2f})" if waited else "0"
+    if waited is None:
+        adm = "-"
+    else:
+        adm = f"{waited:.0f} ({(wait_s or 0) / waited:.2f})" if waited else "0"
     hit = prom.get("prefix_cache_hit_ratio")
     ext = prom.get("external_prefix_cache_hit_ratio")
     kv = r.get("peak_kv_cache_usage")
