@@ -25,11 +25,16 @@ flat). This gate keeps every gated engine below a KV watermark:
 - the queue is fair across tenants (:mod:`pdstack.proxy.tenants`; ``fairness``, on by
   default): one FIFO per tenant, released by start-time fair queuing (a weighted fair
   queuing variant: each waiter's tag is ``max(virtual time, its tenant's last finish)``,
-  a tenant's finish advances by ``prompt tokens / weight``, the smallest tag goes first),
-  so under saturation tenants are served in proportion to their weights in prompt tokens,
-  not in arrival order. Priority classes are strict: ``interactive`` waiters go before
-  any ``batch`` one, and a full queue sheds its newest ``batch`` waiter (503) to make
-  room for an ``interactive`` request. A tenant's ``max_queued`` bounds its own share
+  a tenant's finish advances by ``cost / weight``, the smallest tag goes first), so under
+  saturation tenants share the engines in proportion to their weights, not in arrival
+  order. The cost is what a request occupies: engine seconds (from the proxy's admission
+  to the request's end), charged at queueing as the tenant's recent average and settled
+  with the measured time when it ends (as ``tpm`` settles with the real usage). Prompt
+  tokens alone undercharged a flood of short prompts with long answers: a tenant with long
+  prompts waited for ~9 of the flood's requests each time (issue 24).
+  Priority classes are strict: ``interactive`` waiters go before any ``batch`` one, and
+  a full queue sheds its newest ``batch`` waiter (503) to make room for an
+  ``interactive`` request. A tenant's ``max_queued`` bounds its own share
   (over it: 429 ``rate_limit_exceeded``). ``fairness: false`` is one FIFO (arrival order),
   the tenant bounds still counted.
 
@@ -54,6 +59,7 @@ from pdstack.proxy.periodic import every
 from pdstack.proxy.tenants import TenantState
 
 GATED_ROLES = ("decode", "colocated")
+COST_EWMA = 0.2  # weight of the newest request in a tenant's average engine seconds
 
 
 class AdmissionRejected(Exception):
@@ -186,7 +192,14 @@ class KvAdmission:
         self._headers = headers or dict
         self._ignores_waiting = ignores_waiting or (lambda backend: False)
         self.loads: dict[str, EngineLoad] = {}
-        self._queue = FairQueue(config.fairness)
+        self._queue = FairQueue(config.fairness, cost=self.cost_of)
+        # fair queuing's cost: engine seconds per request, a moving average per tenant
+        # (bounded: the configured tenants and the default one) and over all of them
+        self._cost: dict[str, float] = {}
+        self._cost_all = 0.0
+        # request id -> (tenant name, admitted at, cost charged in the queue or 0): requests
+        # in flight only (forget() drops them)
+        self._running: dict[str, tuple[str, float, float]] = {}
         # called with (tenant, seconds) when a waiter leaves the queue (per-tenant metrics)
         self.on_wait: Callable[[TenantState | None, float], None] | None = None
         self._task: asyncio.Task[None] | None = None
@@ -299,6 +312,7 @@ class KvAdmission:
 
     def forget(self, request_id: str) -> None:
         """The request is over (answered, failed or cancelled): drop what it holds."""
+        self._settle(request_id)
         dropped = [load.drop(request_id) for load in self.loads.values()]
         if any(dropped):
             self.pump()
@@ -325,13 +339,18 @@ class KvAdmission:
         candidates: Callable[[], list[BackendState]],
         tokens: int,
         tenant: TenantState | None = None,
+        request_id: str = "",
     ) -> None:
         """Return once some candidate is open for ``tokens`` (behind earlier waiters: FIFO,
-        or fair across tenants), or raise :class:`AdmissionRejected`."""
+        or fair across tenants), or raise :class:`AdmissionRejected`. With ``request_id``,
+        the request's engine time is measured until :meth:`forget` (the fair cost)."""
         if not self.config.enabled:
             return
+        name = tenant.name if tenant is not None else ""
         queue = self._queue
         if not queue and self._fits(candidates(), tokens):
+            if request_id:
+                self._running[request_id] = (name, time.monotonic(), 0.0)
             return
         if tenant is not None:
             cap = tenant.policy.max_queued
@@ -371,6 +390,28 @@ class KvAdmission:
             if self.on_wait is not None:
                 self.on_wait(tenant, waited)
         self.admitted_after_wait += 1
+        if request_id:
+            self._running[request_id] = (name, time.monotonic(), waiter.cost)
+
+    def cost_of(self, tenant: str) -> float:
+        """What a request of ``tenant`` is charged in the fair queue before it has run:
+        its tenant's average engine seconds, else every tenant's, else 1 s."""
+        return self._cost.get(tenant) or self._cost_all or 1.0
+
+    def _settle(self, request_id: str) -> None:
+        """The request ended: its measured engine time updates its tenant's average and
+        corrects what its queueing charged."""
+        entry = self._running.pop(request_id, None)
+        if entry is None:
+            return
+        name, admitted, charged = entry
+        seconds = max(time.monotonic() - admitted, 1e-3)
+        old = self._cost.get(name)
+        self._cost[name] = seconds if old is None else old + COST_EWMA * (seconds - old)
+        self._cost_all = seconds if not self._cost_all else (
+            self._cost_all + COST_EWMA * (seconds - self._cost_all))
+        if charged:
+            self._queue.settle(name, seconds - charged)
 
     def _shed_for(self, rank: int) -> bool:
         """A full queue: drop its newest waiter of a lower class than ``rank`` (503 to
@@ -423,8 +464,10 @@ class _Waiter:
     tokens: int
     future: asyncio.Future[None]
     tenant: TenantState | None = None
-    tag: float = 0.0  # start tag (fair queuing)
+    cost: float = 0.0  # charged in the fair queue (set when it becomes its flow's head)
+    tag: float = 0.0  # start tag (fair queuing; set when it becomes its flow's head)
     queued: bool = False
+    seq: int = 0  # arrival order
 
 
 @dataclass(eq=False)
@@ -443,12 +486,16 @@ class FairQueue:
     waiters, plus one small record per tenant while it has waiters (the tenant set is
     the configured one)."""
 
-    def __init__(self, fair: bool) -> None:
+    def __init__(self, fair: bool, cost: Callable[[str], float] | None = None) -> None:
         self.fair = fair
+        # what a waiter of a tenant is charged when it becomes its flow's head (None: its
+        # prompt tokens); read then, not at arrival, so a long queue carries no stale charges
+        self._cost = cost
         self._fifo: deque[_Waiter] = deque()
         self._flows: dict[str, _Flow] = {}
         self._vtime = 0.0
         self._len = 0
+        self._seq = 0
 
     def __len__(self) -> int:
         return self._len
@@ -458,6 +505,8 @@ class FairQueue:
 
     def push(self, w: _Waiter) -> None:
         w.queued = True
+        w.seq = self._seq
+        self._seq += 1
         self._len += 1
         if not self.fair:
             self._fifo.append(w)
@@ -468,9 +517,25 @@ class FairQueue:
             flow = self._flows[name] = _Flow()
             if w.tenant is not None:
                 flow.rank, flow.weight = w.tenant.policy.rank, w.tenant.policy.weight
-        w.tag = max(self._vtime, flow.finish)
-        flow.finish = w.tag + max(1, w.tokens) / flow.weight
         flow.waiters.append(w)
+        if len(flow.waiters) == 1:
+            self._tag(name, flow)
+
+    def _tag(self, name: str, flow: _Flow) -> None:
+        """The flow's head gets its start tag and is charged now (start-time fair queuing
+        with the tag computed at the head: the same order, and the charge is current)."""
+        w = flow.waiters[0]
+        w.cost = self._cost(name) if self._cost is not None else float(max(1, w.tokens))
+        w.tag = max(self._vtime, flow.finish)
+        flow.finish = w.tag + w.cost / flow.weight
+
+    def settle(self, tenant: str, delta: float) -> None:
+        """A request of ``tenant`` that waited here cost ``delta`` more (or less) than it
+        was charged: its tenant's later waiters start that much later (or earlier). Nothing
+        when the tenant's record is gone (its debt ended with the busy period)."""
+        flow = self._flows.get(tenant) if self.fair else None
+        if flow is not None:
+            flow.finish = max(self._vtime, flow.finish + delta / flow.weight)
 
     def head(self) -> _Waiter | None:
         """The waiter to admit next (not removed)."""
@@ -490,9 +555,11 @@ class FairQueue:
         """``w`` (the head) is admitted: virtual time moves to its tag."""
         if self.fair:
             self._vtime = max(self._vtime, w.tag)
-        self.discard(w)
+        self.discard(w, admitted=True)
 
-    def discard(self, w: _Waiter) -> None:
+    def discard(self, w: _Waiter, admitted: bool = False) -> None:
+        """``w`` leaves the queue: admitted (:meth:`pop`), or not (timed out, shed,
+        cancelled: a head's charge is given back)."""
         if not w.queued:
             return
         w.queued = False
@@ -507,6 +574,10 @@ class FairQueue:
         flow = self._flows[name]
         if flow.waiters[0] is w:
             flow.waiters.popleft()
+            if not admitted:
+                flow.finish = w.tag  # it never ran: its charge is given back
+            if flow.waiters:
+                self._tag(name, flow)
         else:
             flow.waiters.remove(w)
         if not self._len:  # the busy period is over: nobody owes anything
@@ -518,7 +589,7 @@ class FairQueue:
     def newest_below(self, rank: int) -> _Waiter | None:
         """The most recent waiter of a class below ``rank`` (a larger rank number)."""
         victims = [f.waiters[-1] for f in self._flows.values() if f.waiters and f.rank > rank]
-        return max(victims, key=lambda w: w.tag, default=None)
+        return max(victims, key=lambda w: w.seq, default=None)
 
     def drain(self) -> list[_Waiter]:
         out = [*self._fifo, *(w for f in self._flows.values() for w in f.waiters)]

@@ -360,7 +360,7 @@ class Flows(Legs):
         headroom; None = go on, else the client's 503."""
         tenant = ctx.ticket.tenant if ctx.ticket is not None else None
         try:
-            await self.admission.wait_open(candidates, ctx.tokens, tenant)
+            await self.admission.wait_open(candidates, ctx.tokens, tenant, ctx.request_id)
         except AdmissionRejected as exc:
             ctx.outcome = "rejected"
             self.metrics.admission_rejected.labels(exc.reason).inc()

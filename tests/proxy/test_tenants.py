@@ -379,6 +379,62 @@ async def test_noisy_neighbour_without_fairness_shows_the_problem() -> None:
     assert crowded >= 3 * alone  # FIFO: B waits behind A's whole queue
 
 
+async def test_long_prompts_are_not_charged_for_a_flood_of_long_answers() -> None:
+    """Fair queuing charges what a request occupies (engine seconds, settled when it ends),
+    not its prompt tokens: tenant B's long prompts (1 token out) against A's flood of short
+    prompts with 16-token answers wait for a slot, not for ~9 of A's requests each time
+    (charged by prompt tokens, B's TTFT P99 was 14.8 s here; issue 24)."""
+    itl_ms, ttft_ms, out = 40.0, 50.0, 16
+    a_service = (ttft_ms + out * itl_ms) / 1000  # one of A's requests holds a slot this long
+    async with ph.engines("e0", ttft_ms=ttft_ms, itl_ms=itl_ms, output_tokens=out,
+                          max_running=2) as e:
+        cfg = {
+            "tenants": {"alpha": TenantPolicy("alpha", max_queued=24),
+                        "beta": TenantPolicy("beta")},
+            "tenant_keys": keyed("alpha", "beta"),
+            "admission": AdmissionConfig(enabled=True, max_running=2),
+        }
+        async with ph.running_proxy(table(e["e0"]), **cfg) as rp:
+
+            async def drive(tenant: str, rate: float, seconds: float, words: int,
+                            max_tokens: int, ttfts: list[float], statuses: list[int]) -> None:
+                async def one(n: int) -> None:
+                    t0 = time.perf_counter()
+                    prompt = " ".join(f"{tenant}{n}w{i}" for i in range(words))
+                    async with rp.session.post(
+                        f"{rp.url}/v1/completions", headers=auth(tenant),
+                        json={"model": "fake", "prompt": prompt, "max_tokens": max_tokens,
+                              "stream": True},
+                    ) as r:
+                        if r.status == 200:
+                            await r.content.readany()
+                            ttfts.append(time.perf_counter() - t0)
+                        await r.read()
+                        statuses.append(r.status)
+
+                tasks, start, i = [], time.perf_counter(), 0
+                while (now := time.perf_counter() - start) < seconds:
+                    if i / rate > now:
+                        await asyncio.sleep(i / rate - now)
+                    tasks.append(asyncio.create_task(one(i)))
+                    i += 1
+                await asyncio.gather(*tasks)
+
+            a_status: list[int] = []
+            flood = asyncio.create_task(drive("alpha", 40.0, 7.0, 20, out, [], a_status))
+            await asyncio.sleep(1.5)  # A holds both slots and a full queue from here on
+            b_ttft: list[float] = []
+            b_status: list[int] = []
+            await drive("beta", 2.0, 4.0, 1400, 1, b_ttft, b_status)
+            await flood
+    print(f"long prompts vs a flood of long answers: B TTFT P99 {p99(b_ttft) * 1000:.0f} ms "
+          f"(one of A's requests holds a slot {a_service * 1000:.0f} ms); A 429s "
+          f"{a_status.count(429)}/{len(a_status)}")
+    assert set(b_status) == {200}
+    assert a_status.count(429) > 0  # A really was over its share
+    assert p99(b_ttft) <= 2 * a_service
+
+
 async def test_weights_3_to_1_share_the_saturated_engine() -> None:
     ttft_ms = TTFT_MS / 2
     capacity_rps = CAPACITY / (ttft_ms / 1000)  # 40 req/s
