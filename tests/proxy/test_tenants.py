@@ -292,17 +292,18 @@ CAPACITY_RPS = CAPACITY / (TTFT_MS / 1000)  # 20 req/s of one-token answers
 
 async def _drive(rp: ph.RunningProxy, tenant: str, rate: float, seconds: float,
                  ttfts: list[float], statuses: list[int], retry_after: list[str],
-                 long: bool = False) -> None:
+                 long: bool = False, words: int = 0, max_tokens: int = 1) -> None:
     """Open loop: ``rate`` requests per second for ``seconds``; records TTFT of 200s.
-    ``long``: answers of 1-8 tokens (so the engine's slots free at scattered times)."""
+    ``long``: answers of 1-8 tokens (so the engine's slots free at scattered times), else
+    ``max_tokens``; ``words``: prompts of that many distinct words (else two)."""
 
     async def one(n: int) -> None:
         started = time.perf_counter()
-        max_tokens = 1 + n % 8 if long else 1
+        prompt = " ".join(f"{tenant}{n}w{i}" for i in range(words)) or f"{tenant} hello"
         async with rp.session.post(
             f"{rp.url}/v1/completions", headers=auth(tenant),
-            json={"model": "fake", "prompt": f"{tenant} hello", "max_tokens": max_tokens,
-                  "stream": True},
+            json={"model": "fake", "prompt": prompt,
+                  "max_tokens": 1 + n % 8 if long else max_tokens, "stream": True},
         ) as r:
             if r.status == 200:
                 await r.content.readany()
@@ -395,37 +396,13 @@ async def test_long_prompts_are_not_charged_for_a_flood_of_long_answers() -> Non
             "admission": AdmissionConfig(enabled=True, max_running=2),
         }
         async with ph.running_proxy(table(e["e0"]), **cfg) as rp:
-
-            async def drive(tenant: str, rate: float, seconds: float, words: int,
-                            max_tokens: int, ttfts: list[float], statuses: list[int]) -> None:
-                async def one(n: int) -> None:
-                    t0 = time.perf_counter()
-                    prompt = " ".join(f"{tenant}{n}w{i}" for i in range(words))
-                    async with rp.session.post(
-                        f"{rp.url}/v1/completions", headers=auth(tenant),
-                        json={"model": "fake", "prompt": prompt, "max_tokens": max_tokens,
-                              "stream": True},
-                    ) as r:
-                        if r.status == 200:
-                            await r.content.readany()
-                            ttfts.append(time.perf_counter() - t0)
-                        await r.read()
-                        statuses.append(r.status)
-
-                tasks, start, i = [], time.perf_counter(), 0
-                while (now := time.perf_counter() - start) < seconds:
-                    if i / rate > now:
-                        await asyncio.sleep(i / rate - now)
-                    tasks.append(asyncio.create_task(one(i)))
-                    i += 1
-                await asyncio.gather(*tasks)
-
             a_status: list[int] = []
-            flood = asyncio.create_task(drive("alpha", 40.0, 7.0, 20, out, [], a_status))
+            flood = asyncio.create_task(_drive(rp, "alpha", 40.0, 7.0, [], a_status, [],
+                                               words=20, max_tokens=out))
             await asyncio.sleep(1.5)  # A holds both slots and a full queue from here on
             b_ttft: list[float] = []
             b_status: list[int] = []
-            await drive("beta", 2.0, 4.0, 1400, 1, b_ttft, b_status)
+            await _drive(rp, "beta", 2.0, 4.0, b_ttft, b_status, [], words=1400)
             await flood
     print(f"long prompts vs a flood of long answers: B TTFT P99 {p99(b_ttft) * 1000:.0f} ms "
           f"(one of A's requests holds a slot {a_service * 1000:.0f} ms); A 429s "
