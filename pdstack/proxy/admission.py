@@ -62,6 +62,11 @@ GATED_ROLES = ("decode", "colocated")
 COST_EWMA = 0.2  # weight of the newest request in a tenant's average engine seconds
 
 
+def _ewma(average: float | None, value: float) -> float:
+    """``average`` moved toward ``value`` by COST_EWMA (``value`` itself when there is none)."""
+    return value if average is None else average + COST_EWMA * (value - average)
+
+
 class AdmissionRejected(Exception):
     """No gated engine had KV headroom within the deadline, or the queue was full."""
 
@@ -406,10 +411,8 @@ class KvAdmission:
             return
         name, admitted, charged = entry
         seconds = max(time.monotonic() - admitted, 1e-3)
-        old = self._cost.get(name)
-        self._cost[name] = seconds if old is None else old + COST_EWMA * (seconds - old)
-        self._cost_all = seconds if not self._cost_all else (
-            self._cost_all + COST_EWMA * (seconds - self._cost_all))
+        self._cost[name] = _ewma(self._cost.get(name), seconds)
+        self._cost_all = _ewma(self._cost_all or None, seconds)
         if charged:
             self._queue.settle(name, seconds - charged)
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdstack.compose_up import service_states
+from pdstack.quickstart import stack_ports
+from pdstack.testing.heavy import container_pids
 
 SECRET_NAMES = ("HF_TOKEN", "PDSTACK_ADMIN_TOKEN", "PDSTACK_API_KEYS", "VLLM_API_KEY")
 # every GET a curious neighbour on the private network would try (LMCache's /env first)
@@ -27,20 +29,14 @@ def canaries(tag: str = "5f3a9c") -> dict[str, str]:
     return {name: f"canary-{name.lower()}-{tag}" for name in SECRET_NAMES}
 
 
-def http_ports(compose_text: str) -> list[int]:
-    """The TCP ports the rendered services listen on: engines', the proxy's and LMCache's
-    ``--port`` / ``--http-port``, and the metrics gate's (its inline script's argument)."""
-    ports = {int(p) for p in re.findall(r'"--(?:port|http-port)", "(\d+)"', compose_text)}
-    ports |= {int(p) for p in re.findall(r'"python3", "-c", "[^"]*", "[^"]+", "(\d+)"',
-                                         compose_text)}
-    return sorted(p for p in ports if p >= 1024)  # not the watchdog's "30" (seconds)
-
-
-def container_pids(container: str) -> list[int]:
-    """All host PIDs of one container."""
-    res = subprocess.run(["docker", "top", container, "-eo", "pid"], capture_output=True,
-                         text=True, check=True)
-    return [int(x) for x in res.stdout.split()[1:] if x.isdigit()]
+def http_ports(stack_dir: Path) -> list[int]:
+    """The TCP ports the rendered services listen on: the stack's ``--port`` /
+    ``--http-port`` ones (:func:`pdstack.quickstart.stack_ports`), and the LMCache metrics
+    gate's (its inline script's port argument)."""
+    text = (stack_dir / "compose.yaml").read_text()
+    gate = {int(p) for p in re.findall(r'"python3", "-c", "[^"]*", "[^"]+", "(\d+)"', text)}
+    # >= 1024: not the engine watchdog's arguments (its "30" is seconds)
+    return sorted(set(stack_ports(stack_dir)) | {p for p in gate if p >= 1024})
 
 
 @dataclass
@@ -54,7 +50,7 @@ class CanaryReport:
 def check_stack(stack_dir: Path, secrets: dict[str, str], *, project: str | None = None,
                 host: str = "127.0.0.1", bearer: str = "") -> CanaryReport:
     """Look for every value of ``secrets`` where no secret belongs; the report lists leaks."""
-    report = CanaryReport(ports=http_ports((stack_dir / "compose.yaml").read_text()))
+    report = CanaryReport(ports=http_ports(stack_dir))
     headers = {"Authorization": f"Bearer {bearer}"} if bearer else {}
 
     def scan(where: str, text: str) -> None:

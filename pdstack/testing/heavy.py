@@ -82,3 +82,11 @@ def netns_lab() -> ModuleType:
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules[name]
+
+
+def container_pids(container: str) -> list[int]:
+    """All host PIDs of one container (``docker top``)."""
+    res = subprocess.run(
+        ["docker", "top", container, "-eo", "pid"], capture_output=True, text=True, check=True
+    )
+    return [int(x) for x in res.stdout.split()[1:] if x.isdigit()]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import socket
-import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -18,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from pdstack.testing.heavy import CPU_STACK_IMAGES, heavy_lock
+from pdstack.quickstart import stack_ports  # noqa: F401  (the tests import it from here)
+from pdstack.testing.heavy import CPU_STACK_IMAGES, container_pids, heavy_lock
 from pdstack.testing.heavy import require_docker as require_docker_images
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,13 +28,6 @@ IMAGES = CPU_STACK_IMAGES
 
 def require_docker() -> None:
     require_docker_images(IMAGES)
-
-
-def stack_ports(stack_dir: Path) -> list[int]:
-    """Every host port the rendered stack binds (all services use network_mode: host)."""
-    text = (stack_dir / "compose.yaml").read_text()
-    ports = {int(p) for p in re.findall(r'"--(?:port|http-port)", "(\d+)"', text)}
-    return sorted(ports)
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
@@ -73,13 +66,6 @@ def metric_sum(metrics: dict[str, float], name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in rest for k, v in labels.items()):
             total += value
     return total
-
-
-def container_pids(container_id: str) -> list[int]:
-    """All host PIDs of one container (from its cgroup)."""
-    res = subprocess.run(["docker", "top", container_id, "-eo", "pid"], capture_output=True,
-                         text=True, check=True)
-    return [int(x) for x in res.stdout.split()[1:] if x.isdigit()]
 
 
 def proc_mem_kib(pid: int) -> tuple[int, int]:
