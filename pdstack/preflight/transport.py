@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-import paramiko
+import paramiko  # type: ignore[import-untyped]  # no stubs in the venv
 
 from pdstack.plan import SshTarget
 

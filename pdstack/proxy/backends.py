@@ -63,7 +63,9 @@ class BackendState:
     consecutive_successes: int = 0
     ejections: int = 0
     served: int = 0
-    last_success: float = 0.0  # time.monotonic() of the last successful leg
+    # time.monotonic() of the last sign of progress: a leg answered, or a streaming leg
+    # received data
+    last_success: float = 0.0
     last_error: str = ""
     # accepted requests and made no progress (pdstack.proxy.progress): ejected, and
     # re-admitted only after a real generation answers, not a bare /health
@@ -76,6 +78,10 @@ class BackendState:
     # upstream connections of legs that have sent nothing to a client yet (aborted,
     # and so re-routed, when the backend is ejected)
     pending: PendingLegs = field(default_factory=PendingLegs, repr=False)
+    # upstream connections of legs streaming to a client (a stall of all of them, with no
+    # other progress, makes a wedge suspect too; aborted, with an error event to their
+    # clients, when the backend is found wedged)
+    streaming: PendingLegs = field(default_factory=PendingLegs, repr=False)
 
     @property
     def usable(self) -> bool:

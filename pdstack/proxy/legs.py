@@ -233,6 +233,7 @@ class Legs:
         host, port, _ = self._address(backend)
         backend.in_flight += 1
         proto: RelayProtocol | None = None
+        streaming: RelayProtocol | None = None
         response: web.StreamResponse | None = None
         timeout = config.decode_first_byte_timeout_s or ctx.budget_s
         try:
@@ -273,8 +274,15 @@ class Legs:
             client = request.transport
             if client is None or client.is_closing():
                 raise ConnectionResetError("client went away")
+            streaming = proto
+            backend.streaming.add(streaming)
+
+            def progress() -> None:
+                backend.last_success = time.monotonic()
+
             failure = await relay_body(
-                proto, client, chunked, pending, config.stream_idle_timeout_s, rewrite
+                proto, client, chunked, pending, config.stream_idle_timeout_s, rewrite,
+                progress,
             )
             if failure:
                 message = f"{backend.role} {backend.name} failed mid-stream: {failure}"
@@ -298,6 +306,8 @@ class Legs:
             return response if response is not None else web.Response(status=499)
         finally:
             backend.in_flight -= 1
+            if streaming is not None:
+                backend.streaming.discard(streaming)
             if proto is not None:
                 proto.abort()  # the engine sees a disconnect and aborts the request
 

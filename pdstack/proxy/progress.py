@@ -7,14 +7,17 @@ none. The proxy sees it from its own legs, at no cost while the engine works:
 
 - a *suspect*: a leg to the backend has waited longer than ``wedge_after_s`` for its answer
   (prefill) or first byte (decode), and no leg on that backend got one since that leg was
-  sent (``BackendState.pending`` ages vs ``last_success``). A busy engine answers other
-  legs meanwhile and is never suspected; one long request alone is, once;
+  sent (``BackendState.pending`` ages vs ``last_success``); or legs are streaming from it
+  and no chunk came from any of them for ``wedge_after_s`` (``BackendState.streaming``). A
+  busy engine answers other legs meanwhile and is never suspected; one long request alone
+  is, once;
 - the *confirmation*: a real one-token generation with a deadline (``wedge_probe_timeout_s``)
   on the suspect. It answers: the engine is slow, not wedged (nothing happens). It does
   not: the backend is **wedged** — ejected (its waiting legs are aborted and re-routed at
-  once, not after their budget), counted in ``pdstack_proxy_wedged_total{backend}``, logged
-  as ``wedged backend NAME (URL): ...``, and re-admitted only when that generation answers
-  again (a bare ``/health`` is no evidence for it).
+  once, not after their budget; its stalled streams end with an error event), counted in
+  ``pdstack_proxy_wedged_total{backend}``, logged as ``wedged backend NAME (URL): ...``, and
+  re-admitted only when that generation answers again (a bare ``/health`` is no evidence
+  for it).
 
 Replacing a wedged engine (a restart) is not the proxy's job: the engine container's own
 healthcheck sees the same thing from the engine's ``/metrics`` (requests waiting or
@@ -33,7 +36,7 @@ from typing import Any
 
 import aiohttp
 
-from pdstack.proxy.backends import BackendRegistry, BackendState
+from pdstack.proxy.backends import BackendRegistry, BackendState, PendingLegs
 
 log = logging.getLogger("pdstack.proxy")
 
@@ -84,12 +87,18 @@ class ProgressWatch:
         self._checks: dict[str, asyncio.Task[None]] = {}
 
     def stuck_for(self, backend: BackendState, now: float) -> float:
-        """Seconds the oldest waiting leg of ``backend`` has waited with no answer from the
-        backend since it was sent (0: not stuck)."""
+        """Seconds ``backend`` has kept a leg waiting with no sign of progress (0: not
+        stuck): the oldest leg waiting for its answer or first byte, when nothing came
+        from the backend since it was sent; or, while legs stream, the time since the
+        last chunk or answer from any leg (a core that stops mid-stream leaves its streams
+        hanging, and a router that balances by load then sends it nothing new)."""
+        stuck = 0.0
         oldest = backend.pending.oldest()
-        if oldest is None or backend.last_success >= oldest:
-            return 0.0
-        return now - oldest
+        if oldest is not None and backend.last_success < oldest:
+            stuck = now - oldest
+        if backend.streaming:
+            stuck = max(stuck, now - backend.last_success)
+        return stuck
 
     def round(self) -> None:
         """Start a confirmation on every healthy backend stuck past ``wedge_after_s``."""
@@ -132,6 +141,11 @@ class ProgressWatch:
             )
             self._on_wedged(backend)
             self._registry().eject(backend, reason)
+            # its streams have stalled with it: end them now (an error event to each
+            # client, pdstack.proxy.legs) instead of after the stream idle timeout
+            streams, backend.streaming = backend.streaming, PendingLegs()
+            for proto in streams:
+                proto.abort()
         finally:
             self._checks.pop(backend.name, None)
 

@@ -561,6 +561,11 @@ def _logs_on_failure(*services: str, tail: int = 60) -> Iterator[None]:
         for service in services:
             print(f"\n--- last {tail} log lines of {service} ---\n"
                   f"{service_logs(CPU_STACK, service, tail=tail)}")
+        # the proxy's INFO lines (a decoder serving whole, at 2 req/s) bury its decisions:
+        # every ejection, wedge and re-admission of this module's run, whatever their age
+        warnings = [line for line in service_logs(CPU_STACK, "proxy", tail=100_000).splitlines()
+                    if " WARNING " in line or " ERROR " in line]
+        print("\n--- the proxy's warnings (last 80) ---\n" + "\n".join(warnings[-80:]))
         raise
 
 

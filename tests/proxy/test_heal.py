@@ -62,6 +62,36 @@ async def test_wedged_decoder_found_ejected_and_readmitted_only_when_it_generate
             )
 
 
+async def test_decoder_stalled_mid_stream_is_found_wedged_and_its_stream_ended(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """d0 streams one token and then stops (an engine core stopped mid-generation) while its
+    /health says 200: no leg waits for a first byte (the one on d0 already got it) and a
+    router balancing by load sends it nothing new, so only the stalled stream shows it.
+    The proxy flags d0 wedged within the wedge budget and ends that stream with an error
+    event, instead of after the 60 s stream idle timeout."""
+    caplog.set_level(logging.WARNING, logger="pdstack.proxy")
+    async with ph.engines("p0", "d0", output_tokens=5) as e:
+        cfg = {"wedge_after_s": 0.5, "wedge_probe_timeout_s": 0.5, "eject_after": 100,
+               "stream_idle_timeout_s": 60.0}
+        async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"]), **cfg) as rp:
+            e["d0"].faults = Faults(hang_after_chunks=1)  # the probe hangs too
+            t0 = time.monotonic()
+            res = await asyncio.wait_for(
+                ph.stream_completion(rp.session, rp.url, "stalls", max_tokens=5), 20)
+            took = time.monotonic() - t0
+            d0 = rp.registry.backends["d0"]
+            text = await rp.metrics()
+            assert res.status == 200 and res.events, res.text
+            errors = [ev for ev in res.events if '"error"' in ev]
+            assert len(errors) == 1 and "d0 failed mid-stream" in errors[0], res.events
+            assert took < 6.0, f"the stalled stream ended after {took:.1f}s"
+            assert d0.wedged and not d0.healthy
+            assert not d0.streaming, "an ended stream is still counted on d0"
+            assert ph.metric_value(text, "pdstack_proxy_wedged_total", backend="d0") == 1
+            assert any("wedged backend d0" in r.getMessage() for r in caplog.records)
+
+
 async def test_slow_engine_is_suspected_but_not_wedged() -> None:
     """One request far slower than the wedge budget, alone on its decoder: the 1-token probe
     answers, so nothing is ejected and the request is served."""
