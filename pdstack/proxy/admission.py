@@ -205,6 +205,7 @@ class KvAdmission:
         # request id -> (tenant name, admitted at, cost charged in the queue or 0): requests
         # in flight only (forget() drops them)
         self._running: dict[str, tuple[str, float, float]] = {}
+        self._tenant_running: dict[str, int] = {}  # tenant name -> its requests in _running
         # called with (tenant, seconds) when a waiter leaves the queue (per-tenant metrics)
         self.on_wait: Callable[[TenantState | None, float], None] | None = None
         self._task: asyncio.Task[None] | None = None
@@ -268,14 +269,16 @@ class KvAdmission:
                 del load.reserved[rid]
 
     # ------------------------------------------------------------ decisions
-    def is_open(self, backend: BackendState, tokens: int) -> bool:
+    def is_open(self, backend: BackendState, tokens: int, tenant: str | None = None) -> bool:
+        """``backend`` may take a request of ``tokens`` now (of ``tenant``: see
+        :meth:`_first_of_tenant` for the running cap)."""
         if not self.config.enabled:
             return True
         load = self.loads.get(backend.name)
         if load is None or (not load.active and backend.in_flight == 0):
             return True  # idle (or never scraped): always open
         cap = self.config.max_running
-        if cap > 0 and len(load.active) >= cap:
+        if cap > 0 and len(load.active) >= cap and not self._first_of_tenant(load, tenant):
             return False  # the proxy's own count: needs no scrape
         fresh = time.monotonic() - load.scraped_at <= self.config.stale_after_s
         if not fresh or load.capacity_tokens <= 0:
@@ -283,6 +286,19 @@ class KvAdmission:
         if load.waiting > self.config.max_waiting and not self._ignores_waiting(backend):
             return False
         return load.fill(tokens) <= self.config.kv_high
+
+    def _first_of_tenant(self, load: EngineLoad, tenant: str | None) -> bool:
+        """Fair queuing's guarantee at the running cap: a tenant with nothing running (on
+        any engine) may go one over the cap of a full engine (at most ``max_running`` over in all).
+        An engine batches: without it, a tenant that keeps the cap full makes every other
+        tenant's request wait for one of its requests to end, however fair the queue's
+        order (vLLM does not preempt for the proxy), and that wait, not the queue, is
+        what a flood then costs the others."""
+        if tenant is None or not self.config.fairness:
+            return False
+        if len(load.active) >= 2 * self.config.max_running:
+            return False
+        return not self._tenant_running.get(tenant)
 
     def open_among(self, candidates: Iterable[BackendState], tokens: int) -> list[BackendState]:
         return [b for b in candidates if b.usable and self.is_open(b, tokens)]
@@ -353,9 +369,8 @@ class KvAdmission:
             return
         name = tenant.name if tenant is not None else ""
         queue = self._queue
-        if not queue and self._fits(candidates(), tokens):
-            if request_id:
-                self._running[request_id] = (name, time.monotonic(), 0.0)
+        if not queue and self._fits(candidates(), tokens, name):
+            self._start(request_id, name, 0.0)
             return
         if tenant is not None:
             cap = tenant.policy.max_queued
@@ -372,7 +387,9 @@ class KvAdmission:
                 f"every engine is near its KV limit and {len(queue)} requests wait "
                 "already; retry later",
             )
-        waiter = _Waiter(candidates, tokens, asyncio.get_running_loop().create_future(), tenant)
+        waiter = _Waiter(
+            candidates, tokens, asyncio.get_running_loop().create_future(), tenant, request_id
+        )
         queue.push(waiter)
         if tenant is not None:
             tenant.queued += 1
@@ -394,9 +411,7 @@ class KvAdmission:
             self.wait_seconds_sum += waited
             if self.on_wait is not None:
                 self.on_wait(tenant, waited)
-        self.admitted_after_wait += 1
-        if request_id:
-            self._running[request_id] = (name, time.monotonic(), waiter.cost)
+        self.admitted_after_wait += 1  # counted in _running when admitted (_admit)
 
     def cost_of(self, tenant: str) -> float:
         """What a request of ``tenant`` is charged in the fair queue before it has run:
@@ -410,6 +425,11 @@ class KvAdmission:
         if entry is None:
             return
         name, admitted, charged = entry
+        left = self._tenant_running.get(name, 1) - 1
+        if left > 0:
+            self._tenant_running[name] = left
+        else:
+            self._tenant_running.pop(name, None)
         seconds = max(time.monotonic() - admitted, 1e-3)
         self._cost[name] = _ewma(self._cost.get(name), seconds)
         self._cost_all = _ewma(self._cost_all or None, seconds)
@@ -445,20 +465,47 @@ class KvAdmission:
             if head.future.done():
                 queue.discard(head)
                 continue
-            if self._fits(head.candidates(), head.tokens):
-                queue.pop(head)
-                head.future.set_result(None)
+            if self._fits(head.candidates(), head.tokens, _tenant_name(head)):
+                self._admit(head)
+                return
+            # the head waits for the running cap; a tenant with nothing running on a full
+            # engine need not (one over the cap, _first_of_tenant): the other flows' heads
+            for w in queue.flow_heads():
+                if w is not head and not w.future.done() and self._fits(
+                    w.candidates(), w.tokens, _tenant_name(w)
+                ):
+                    self._admit(w)
             return
 
-    def _fits(self, candidates: list[BackendState], tokens: int) -> bool:
-        """Some usable candidate is open, or there is none at all (then routing answers
-        503 at once: admission never holds a request that no engine could take)."""
+    def _admit(self, w: _Waiter) -> None:
+        """``w`` leaves the queue admitted, and counts as its tenant's at once (before its
+        task runs again: the next pump sees it)."""
+        self._queue.pop(w)
+        self._start(w.request_id, _tenant_name(w), w.cost)
+        w.future.set_result(None)
+
+    def _start(self, request_id: str, tenant: str, charged: float) -> None:
+        """An admitted request: its engine time is measured from now until :meth:`forget`
+        (the fair cost), and it counts for its tenant (the running cap's guarantee)."""
+        if request_id:
+            if request_id not in self._running:
+                self._tenant_running[tenant] = self._tenant_running.get(tenant, 0) + 1
+            self._running[request_id] = (tenant, time.monotonic(), charged)
+
+    def _fits(self, candidates: list[BackendState], tokens: int, tenant: str | None) -> bool:
+        """Some usable candidate is open (to ``tenant``), or there is none at all (then
+        routing answers 503 at once: admission never holds a request that no engine could
+        take)."""
         usable = [b for b in candidates if b.usable]
-        return not usable or any(self.is_open(b, tokens) for b in usable)
+        return not usable or any(self.is_open(b, tokens, tenant) for b in usable)
 
     @property
     def queued(self) -> int:
         return len(self._queue)
+
+
+def _tenant_name(w: _Waiter) -> str:
+    return w.tenant.name if w.tenant is not None else ""
 
 
 @dataclass(eq=False)
@@ -467,6 +514,7 @@ class _Waiter:
     tokens: int
     future: asyncio.Future[None]
     tenant: TenantState | None = None
+    request_id: str = ""
     cost: float = 0.0  # charged in the fair queue (set when it becomes its flow's head)
     tag: float = 0.0  # start tag (fair queuing; set when it becomes its flow's head)
     queued: bool = False
@@ -554,8 +602,13 @@ class FairQueue:
                 best, best_rank = w, flow.rank
         return best
 
+    def flow_heads(self) -> list[_Waiter]:
+        """Each tenant's first waiter (fair queuing; none with one FIFO)."""
+        return [f.waiters[0] for f in self._flows.values() if f.waiters] if self.fair else []
+
     def pop(self, w: _Waiter) -> None:
-        """``w`` (the head) is admitted: virtual time moves to its tag."""
+        """``w`` (the head, or a flow's head going over the running cap) is admitted:
+        virtual time moves to its tag."""
         if self.fair:
             self._vtime = max(self._vtime, w.tag)
         self.discard(w, admitted=True)

@@ -380,6 +380,69 @@ async def test_noisy_neighbour_without_fairness_shows_the_problem() -> None:
     assert crowded >= 3 * alone  # FIFO: B waits behind A's whole queue
 
 
+async def _ttft(rp: ph.RunningProxy, tenant: str, prompt: str) -> float:
+    """One streamed one-token request: seconds to its first byte."""
+    started = time.perf_counter()
+    async with rp.session.post(
+        f"{rp.url}/v1/completions", headers=auth(tenant),
+        json={"model": "fake", "prompt": prompt, "max_tokens": 1, "stream": True},
+    ) as r:
+        assert r.status == 200, await r.text()
+        await r.content.readany()
+        took = time.perf_counter() - started
+        await r.read()
+    return took
+
+
+async def _one_over_the_cap(fairness: bool) -> dict[str, Any]:
+    """A batching engine (no capacity of its own) behind a running cap of 2: alpha keeps
+    the cap full (2 answers of ~2 s running, 4 waiting), then beta sends 2 requests."""
+    async with ph.engines("e0", ttft_ms=50, itl_ms=200, output_tokens=10) as e:
+        cfg = {
+            "tenants": {"alpha": TenantPolicy("alpha"), "beta": TenantPolicy("beta")},
+            "tenant_keys": keyed("alpha", "beta"),
+            "admission": AdmissionConfig(enabled=True, max_running=2, fairness=fairness),
+        }
+        async with ph.running_proxy(table(e["e0"]), **cfg) as rp:
+            peak = 0
+
+            async def watch() -> None:
+                nonlocal peak
+                while True:
+                    peak = max(peak, e["e0"].running)
+                    await asyncio.sleep(0.01)
+
+            watcher = asyncio.create_task(watch())
+            flood = asyncio.create_task(
+                _drive(rp, "alpha", 60.0, 0.1, [], [], [], max_tokens=10))
+            await asyncio.sleep(0.5)
+            a_peak, peak = peak, 0
+            b_ttft = await asyncio.gather(_ttft(rp, "beta", "b1"), _ttft(rp, "beta", "b2"))
+            b_peak = peak
+            await flood
+            watcher.cancel()
+            return {"b_ttft": list(b_ttft), "a_peak": a_peak, "b_peak": b_peak}
+
+
+async def test_a_tenant_with_nothing_running_goes_one_over_the_running_cap() -> None:
+    """Fair queuing orders the queue, but at the running cap a tenant's request would still
+    wait for one of the flooding tenant's to end (the engine does not preempt): one
+    request of a tenant with nothing running goes over the cap (3 on the engine, never
+    4: beta's second waits for its first, a one-token answer); alpha alone never passes
+    the cap. With one FIFO both of beta's wait behind alpha's queue (~2 s per turn)."""
+    fair = await _one_over_the_cap(fairness=True)
+    fifo = await _one_over_the_cap(fairness=False)
+    print(f"beta TTFTs, fair: {[round(t * 1000) for t in sorted(fair['b_ttft'])]} ms "
+          f"(engine peak {fair['b_peak']}); FIFO: "
+          f"{[round(t * 1000) for t in sorted(fifo['b_ttft'])]} ms (peak {fifo['b_peak']})")
+    assert fair["a_peak"] == fifo["a_peak"] == 2  # alpha alone: the cap
+    assert len(fair["b_ttft"]) == len(fifo["b_ttft"]) == 2
+    # at once, over the cap (alone: ~50 ms); the second after the first (one over, not two)
+    assert max(fair["b_ttft"]) < 0.5
+    assert fair["b_peak"] == 3
+    assert min(fifo["b_ttft"]) > 1.5 and fifo["b_peak"] == 2
+
+
 async def test_long_prompts_are_not_charged_for_a_flood_of_long_answers() -> None:
     """Fair queuing charges what a request occupies (engine seconds, settled when it ends),
     not its prompt tokens: tenant B's long prompts (1 token out) against A's flood of short
