@@ -206,6 +206,9 @@ class KvAdmission:
         # in flight only (forget() drops them)
         self._running: dict[str, tuple[str, float, float]] = {}
         self._tenant_running: dict[str, int] = {}  # tenant name -> its requests in _running
+        # admitted from the queue, not yet placed (hold/reserve): pump waits for them, so
+        # two waiters never take the same headroom
+        self._unplaced: set[str] = set()
         # called with (tenant, seconds) when a waiter leaves the queue (per-tenant metrics)
         self.on_wait: Callable[[TenantState | None, float], None] | None = None
         self._task: asyncio.Task[None] | None = None
@@ -326,13 +329,19 @@ class KvAdmission:
         admitted meanwhile (a burst, or one waiter per scrape) would see the same headroom."""
         if not self.config.enabled:
             return
+        self._unplaced.discard(request_id)
         gated = [b for b in candidates if b.role in GATED_ROLES and b.usable]
         pool = self.prefer_open(gated, tokens)
         if pool:
             self.reserve(min(pool, key=self._fill), request_id, tokens)
+        else:
+            self.pump()  # placed nowhere gated: the next waiter need not wait for it
 
     def forget(self, request_id: str) -> None:
         """The request is over (answered, failed or cancelled): drop what it holds."""
+        if request_id in self._unplaced:
+            self._unplaced.discard(request_id)
+            self.pump()
         self._settle(request_id)
         dropped = [load.drop(request_id) for load in self.loads.values()]
         if any(dropped):
@@ -393,6 +402,9 @@ class KvAdmission:
         queue.push(waiter)
         if tenant is not None:
             tenant.queued += 1
+        # it may go now: first of its tenant (over the running cap), or the head of a queue
+        # whose engines freed up since the last event; else at the next release or scrape
+        self.pump()
         started = time.monotonic()
         try:
             async with asyncio.timeout(self.config.queue_timeout_s):
@@ -458,6 +470,8 @@ class KvAdmission:
         at a time: the admitted request reserves its tokens on the engine it picks, then
         calls :meth:`pump` again, so two waiters never take the same headroom."""
         queue = self._queue
+        if self._unplaced:
+            return  # an admitted waiter has yet to take its place: then it pumps again
         while True:
             head = queue.head()
             if head is None:
@@ -481,6 +495,8 @@ class KvAdmission:
         """``w`` leaves the queue admitted, and counts as its tenant's at once (before its
         task runs again: the next pump sees it)."""
         self._queue.pop(w)
+        if w.request_id:
+            self._unplaced.add(w.request_id)
         self._start(w.request_id, _tenant_name(w), w.cost)
         w.future.set_result(None)
 
