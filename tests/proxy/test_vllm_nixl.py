@@ -363,7 +363,7 @@ async def test_noisy_neighbour_on_a_real_engine(nixl_engines: tuple[ve.Proc, ve.
               f"A 429s {a['status'].count(429)}/{len(a['status'])}")
     fair, fifo = r["fair"], r["fifo"]
     assert set(r["alone"]["status"]) == set(fair["crowded"]["status"]) == {200}
-    # issue 24 asks 1.5x: met in 7 of 8 runs here (1.05-1.38x), once 1.89x (P99 of 10 is
+    # issue 24 asks 1.5x: met in 6 of 7 runs here (1.05-1.38x), once 1.89x (P99 of 10 is
     # the slowest one; the client, the proxy and the engine share 2 cores). The bound
     # asserted is what holds every run; fair vs FIFO in the same run is the fairness.
     assert _p99(fair["crowded"]["ttft"]) <= 2.5 * alone
