@@ -103,9 +103,14 @@ def project_name(stack_dir: Path) -> str:
 
 
 def stack_ports(stack_dir: Path) -> list[int]:
-    """Every host port the stack binds (its services all run with network_mode: host)."""
+    """Every host port the stack binds (its services all run with network_mode: host): the
+    ``--port`` / ``--http-port`` arguments, and the LMCache metrics gate's (the port
+    argument of its inline script)."""
     text = (stack_dir / "compose.yaml").read_text()
-    return sorted({int(p) for p in re.findall(r'"--(?:port|http-port)", "(\d+)"', text)})
+    ports = {int(p) for p in re.findall(r'"--(?:port|http-port)", "(\d+)"', text)}
+    gate = {int(p) for p in re.findall(r'"python3", "-c", "[^"]*", "[^"]+", "(\d+)"', text)}
+    # >= 1024: not the engine watchdog's arguments (its "30" is seconds)
+    return sorted(ports | {p for p in gate if p >= 1024})
 
 
 def _listeners() -> dict[int, list[int]]:

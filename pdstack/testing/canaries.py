@@ -5,7 +5,6 @@ service, in any process's arguments, nor in the environment of the services that
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import urllib.error
 import urllib.request
@@ -30,13 +29,8 @@ def canaries(tag: str = "5f3a9c") -> dict[str, str]:
 
 
 def http_ports(stack_dir: Path) -> list[int]:
-    """The TCP ports the rendered services listen on: the stack's ``--port`` /
-    ``--http-port`` ones (:func:`pdstack.quickstart.stack_ports`), and the LMCache metrics
-    gate's (its inline script's port argument)."""
-    text = (stack_dir / "compose.yaml").read_text()
-    gate = {int(p) for p in re.findall(r'"python3", "-c", "[^"]*", "[^"]+", "(\d+)"', text)}
-    # >= 1024: not the engine watchdog's arguments (its "30" is seconds)
-    return sorted(set(stack_ports(stack_dir)) | {p for p in gate if p >= 1024})
+    """The TCP ports the rendered services listen on (:func:`pdstack.quickstart.stack_ports`)."""
+    return stack_ports(stack_dir)
 
 
 @dataclass
