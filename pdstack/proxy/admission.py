@@ -339,12 +339,11 @@ class KvAdmission:
 
     def forget(self, request_id: str) -> None:
         """The request is over (answered, failed or cancelled): drop what it holds."""
-        if request_id in self._unplaced:
-            self._unplaced.discard(request_id)
-            self.pump()
+        unplaced = request_id in self._unplaced  # admitted, and ended before its hold
+        self._unplaced.discard(request_id)
         self._settle(request_id)
         dropped = [load.drop(request_id) for load in self.loads.values()]
-        if any(dropped):
+        if unplaced or any(dropped):
             self.pump()
 
     def _fill(self, backend: BackendState) -> float:

@@ -28,11 +28,6 @@ def canaries(tag: str = "5f3a9c") -> dict[str, str]:
     return {name: f"canary-{name.lower()}-{tag}" for name in SECRET_NAMES}
 
 
-def http_ports(stack_dir: Path) -> list[int]:
-    """The TCP ports the rendered services listen on (:func:`pdstack.quickstart.stack_ports`)."""
-    return stack_ports(stack_dir)
-
-
 @dataclass
 class CanaryReport:
     ports: list[int]
@@ -44,7 +39,7 @@ class CanaryReport:
 def check_stack(stack_dir: Path, secrets: dict[str, str], *, project: str | None = None,
                 host: str = "127.0.0.1", bearer: str = "") -> CanaryReport:
     """Look for every value of ``secrets`` where no secret belongs; the report lists leaks."""
-    report = CanaryReport(ports=http_ports(stack_dir))
+    report = CanaryReport(ports=stack_ports(stack_dir))  # every port a service listens on
     headers = {"Authorization": f"Bearer {bearer}"} if bearer else {}
 
     def scan(where: str, text: str) -> None:

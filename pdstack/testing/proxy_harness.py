@@ -178,6 +178,12 @@ async def stream_completion(
     return StreamResult(status, hdrs, events, text)
 
 
+def p99(values: list[float]) -> float:
+    """Nearest-rank 99th percentile (of fewer than 100 values: the largest)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
 def completion_text(events: list[str]) -> str:
     out = []
     for e in events:

@@ -116,9 +116,8 @@ def start_engine(
     kv_transfer_config: dict[str, Any] | None,
     extra_env: dict[str, str] | None = None,
     extra_args: list[str] | None = None,
-    eager: bool = True,
 ) -> Proc:
-    """One host-native vLLM CPU engine. ``eager``: no torch.compile (it took ~18 s of each
+    """One host-native vLLM CPU engine, eager: no torch.compile (it took ~18 s of each
     engine's start here, inductor on 2 cores, every start in CI with its fresh compile
     cache; the stacks' engines run eager too: their image has no compiler)."""
     cmd = [
@@ -137,9 +136,8 @@ def start_engine(
         KV_BYTES,
         "--seed",
         "0",
+        "--enforce-eager",
     ]
-    if eager:
-        cmd.append("--enforce-eager")
     if kv_transfer_config is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     cmd += extra_args or []

@@ -327,11 +327,6 @@ async def _drive(rp: ph.RunningProxy, tenant: str, rate: float, seconds: float,
     await asyncio.gather(*tasks)
 
 
-def p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-
-
 async def _noisy_neighbour(fairness: bool) -> dict[str, Any]:
     async with ph.engines("e0", ttft_ms=TTFT_MS, itl_ms=ITL_MS, output_tokens=8,
                           max_running=CAPACITY) as e:
@@ -362,7 +357,7 @@ async def _noisy_neighbour(fairness: bool) -> dict[str, Any]:
 
 async def test_noisy_neighbour_fairness_keeps_b_ttft() -> None:
     r = await _noisy_neighbour(fairness=True)
-    alone, crowded = p99(r["alone"]), p99(r["crowded"])
+    alone, crowded = ph.p99(r["alone"]), ph.p99(r["crowded"])
     print(f"fairness on: B P99 alone {alone * 1000:.0f} ms, with A flooding "
           f"{crowded * 1000:.0f} ms ({crowded / alone:.2f}x); A 429s "
           f"{r['a_status'].count(429)}/{len(r['a_status'])}")
@@ -374,7 +369,7 @@ async def test_noisy_neighbour_fairness_keeps_b_ttft() -> None:
 
 async def test_noisy_neighbour_without_fairness_shows_the_problem() -> None:
     r = await _noisy_neighbour(fairness=False)
-    alone, crowded = p99(r["alone"]), p99(r["crowded"])
+    alone, crowded = ph.p99(r["alone"]), ph.p99(r["crowded"])
     print(f"fairness off: B P99 alone {alone * 1000:.0f} ms, with A flooding "
           f"{crowded * 1000:.0f} ms ({crowded / alone:.2f}x)")
     assert crowded >= 3 * alone  # FIFO: B waits behind A's whole queue
@@ -467,12 +462,12 @@ async def test_long_prompts_are_not_charged_for_a_flood_of_long_answers() -> Non
             b_status: list[int] = []
             await _drive(rp, "beta", 2.0, 4.0, b_ttft, b_status, [], words=1400)
             await flood
-    print(f"long prompts vs a flood of long answers: B TTFT P99 {p99(b_ttft) * 1000:.0f} ms "
+    print(f"long prompts vs a flood of long answers: B TTFT P99 {ph.p99(b_ttft) * 1000:.0f} ms "
           f"(one of A's requests holds a slot {a_service * 1000:.0f} ms); A 429s "
           f"{a_status.count(429)}/{len(a_status)}")
     assert set(b_status) == {200}
     assert a_status.count(429) > 0  # A really was over its share
-    assert p99(b_ttft) <= 2 * a_service
+    assert ph.p99(b_ttft) <= 2 * a_service
 
 
 async def test_weights_3_to_1_share_the_saturated_engine() -> None:
