@@ -5,6 +5,7 @@ service, in any process's arguments, nor in the environment of the services that
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import urllib.error
 import urllib.request
@@ -37,8 +38,11 @@ class CanaryReport:
 
 
 def check_stack(stack_dir: Path, secrets: dict[str, str], *, project: str | None = None,
-                host: str = "127.0.0.1", bearer: str = "") -> CanaryReport:
-    """Look for every value of ``secrets`` where no secret belongs; the report lists leaks."""
+                host: str = "127.0.0.1", bearer: str = "",
+                docker_host: str = "") -> CanaryReport:
+    """Look for every value of ``secrets`` where no secret belongs; the report lists leaks.
+    ``docker_host``: the engine that runs the stack (DOCKER_HOST), when not this machine's."""
+    denv = {**os.environ, "DOCKER_HOST": docker_host} if docker_host else None
     report = CanaryReport(ports=stack_ports(stack_dir))  # every port a service listens on
     headers = {"Authorization": f"Bearer {bearer}"} if bearer else {}
 
@@ -58,9 +62,9 @@ def check_stack(stack_dir: Path, secrets: dict[str, str], *, project: str | None
                 break  # a port that speaks no HTTP (LMCache's ZMQ holds the request: 10 s)
             report.answered += 1
             scan(f"GET :{port}{path}", body)
-    states = service_states(stack_dir, project)
+    states = service_states(stack_dir, project, env=denv)
     for s in states:
-        for pid in container_pids(s.container):
+        for pid in container_pids(s.container, env=denv):
             try:
                 args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
                 env = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
@@ -72,7 +76,7 @@ def check_stack(stack_dir: Path, secrets: dict[str, str], *, project: str | None
                 scan(f"the environment of {s.service} pid {pid}", env)
     inspect = json.loads(subprocess.run(
         ["docker", "inspect", *(s.container for s in states)],
-        capture_output=True, text=True, check=True).stdout)
+        capture_output=True, text=True, check=True, env=denv).stdout)
     for c in inspect:
         service = c["Config"]["Labels"].get("com.docker.compose.service", c["Name"])
         scan(f"docker inspect's Args of {service}", " ".join(c.get("Args") or []))

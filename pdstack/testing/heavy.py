@@ -18,7 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 
@@ -84,9 +84,10 @@ def netns_lab() -> ModuleType:
     return sys.modules[name]
 
 
-def container_pids(container: str) -> list[int]:
-    """All host PIDs of one container (``docker top``)."""
+def container_pids(container: str, env: Mapping[str, str] | None = None) -> list[int]:
+    """All host PIDs of one container (``docker top``; ``env``: e.g. another DOCKER_HOST)."""
     res = subprocess.run(
-        ["docker", "top", container, "-eo", "pid"], capture_output=True, text=True, check=True
+        ["docker", "top", container, "-eo", "pid"], capture_output=True, text=True, check=True,
+        env=dict(env) if env is not None else None,
     )
     return [int(x) for x in res.stdout.split()[1:] if x.isdigit()]

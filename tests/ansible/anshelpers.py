@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -66,20 +65,6 @@ def priv_address(node: str) -> str:
 
 
 # ------------------------------------------------------------------ prerequisites
-
-def docker_host() -> str:
-    """A DOCKER_HOST the lab nodes can use: the root namespace's daemon socket seen
-    through /proc/<dockerd pid>/root (each node mounts its own tmpfs on /run)."""
-    if shutil.which("docker") is None:
-        pytest.fail("docker CLI not found: run .ci/install-docker.sh", pytrace=False)
-    pids = subprocess.run(["pgrep", "-x", "dockerd"], capture_output=True, text=True).stdout.split()
-    probe = subprocess.run(["docker", "version", "--format", "{{.Server.Version}}"],
-                           capture_output=True, text=True)
-    if not pids or probe.returncode != 0:
-        pytest.fail("the Docker engine is not running: run .ci/install-docker.sh "
-                    f"({probe.stderr.strip()[:200]})", pytrace=False)
-    return f"unix:///proc/{pids[0]}/root/run/docker.sock"
-
 
 # ------------------------------------------------------------------ running playbooks
 
@@ -164,20 +149,6 @@ def write_lab_inventory(lab, dest: Path, node_vars: dict | None = None,
     for n, extra in (node_vars or {}).items():
         nv[n].update(extra)
     return lab.write_inventory(dest, node_vars=nv, group_vars=group_vars)
-
-
-def wipe_node_paths(lab, node: str, *paths: str) -> None:
-    """Remove ``paths`` on a node *through its own mount namespace* (over SSH).
-
-    Never delete from the overlay's upper directory on this machine while the overlay is
-    mounted: the kernel keeps the node's cached dentries, so a directory removed underneath
-    still "exists" on the node and files written into it vanish (CI saw exactly that when
-    test_deploy_docker had deployed to the same nodes first).
-    """
-    for path in paths:
-        assert path.startswith(("/etc/", "/opt/")), path
-    done = lab.ssh(node, "rm -rf -- " + " ".join(paths))
-    assert done.returncode == 0, f"{node}: rm -rf {' '.join(paths)}: {done.stderr}"
 
 
 def node_path(lab, node: str, path: str) -> Path:

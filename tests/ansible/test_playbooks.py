@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import stat
 import subprocess
 from pathlib import Path
 
@@ -25,11 +24,8 @@ from anshelpers import (
     PRIV_IF,
     REPO,
     VENV_BIN,
-    docker_host,
-    node_path,
     playbook,
     priv_address,
-    wipe_node_paths,
     write_lab_inventory,
 )
 
@@ -142,57 +138,6 @@ def test_profile_override_on_the_command_line_is_refused(tmp_path):
 
 
 # ---------------------------------------------------------------------------- the lab
-
-@pytest.mark.netns
-def test_converge_idempotent_and_check_mode(clean_alab, tmp_path):
-    lab = clean_alab
-    inv = write_lab_inventory(lab, tmp_path / "inv",
-                              group_vars={"pdstack_docker_host": docker_host()})
-    plan = _plan(inv)
-    stack_dir = f"/opt/pdstack/{plan['deployment']}"
-    args = ("-e", "stack_compose_up=false")  # containers: see test_deploy_cpu_stack
-    for node in lab.nodes:  # a fresh lab (this test runs first on its nodes)
-        wipe_node_paths(lab, node, "/opt/pdstack", "/etc/pdstack")
-
-    check = playbook(lab, "site.yml", inv, "--check", "--diff", *args)
-    assert check.rc == 0, check.tail()
-    assert check.changed() > 0, check.tail()
-    assert "+++ after" in check.out  # --diff shows what would change
-    for node in lab.nodes:  # ... and nothing was written
-        assert not node_path(lab, node, stack_dir).exists()
-        assert not node_path(lab, node, "/etc/pdstack/secrets.env").exists()
-
-    converge = playbook(lab, "site.yml", inv, *args)
-    assert converge.rc == 0, converge.tail()
-    assert converge.changed() > 0
-    subprocess.run([str(VENV_BIN / "pdstack"), "render", "-i", str(inv), "-o", str(tmp_path / "r")],
-                   capture_output=True, text=True, check=True)
-    for node in lab.nodes:
-        got = node_path(lab, node, f"{stack_dir}/compose.yaml").read_text()
-        assert got == (tmp_path / "r" / node / "compose.yaml").read_text()
-        assert node_path(lab, node, f"{stack_dir}/.env").is_file()
-        has_proxy = any(s["kind"] == "proxy" for s in plan["nodes"][node]["services"])
-        assert node_path(lab, node, f"{stack_dir}/backends.json").is_file() == has_proxy
-        # the monitoring files (Prometheus config/rules, Grafana) live on the proxy's node
-        rendered_mon = tmp_path / "r" / node / "monitoring"
-        for f in ("prometheus.yml", "rules.yml", "grafana/dashboards/overview.json"):
-            placed = node_path(lab, node, f"{stack_dir}/monitoring/{f}")
-            assert placed.is_file() == has_proxy, (node, f)
-            if has_proxy:
-                assert placed.read_text() == (rendered_mon / f).read_text(), (node, f)
-        secrets = node_path(lab, node, "/etc/pdstack/secrets.env")
-        assert stat.S_IMODE(secrets.stat().st_mode) == 0o600
-    # every node's state is its own: the machine's /opt and /etc are untouched
-    assert not Path(stack_dir).exists()
-
-    # a second run changes nothing (check mode on a converged node: deploy.yml's, in
-    # tests/ansible/test_deploy_docker.py; a 4th site.yml here cost ~45 s of CI)
-    again = playbook(lab, "site.yml", inv, *args)
-    assert again.rc == 0, again.tail()
-    assert again.changed() == 0, again.tail()
-    print(f"\ncheck mode (fresh) {check.seconds:.1f}s, converge {converge.seconds:.1f}s, "
-          f"idempotence {again.seconds:.1f}s")
-
 
 def _gpu_inventory(lab, dest: Path) -> Path:
     """The lab topology as a GPU deployment: one GPU per engine (the nodes have none)."""

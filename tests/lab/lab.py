@@ -24,9 +24,13 @@ See tests/lab/README.md for the full interface.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
+import signal
 import subprocess
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -219,24 +223,196 @@ class Lab:
             # stays, so bringing it up restores the node completely
         self._faults.clear()
 
+    # ------------------------------------------------------------------ network namespaces
+    @contextlib.contextmanager
+    def in_ctl(self) -> Iterator[None]:
+        """Run the calling thread (and the threads it starts meanwhile) in the controller
+        namespace, where every node's addresses are reachable; back to its own after."""
+        with _in_netns(f"/run/netns/{self.ctl}"):
+            yield
+
+    # ------------------------------------------------------------------ a Docker engine per node
+    def node_pid(self, node: str) -> int:
+        """The node's sshd: its network, mount and UTS namespaces are the node's."""
+        return int((self.base / "nodes" / node / "sshd.pid").read_text())
+
+    def docker_root(self, node: str) -> Path:
+        return Path(_root_docker_dir()) / "pdstack-lab" / self.prefix / node
+
+    def docker_host(self, node: str) -> str:
+        """DOCKER_HOST for the node's own engine, from this machine's namespaces."""
+        return f"unix:///proc/{self.node_pid(node)}/root/run/docker.sock"
+
+    def start_docker(self, node: str, timeout: float = 60) -> float:
+        """Start a Docker engine inside ``node`` (its network, mount and UTS namespaces),
+        as a real host has one: containers with ``network_mode: host`` live on the node's
+        eth0, ``/run/docker.sock`` is the node's own (Ansible over SSH finds it there), and
+        bind mounts resolve in the node's file system (its overlaid /opt and /etc).
+
+        Its data root holds every image of this machine's engine, cloned with hard links
+        (the image layers are read-only; ~3 s for the 4.8 GB engine image, where
+        ``docker save | docker load`` takes minutes); it lies on the same file system as
+        the machine's data root, under ``<root>/pdstack-lab/<prefix>/<node>`` (the
+        machine's daemon ignores unknown directories there).  Returns seconds taken."""
+        t0 = time.monotonic()
+        root = self.docker_root(node)
+        self.stop_docker(node)
+        _clone_images(Path(_root_docker_dir()), root)
+        pid = self.node_pid(node)
+        enter = ["nsenter", "-t", str(pid), "-n", "-m", "-u", "--"]
+        # the node's /sys is its network namespace's sysfs (ip netns exec): no cgroup
+        # hierarchies there; mount this machine's (cgroup v1: the same hierarchies) again
+        mounts = Path("/proc/1/mounts").read_text()
+        script = ["set -e", "mountpoint -q /sys/fs/cgroup || mount -t tmpfs -o mode=755 "
+                  "tmpfs /sys/fs/cgroup"]
+        for line in mounts.splitlines():
+            _dev, where, kind, opts, *_ = line.split()
+            if not where.startswith("/sys/fs/cgroup/"):
+                continue
+            if kind == "cgroup":
+                keep = ",".join(o for o in opts.split(",") if o not in ("rw", "relatime"))
+                script.append(f"mkdir -p {where}; mountpoint -q {where} || "
+                              f"mount -t cgroup -o {keep} cgroup {where}")
+            elif kind == "cgroup2":
+                script.append(f"mkdir -p {where}; mountpoint -q {where} || "
+                              f"mount -t cgroup2 cgroup2 {where}")
+        subprocess.run([*enter, "sh", "-c", "\n".join(script)], check=True,
+                       capture_output=True, text=True, timeout=30)
+        log = self.base / "nodes" / node / "dockerd.log"
+        # host networking only: no bridge, no iptables rules of Docker's in the node
+        argv = [*enter, "setsid", "dockerd", "--data-root", str(root), "--bridge", "none",
+                "--iptables=false", "--ip6tables=false", "--ip-masq=false",
+                "--cgroup-parent", f"/{self.prefix}-{node}"]
+        with open(log, "ab") as out:
+            subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            probe = subprocess.run(["docker", "-H", self.docker_host(node), "version",
+                                    "--format", "{{.Server.Version}}"],
+                                   capture_output=True, text=True, timeout=30)
+            if probe.returncode == 0:
+                return time.monotonic() - t0
+            if time.monotonic() > deadline:
+                raise LabError(f"{node}: dockerd not up in {timeout:.0f}s: "
+                               f"{log.read_text()[-2000:]}")
+            time.sleep(0.3)
+
+    def stop_docker(self, node: str, timeout: float = 60) -> None:
+        """Remove the node's containers, stop its engine, delete its data root."""
+        root = self.docker_root(node)
+        pids = [p for p in _pids_of("dockerd") if _cmdline_has(p, str(root))]
+        if pids:
+            dh = ["docker", "-H", self.docker_host(node)]
+            ids = subprocess.run([*dh, "ps", "-aq"], capture_output=True, text=True,
+                                 timeout=30).stdout.split()
+            if ids:
+                subprocess.run([*dh, "rm", "-f", "-v", *ids], capture_output=True, timeout=120)
+            for p in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            while any(Path(f"/proc/{p}").exists() for p in pids):
+                if time.monotonic() > deadline:
+                    for p in pids:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(p, signal.SIGKILL)
+                    break
+                time.sleep(0.2)
+        if root.exists():
+            subprocess.run(["rm", "-rf", "--one-file-system", str(root)], check=False,
+                           capture_output=True, timeout=300)
+
     # ------------------------------------------------------------------ inventories
     def write_inventory(self, dest: str | Path,
                         node_vars: Mapping[str, Mapping[str, Any]] | None = None,
-                        group_vars: Mapping[str, Any] | None = None) -> Path:
-        """Copy inventory/lab to ``dest`` pointing at this lab's keys, with overrides:
-        ``node_vars={"node1": {"pdstack_mtu": 9000}}``, ``group_vars={...}``."""
+                        group_vars: Mapping[str, Any] | None = None,
+                        source: Path = LAB_INVENTORY) -> Path:
+        """Copy ``source`` (inventory/lab) to ``dest`` pointing at this lab's keys, with
+        overrides: ``node_vars={"node1": {"pdstack_mtu": 9000}}``, ``group_vars={...}``."""
         dest = Path(dest)
         (dest / "group_vars").mkdir(parents=True, exist_ok=True)
-        text = (LAB_INVENTORY / "hosts.yml").read_text().replace(INVENTORY_BASE, str(self.base))
+        text = (source / "hosts.yml").read_text()
+        text = text.replace(_inventory_base(text), str(self.base))
         hosts = yaml.safe_load(text)
         nodes = hosts["all"]["children"]["pdstack_nodes"]["hosts"]
         for name, extra in (node_vars or {}).items():
             nodes[name].update(extra)
         (dest / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
-        gv = yaml.safe_load((LAB_INVENTORY / "group_vars" / "all.yml").read_text())
+        gv = yaml.safe_load((source / "group_vars" / "all.yml").read_text())
         gv.update(group_vars or {})
         (dest / "group_vars" / "all.yml").write_text(yaml.safe_dump(gv, sort_keys=False))
         return dest
+
+
+def _inventory_base(hosts_text: str) -> str:
+    """The lab base a committed lab inventory refers to (/var/lib/pdstack-lab/<prefix>)."""
+    for word in hosts_text.split():
+        if word.startswith(f"{DEFAULT_BASE_ROOT}/"):
+            return "/".join(word.split("/")[:5])
+    return INVENTORY_BASE
+
+
+@contextlib.contextmanager
+def _in_netns(path: str) -> Iterator[None]:
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    target = os.open(path, os.O_RDONLY)
+    try:
+        os.setns(target, os.CLONE_NEWNET)
+        try:
+            yield
+        finally:
+            os.setns(own, os.CLONE_NEWNET)
+    finally:
+        os.close(target)
+        os.close(own)
+
+
+def _root_docker_dir() -> str:
+    out = subprocess.run(["docker", "info", "--format", "{{.DockerRootDir}}"],
+                         capture_output=True, text=True, timeout=30)
+    if out.returncode != 0 or not out.stdout.strip():
+        raise LabError(f"this machine's Docker engine does not answer: {out.stderr[-500:]}")
+    return out.stdout.strip()
+
+
+def _clone_images(src: Path, dest: Path) -> None:
+    """Every image of the Docker data root ``src`` (overlay2) into a fresh data root
+    ``dest``, by hard links: image layers, their short-name links, image metadata; no
+    containers, no volumes."""
+    layerdb = src / "image" / "overlay2" / "layerdb" / "sha256"
+    (dest / "overlay2" / "l").mkdir(parents=True)
+    for cache_id_file in layerdb.glob("*/cache-id"):
+        cache_id = cache_id_file.read_text().strip()
+        layer = src / "overlay2" / cache_id
+        if not layer.is_dir():
+            continue
+        done = subprocess.run(["cp", "-al", str(layer), str(dest / "overlay2" / cache_id)],
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise LabError(f"cloning {layer} into {dest} failed (hard links need one file "
+                           f"system): {done.stderr[:300]}")
+        short = (layer / "link").read_text().strip()
+        (dest / "overlay2" / "l" / short).symlink_to(f"../{cache_id}/diff")
+    subprocess.run(["cp", "-a", str(src / "image"), str(dest / "image")], check=True,
+                   capture_output=True, timeout=120)
+    mounts = dest / "image" / "overlay2" / "layerdb" / "mounts"
+    shutil.rmtree(mounts, ignore_errors=True)
+    mounts.mkdir()
+    repos = dest / "image" / "overlay2" / "repositories.json"
+    json.loads(repos.read_text())  # present and whole: the tags come with the images
+
+
+def _pids_of(name: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-x", name], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _cmdline_has(pid: int, word: str) -> bool:
+    try:
+        return word in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
 
 
 # ---------------------------------------------------------------------- fixtures
