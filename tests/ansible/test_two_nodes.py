@@ -20,9 +20,9 @@ The tests run in file order on one module-wide lab (pytest keeps a module's orde
    runs exactly its planned services, every engine serves, the proxy is healthy); a second
    run changes nothing; no canary secret shows up in any HTTP answer or process argument on
    node1, nor in the LMCache services' environment (issue 27).
-Not here yet (see the stop-31 note): KV moved by NIXL between the two nodes' engines
-(the transfer over UCX TCP between lab nodes took 0.04-88 s and once killed the decoder,
-so the proxy's wedge detector ejects node2's decoder), node loss under traffic and
+Not here yet (README, "Several nodes"): KV moved by NIXL between the two nodes' engines
+through the proxy (in containers, vLLM CPU's pull NixlConnector takes ~30 s per handoff over
+UCX TCP, so the proxy's wedge detector ejects the decoder), node loss under traffic and
 ``upgrade.yml`` across the nodes.
 Heavy: holds the heavy-run lock (``pdstack.testing.heavy``) for the whole module.
 """

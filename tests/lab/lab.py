@@ -322,6 +322,9 @@ class Lab:
         if root.exists():
             subprocess.run(["rm", "-rf", "--one-file-system", str(root)], check=False,
                            capture_output=True, timeout=300)
+        for parent in (root.parent, root.parent.parent):  # <prefix>/, pdstack-lab/ when empty
+            with contextlib.suppress(OSError):
+                parent.rmdir()
 
     # ------------------------------------------------------------------ inventories
     def write_inventory(self, dest: str | Path,
