@@ -14,13 +14,17 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 HEAVY_LOCK = os.environ.get("PDSTACK_HEAVY_LOCK") or "/tmp/pdstack-heavy.lock"
 # the images .ci/install-docker.sh builds, that the CPU stacks under test run
@@ -91,3 +95,25 @@ def container_pids(container: str, env: Mapping[str, str] | None = None) -> list
         env=dict(env) if env is not None else None,
     )
     return [int(x) for x in res.stdout.split()[1:] if x.isdigit()]
+
+
+def http_json(method: str, url: str, body: Any = None, key: str = "",
+              timeout: float = 120.0) -> Any:
+    """One HTTP call of a heavy test against a real stack: the JSON answer (or the text,
+    e.g. /metrics); an HTTP error status fails with the body in the message."""
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        raise AssertionError(
+            f"{method} {url} answered {exc.code}: {exc.read().decode(errors='replace')[:800]}"
+        ) from None
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw

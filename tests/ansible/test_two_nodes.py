@@ -33,8 +33,6 @@ import json
 import os
 import stat
 import subprocess
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +42,7 @@ import pytest
 from anshelpers import REPO, VENV_BIN, Lab, node_path, playbook
 
 from pdstack.testing.canaries import canaries, check_stack
-from pdstack.testing.heavy import CPU_STACK_IMAGES, heavy_lock, require_docker
+from pdstack.testing.heavy import CPU_STACK_IMAGES, heavy_lock, http_json, require_docker
 
 pytestmark = [pytest.mark.netns, pytest.mark.docker]
 
@@ -59,23 +57,6 @@ ENGINES = {"node1/prefill-0": "http://10.77.0.1:8100", "node1/decode-0": "http:/
            "node2/decode-0": "http://10.77.0.2:8100"}
 
 
-def http(method: str, url: str, body: Any = None, key: str = "", timeout: float = 120.0) -> Any:
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"Content-Type": "application/json"}
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
-    req = urllib.request.Request(url, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            raw = resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        raise AssertionError(
-            f"{method} {url} answered {exc.code}: {exc.read().decode(errors='replace')[:800]}"
-        ) from None
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        return raw
 
 
 # --------------------------------------------------------------------------- the lab
@@ -203,20 +184,20 @@ def test_site_yml_deploys_both_nodes_idempotently(nodes: TwoNodes, tmp_path: Pat
         want |= {"lmcache-metrics"} if "lmcache" in want else set()  # its metrics gate
         assert set(ps.stdout.split()) == want, (node, ps.stdout)
     for name, url in ENGINES.items():  # each engine serves (with its own key)
-        root = http("GET", f"{url}/v1/models", key=ENGINE_KEY)["data"][0]["root"]
+        root = http_json("GET", f"{url}/v1/models", key=ENGINE_KEY)["data"][0]["root"]
         assert root == "/models/tiny-llama/rev1", (name, root)
-    health = http("GET", f"{PROXY}/health", timeout=10)
+    health = http_json("GET", f"{PROXY}/health", timeout=10)
     assert health["status"] == "ok", health
     # node1's own pair answers through the proxy (shared L1 on node1, no NIXL hop: node2's
     # decoder drained meanwhile, see the module docstring)
     drain = f"{PROXY}/admin/backends/node2/decode-0"
-    http("POST", f"{drain}/drain", key=ADMIN)
+    http_json("POST", f"{drain}/drain", key=ADMIN)
     try:
-        answer = http("POST", f"{PROXY}/v1/completions",
+        answer = http_json("POST", f"{PROXY}/v1/completions",
                       {"model": "tiny", "prompt": "hello", "max_tokens": 4, "ignore_eos": True},
                       key=CLIENT_KEY)
     finally:
-        http("POST", f"{drain}/undrain", key=ADMIN)
+        http_json("POST", f"{drain}/undrain", key=ADMIN)
     assert answer["usage"]["completion_tokens"] == 4, answer
     nodes.state["deployed"] = True
     again = playbook(lab, "site.yml", inv, timeout=900)

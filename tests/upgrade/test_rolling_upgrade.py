@@ -35,17 +35,14 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 
-from pdstack.testing.heavy import CPU_STACK_IMAGES, heavy_lock, require_docker
+from pdstack.testing.heavy import CPU_STACK_IMAGES, heavy_lock, http_json, require_docker
 
 from .steady import SteadyClient
 
@@ -85,21 +82,6 @@ REV = {"rev1": "/models/tiny-llama/rev1", "rev2": "/models/tiny-llama/rev2"}
 # --------------------------------------------------------------------------- helpers
 
 
-def http(method: str, url: str, body: Any = None, timeout: float = 120.0) -> Any:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            raw = resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        raise AssertionError(
-            f"{method} {url} answered {exc.code}: {exc.read().decode(errors='replace')[:800]}"
-        ) from None
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        return raw
 
 
 def compose(stack: Path, *args: str, timeout: float = 1200) -> subprocess.CompletedProcess:
@@ -112,7 +94,7 @@ def signature(url: str, prompt: str = FIXED_PROMPT) -> list[int]:
     weights. (Greedy token ids compare exactly, where logprobs would need a float
     tolerance. Token ids, not text: the tiny tokenizer decodes most of the vocabulary
     to nothing.)"""
-    answer = http("POST", f"{url}/v1/completions", {
+    answer = http_json("POST", f"{url}/v1/completions", {
         "model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
         "return_token_ids": True})
     return list(answer["choices"][0]["token_ids"])
@@ -124,7 +106,7 @@ def classify(ids: list[int], refs: dict[str, list[int]]) -> str:
 
 
 def metric_sum(url: str, name: str) -> float:
-    text = http("GET", f"{url}/metrics")
+    text = http_json("GET", f"{url}/metrics")
     total = 0.0
     for line in text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
@@ -146,10 +128,10 @@ def long_prompt(url: str, tag: str, tokens: int = 700) -> str:
     words = ["prefill", "decode", "cache", "token", "model",
              "server", "request", "stream", "node", "engine"]
     text = f"{tag}: " + " ".join(f"{words[i % len(words)]} {tag}{i}" for i in range(tokens))
-    count = http("POST", f"{url}/tokenize", {"model": "tiny", "prompt": text})["count"]
+    count = http_json("POST", f"{url}/tokenize", {"model": "tiny", "prompt": text})["count"]
     while count > tokens * 1.2:
         text = text[: int(len(text) * tokens / count)]
-        count = http("POST", f"{url}/tokenize", {"model": "tiny", "prompt": text})["count"]
+        count = http_json("POST", f"{url}/tokenize", {"model": "tiny", "prompt": text})["count"]
     assert count >= 600, count
     return text
 
@@ -157,7 +139,7 @@ def long_prompt(url: str, tag: str, tokens: int = 700) -> str:
 def external_hits_after(url: str, prompt: str) -> float:
     """Send ``prompt`` straight to an engine; its external (LMCache) prefix-cache hits."""
     before = metric_sum(url, "vllm:external_prefix_cache_hits_total")
-    http("POST", f"{url}/v1/completions",
+    http_json("POST", f"{url}/v1/completions",
          {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
     time.sleep(1.0)
     return metric_sum(url, "vllm:external_prefix_cache_hits_total") - before
@@ -165,7 +147,7 @@ def external_hits_after(url: str, prompt: str) -> float:
 
 def store_via(url: str, prompt: str) -> None:
     """Prefill ``prompt`` on an engine (its KV goes to the node's LMCache store)."""
-    http("POST", f"{url}/v1/completions",
+    http_json("POST", f"{url}/v1/completions",
          {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
     time.sleep(2.0)  # the store is asynchronous
 
@@ -303,7 +285,7 @@ def test_rolling_upgrade_rev1_to_rev2_under_traffic(
 ) -> None:
     # ---- before: everything is rev1; rev1's greedy tokens as the reference
     for name, url in ENGINES.items():
-        root = http("GET", f"{url}/v1/models")["data"][0]["root"]
+        root = http_json("GET", f"{url}/v1/models")["data"][0]["root"]
         assert root == REV["rev1"], f"{name} serves {root}"
     ref1 = signature(ENGINES["decode-0"])
     assert classify(signature(PROXY), {"rev1": ref1}) == "rev1"
@@ -356,7 +338,7 @@ def test_rolling_upgrade_rev1_to_rev2_under_traffic(
 
     # ---- after: every engine is rev2; every answer carries rev2's greedy tokens
     for name, url in ENGINES.items():
-        root = http("GET", f"{url}/v1/models")["data"][0]["root"]
+        root = http_json("GET", f"{url}/v1/models")["data"][0]["root"]
         assert root == REV["rev2"], f"{name} serves {root}"
     ref2 = signature(ENGINES["decode-0"])
     refs = {"rev1": ref1, "rev2": ref2}
@@ -372,7 +354,7 @@ def test_rolling_upgrade_rev1_to_rev2_under_traffic(
     assert gens == {"rev2@pdstack/engine-cpu:dev"}
 
     # ---- the proxy never paired two generations, and served both generations' pairs
-    pairs = proxy_pairs(http("GET", f"{PROXY}/metrics"))
+    pairs = proxy_pairs(http_json("GET", f"{PROXY}/metrics"))
     mixed = [(lab, n) for lab, n in pairs if lab["prefill_generation"] != lab["decode_generation"]
              and n > 0]
     assert not mixed, f"requests served by a mixed-generation pair: {mixed}"
