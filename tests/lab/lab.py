@@ -25,6 +25,7 @@ See tests/lab/README.md for the full interface.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -371,7 +372,10 @@ def _in_netns(path: str) -> Iterator[None]:
         os.close(own)
 
 
+@functools.cache
 def _root_docker_dir() -> str:
+    """This machine's Docker data root (asked once per process: start and stop of every
+    node's engine need it)."""
     out = subprocess.run(["docker", "info", "--format", "{{.DockerRootDir}}"],
                          capture_output=True, text=True, timeout=30)
     if out.returncode != 0 or not out.stdout.strip():

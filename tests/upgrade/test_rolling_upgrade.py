@@ -82,8 +82,6 @@ REV = {"rev1": "/models/tiny-llama/rev1", "rev2": "/models/tiny-llama/rev2"}
 # --------------------------------------------------------------------------- helpers
 
 
-
-
 def compose(stack: Path, *args: str, timeout: float = 1200) -> subprocess.CompletedProcess:
     return subprocess.run(["docker", "compose", "-p", PROJECT, *args], cwd=stack,
                           capture_output=True, text=True, timeout=timeout, check=False)
