@@ -35,6 +35,13 @@ from pdstack.topology import (
 KvPath = Literal["shared-l1", "nixl", "lmcache-pd"]
 ServiceKind = Literal["engine", "lmcache", "proxy"]
 SECRETS_ENV_FILE = "/etc/pdstack/secrets.env"
+# vLLM's NIXL connector on CPU (NixlBaseConnectorWorker.__init__) moves each worker's main
+# thread to the last core of every NUMA node it finds under this directory, so all NIXL
+# engines of a node share that one core whatever their cpu_threads_bind.  A prefiller holding
+# KV steps in a sched_yield busy loop; in its own container (cgroup) it starved the decoder's
+# main thread on that core until its 30 s KV lease ran out: every P->D handoff in the lab took
+# ~31 s, 0.05-0.7 s with this directory hidden (engines keep the cores they are bound to).
+NUMA_SYSFS_MASK = "/sys/devices/system/node:ro,size=4k"
 
 
 class _Model(BaseModel):
@@ -66,6 +73,8 @@ class Service(_Model):
     kv_transfer_config: dict | None = None
     healthcheck_url: str | None = None
     depends_on: list[str] = Field(default_factory=list)
+    # container paths mounted as an empty tmpfs (read-only) over what the image sees
+    tmpfs: list[str] = Field(default_factory=list)
 
 
 class NodePlan(_Model):
@@ -375,9 +384,12 @@ def _engine_service(
             # (READ): same-host KV then went over TCP, 63-83 MB/s (results/h200x1 run 1);
             # forced on: ~1 GB/s, TTFT P50 16.4 s -> 151 ms at 8 req/s (run 2)
             env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "y"
+    tmpfs: list[str] = []
     if d.profile == "cpu":
         env["VLLM_CPU_OMP_THREADS_BIND"] = eng.cpu_threads_bind
         env["NIXL_PTHR_DELAY_US"] = "1000"
+        if "VLLM_NIXL_SIDE_CHANNEL_PORT" in env:
+            tmpfs.append(NUMA_SYSFS_MASK)
     if _push(d):
         env |= _lmcache_pd_env(topo, node, index, proxy_addr)
     if d.observability.otlp_traces_endpoint:
@@ -401,6 +413,7 @@ def _engine_service(
         kv_transfer_config=ktc,
         healthcheck_url=f"http://{node.private_address}:{http}/health",
         depends_on=["lmcache"] if kvmodes.get(d.kv_mode).uses_tier(eng.role) else [],
+        tmpfs=tmpfs,
     )
 
 

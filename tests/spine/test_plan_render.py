@@ -196,3 +196,24 @@ def test_render_replaces_only_stack_files(tmp_path):
     assert main(["render", "-i", str(inv), "-o", str(out), "--check"]) == 0
     (out / ".env").write_text("tampered\n")
     assert main(["render", "-i", str(inv), "-o", str(out), "--check"]) == 1
+
+
+def test_cpu_nixl_engines_hide_the_numa_topology_from_vllm():
+    """vLLM's NIXL connector on CPU would move every NIXL engine's main thread to the node's
+    last core (NUMA_SYSFS_MASK in pdstack/plan.py); only those engines get the mask."""
+    plan = plan_of("lab-2node")  # shared-l1+nixl: node1's prefiller and node2's decoder
+    node1, node2 = services(plan, "node1"), services(plan, "node2")
+    masked = {f"{n}/{s.name}" for n, svc in (("node1", node1), ("node2", node2))
+              for s in svc.values() if s.tmpfs}
+    assert masked == {"node1/prefill-0", "node2/decode-0"}
+    assert node2["decode-0"].tmpfs == ["/sys/devices/system/node:ro,size=4k"]
+    assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in node1["decode-0"].env  # LMCache only
+    # GPU engines and CPU engines without NIXL keep the image's view
+    for name in ("b200x2", "local-cpu"):
+        plan = plan_of(name)
+        assert not [s.name for n in plan.nodes.values() for s in n.services if s.tmpfs], name
+    text = render_all(load_topology(REPO / "inventory" / "lab-2node"),
+                      make_plan(load_topology(REPO / "inventory" / "lab-2node")))
+    doc = yaml.safe_load(text["node2"]["compose.yaml"])
+    assert doc["services"]["decode-0"]["tmpfs"] == ["/sys/devices/system/node:ro,size=4k"]
+    assert "tmpfs" not in yaml.safe_load(text["node1"]["compose.yaml"])["services"]["decode-0"]
