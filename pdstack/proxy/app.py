@@ -231,6 +231,8 @@ class Proxy(AdminAPI, EngineRoutes, Flows):
         finally:
             self._probing.discard(backend.name)
         self.registry.record_probe(backend, ok, error, self.config)
+        if not ok and not backend.healthy:
+            self._end_silent_streams(backend)  # ejected before its streams went quiet
         return ok
 
     def _on_eject(self, backend: BackendState) -> None:
@@ -239,6 +241,23 @@ class Proxy(AdminAPI, EngineRoutes, Flows):
         pending, backend.pending = backend.pending, PendingLegs()
         for proto in pending:
             proto.abort()
+        self._end_silent_streams(backend)
+
+    def _end_silent_streams(self, backend: BackendState) -> None:
+        """An ejected backend's streams, when none of them sent a byte for the wedge budget:
+        the engine is gone (its host lost, a link down), so they end now with an error event
+        to each client (pdstack.proxy.legs), not after the stream idle timeout. Called at the
+        ejection and at each failed probe after it; streams that still flow are left alone
+        (a slow /health is no evidence of death)."""
+        silent = time.monotonic() - backend.last_success
+        if backend.streaming and silent >= self.config.wedge_after_s:
+            log.warning(
+                "ending %d stream(s) of ejected backend %s: no data from it for %.1fs",
+                len(backend.streaming), backend.name, silent,
+            )
+            streams, backend.streaming = backend.streaming, PendingLegs()
+            for proto in streams:
+                proto.abort()
 
     # ------------------------------------------------------------------ simple endpoints
     async def handle_health(self, request: web.Request) -> web.Response:

@@ -92,6 +92,53 @@ async def test_decoder_stalled_mid_stream_is_found_wedged_and_its_stream_ended(
             assert any("wedged backend d0" in r.getMessage() for r in caplog.records)
 
 
+async def test_ejected_decoder_with_silent_streams_has_them_ended(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """d0's host is lost mid-stream (its stream stops after one token, /health fails): the
+    health check ejects it and its silent stream ends with an error event within a few
+    probes, not after the 60 s stream idle timeout. The wedge detector cannot be what ends
+    it here: its 1-token probe would wait 30 s."""
+    caplog.set_level(logging.WARNING, logger="pdstack.proxy")
+    async with ph.engines("p0", "d0", output_tokens=5) as e:
+        cfg = {"wedge_after_s": 1.0, "wedge_probe_timeout_s": 30.0, "health_interval_s": 0.2,
+               "eject_after": 1, "stream_idle_timeout_s": 60.0}
+        async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"]), **cfg) as rp:
+            e["d0"].faults = Faults(hang_after_chunks=1, health_status=503)
+            t0 = time.monotonic()
+            res = await asyncio.wait_for(
+                ph.stream_completion(rp.session, rp.url, "host lost", max_tokens=5), 20)
+            took = time.monotonic() - t0
+            d0 = rp.registry.backends["d0"]
+            assert res.status == 200 and res.events, res.text
+            errors = [ev for ev in res.events if '"error"' in ev]
+            assert len(errors) == 1 and "d0 failed mid-stream" in errors[0], res.events
+            assert took < 5.0, f"the stream of the lost decoder ended after {took:.1f}s"
+            assert not d0.healthy and not d0.streaming
+            assert any("ending 1 stream(s) of ejected backend d0" in r.getMessage()
+                       for r in caplog.records)
+
+
+async def test_ejected_decoder_keeps_streams_that_still_flow() -> None:
+    """/health fails while d0's stream still sends a token every 0.3 s: d0 takes no new
+    requests, and the stream it is sending is not cut (a failing probe is no evidence that
+    a flowing stream is dead)."""
+    async with ph.engines("p0", "d0", output_tokens=12, itl_ms=300) as e:
+        cfg = {"wedge_after_s": 1.0, "health_interval_s": 0.2, "eject_after": 1,
+               "stream_idle_timeout_s": 60.0}
+        async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"]), **cfg) as rp:
+            d0 = rp.registry.backends["d0"]
+            await ph.until(lambda: d0.healthy, "d0 admitted", timeout=10)
+            task = asyncio.create_task(
+                ph.stream_completion(rp.session, rp.url, "flows", max_tokens=12))
+            await ph.until(lambda: bool(d0.streaming), "d0 streams", timeout=10)
+            e["d0"].faults = Faults(health_status=503)
+            await ph.until(lambda: not d0.healthy, "d0 ejected", timeout=10)
+            res = await asyncio.wait_for(task, 20)
+            assert res.status == 200 and res.events[-1] == "[DONE]", res.events
+            assert not [ev for ev in res.events if '"error"' in ev], res.events
+
+
 async def test_slow_engine_is_suspected_but_not_wedged() -> None:
     """One request far slower than the wedge budget, alone on its decoder: the 1-token probe
     answers, so nothing is ejected and the request is served."""
