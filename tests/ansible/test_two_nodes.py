@@ -12,27 +12,38 @@ crosses the lab bridge.  Ansible reaches the nodes over real SSH and finds each 
 ``/run/docker.sock``: the inventory points it nowhere else (no DOCKER_HOST, no
 in-container health check, unlike a lab node driving the machine's daemon).
 
-The tests run in file order on one module-wide lab (pytest keeps a module's order):
-1. a firewall on node1 dropping node2's packets to the NIXL side channel stops site.yml at
+The tests run in file order on one module-wide lab (pytest keeps a module's order; each
+later test needs the earlier state):
+
+1. node1 drops node2's packets to the NIXL side channel: ``site.yml`` stops at
    the preflight, naming host, port and purpose; no container exists on either node;
 2. check mode on the fresh nodes shows a diff and writes nothing; site.yml deploys both
    nodes (compose files equal ``pdstack render``, secrets file 0600, each node's engine
    runs exactly its planned services, every engine serves, the proxy is healthy); a second
    run changes nothing; no canary secret shows up in any HTTP answer or process argument on
-   node1, nor in the LMCache services' environment (issue 27).
-Not here yet (README, "Several nodes"): KV moved by NIXL between the two nodes' engines
-through the proxy (in containers, vLLM CPU's pull NixlConnector takes ~30 s per handoff over
-UCX TCP, so the proxy's wedge detector ejects the decoder), node loss under traffic and
-``upgrade.yml`` across the nodes.
-Heavy: holds the heavy-run lock (``pdstack.testing.heavy``) for the whole module.
+   node1, nor in the LMCache services' environment (issue 27);
+3. streamed answers come back through the proxy from both decoders with the tokens of a
+   single engine; node2's decoder takes the prompt from ``external_kv_transfer`` (NIXL), its
+   NIXL byte counter and node2's eth0 ``rx_bytes`` show at least the KV's bytes arriving,
+   while node1's pair (shared LMCache store) moves nothing across;
+4. node2's link goes down with a stream on it: the stream ends with an error event, new
+   requests go to node1's decoder within the health budget, nothing hangs; link up: node2
+   is readmitted and serves again;
+5. ``upgrade.yml -e model_revision=rev2`` under steady traffic: 0 failed requests, no
+   request served by a mixed-generation pair (the proxy's per-pair counter), a bounded wait,
+   every engine on rev2 after; no LMCache hit crossed revisions on node1.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
+import threading
+import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +54,7 @@ from anshelpers import REPO, VENV_BIN, Lab, node_path, playbook
 
 from pdstack.testing.canaries import canaries, check_stack
 from pdstack.testing.heavy import CPU_STACK_IMAGES, heavy_lock, http_json, require_docker
+from pdstack.testing.steady import SteadyClient
 
 pytestmark = [pytest.mark.netns, pytest.mark.docker]
 
@@ -55,8 +67,119 @@ ENGINE_KEY = SECRETS["VLLM_API_KEY"]
 PROXY = "http://10.77.0.1:8000"
 ENGINES = {"node1/prefill-0": "http://10.77.0.1:8100", "node1/decode-0": "http://10.77.0.1:8101",
            "node2/decode-0": "http://10.77.0.2:8100"}
+DECODERS = ("node1/decode-0", "node2/decode-0")
+REV = {"rev1": "/models/tiny-llama/rev1", "rev2": "/models/tiny-llama/rev2"}
+FIXED_PROMPT = "the proxy sends the request to the decoder and the cache"
+KV_BYTES_PER_TOKEN = 2048  # tiny-llama: 2 layers x 4 KV heads x 64 x (K+V) x bf16
+# Steady, never saturating: a vLLM CPU engine's worker spins for 1 s after every step, so
+# more traffic slows every restart on 2 cores (the sizing notes of the single-node rolling
+# upgrade test this module replaced: tests/upgrade/test_rolling_upgrade.py in git history).
+STEADY_PAUSE_S = 3.0
 
 
+
+# --------------------------------------------------------------------------- helpers
+
+
+def engine(name: str, method: str, path: str, body: Any = None) -> Any:
+    return http_json(method, ENGINES[name] + path, body, key=ENGINE_KEY)
+
+
+def proxy(method: str, path: str, body: Any = None, timeout: float = 120.0) -> Any:
+    key = ADMIN if path.startswith("/admin") else CLIENT_KEY
+    return http_json(method, PROXY + path, body, key=key, timeout=timeout)
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if not (line.startswith(name + "{") or line.startswith(name + " ")):
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', line.split(" ")[0]))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def signature(via: str, prompt: str = FIXED_PROMPT) -> list[int]:
+    """Greedy token ids of a fixed prompt, from an engine (``node/service``) or the proxy
+    (``proxy``): a fingerprint of the weights."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+            "return_token_ids": True}
+    answer = proxy("POST", "/v1/completions", body) if via == "proxy" else engine(
+        via, "POST", "/v1/completions", body)
+    return list(answer["choices"][0]["token_ids"])
+
+
+def classify(ids: list[int], refs: dict[str, list[int]]) -> str:
+    matches = [rev for rev, ref in refs.items() if ids == ref]
+    return matches[0] if len(matches) == 1 else f"unknown ({ids})"
+
+
+def long_prompt(tag: str, tokens: int = 700) -> str:
+    words = ["prefill", "decode", "cache", "token", "model",
+             "server", "request", "stream", "node", "engine"]
+    text = f"{tag}: " + " ".join(f"{words[i % len(words)]} {tag}{i}" for i in range(tokens))
+    count = engine("node1/decode-0", "POST", "/tokenize", {"model": "tiny", "prompt": text})[
+        "count"]
+    while count > tokens * 1.2:
+        text = text[: int(len(text) * tokens / count)]
+        count = engine("node1/decode-0", "POST", "/tokenize",
+                       {"model": "tiny", "prompt": text})["count"]
+    assert count >= 600, count
+    return text
+
+
+def external_hits_after(name: str, prompt: str) -> float:
+    before = metric_sum(engine(name, "GET", "/metrics"), "vllm:external_prefix_cache_hits_total")
+    engine(name, "POST", "/v1/completions",
+           {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+    time.sleep(1.0)
+    after = metric_sum(engine(name, "GET", "/metrics"), "vllm:external_prefix_cache_hits_total")
+    return after - before
+
+
+def rx_bytes(lab: Lab, node: str) -> int:
+    return int(lab.node_run(node, ["cat", "/sys/class/net/eth0/statistics/rx_bytes"]).stdout)
+
+
+def backend(name: str) -> dict[str, Any]:
+    listing = proxy("GET", "/admin/backends")
+    return next(b for b in listing["backends"] if b["name"] == name)
+
+
+def wait_for(what: str, check, timeout: float, every: float = 0.5) -> float:
+    t0 = time.monotonic()
+    while True:
+        try:
+            if check():
+                return time.monotonic() - t0
+        except (AssertionError, OSError):
+            pass
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"{what}: not within {timeout:.0f}s")
+        time.sleep(every)
+
+
+def stream(prompt: str, max_tokens: int, timeout: float = 120.0) -> tuple[list[dict], float]:
+    """One streamed completion through the proxy: its SSE events and seconds taken."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True, "return_token_ids": True}
+    req = urllib.request.Request(PROXY + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          "Authorization": f"Bearer {CLIENT_KEY}"})
+    t0 = time.monotonic()
+    events: list[dict] = []
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    return events, time.monotonic() - t0
+
+
+def stream_tokens(events: list[dict]) -> list[int]:
+    return [t for e in events if "choices" in e for t in e["choices"][0].get("token_ids") or []]
 
 
 # --------------------------------------------------------------------------- the lab
@@ -130,6 +253,11 @@ def nodes(two_nodes: TwoNodes, request: pytest.FixtureRequest) -> Iterator[TwoNo
             lines = [ln for ln in logs(two_nodes.lab, "node1", "proxy").splitlines()
                      if " INFO " not in ln]
             print("\n--- node1/proxy log, all but INFO (last 60):\n" + "\n".join(lines[-60:]))
+
+
+def _need(two: TwoNodes, step: str) -> None:
+    if not two.state.get(step):
+        pytest.fail(f"an earlier test of this module did not get to {step!r}", pytrace=False)
 
 
 # --------------------------------------------------------------------------- 1. preflight
@@ -213,3 +341,189 @@ def test_site_yml_deploys_both_nodes_idempotently(nodes: TwoNodes, tmp_path: Pat
     assert report.answered >= 20, f"only {report.answered} HTTP answers: nothing checked"
     assert set(report.processes) == {"prefill-0", "decode-0", "lmcache", "lmcache-metrics",
                                      "proxy"}, report.processes
+
+
+# --------------------------------------------------------------------------- 3. KV crosses
+
+
+def test_kv_crosses_nodes_and_tokens_match_a_single_engine(nodes: TwoNodes) -> None:
+    _need(nodes, "deployed")
+    lab = nodes.lab
+    prompt = long_prompt("cross")  # ~700 tokens: ~1.4 MB of KV
+    n_tokens = engine("node1/decode-0", "POST", "/tokenize",
+                      {"model": "tiny", "prompt": prompt})["count"]
+    results = {}
+    for target in DECODERS:
+        other = next(d for d in DECODERS if d != target)
+        proxy("POST", f"/admin/backends/{other}/drain")
+        try:
+            d_before = engine(target, "GET", "/metrics")
+            rx_before = {n: rx_bytes(lab, n) for n in lab.nodes}
+            events, _ = stream(prompt + f" {target}", 8)
+            rx = {n: rx_bytes(lab, n) - rx_before[n] for n in lab.nodes}
+            d_after = engine(target, "GET", "/metrics")
+        finally:
+            proxy("POST", f"/admin/backends/{other}/undrain")
+        ext = (metric_sum(d_after, "vllm:prompt_tokens_by_source_total",
+                          source="external_kv_transfer")
+               - metric_sum(d_before, "vllm:prompt_tokens_by_source_total",
+                            source="external_kv_transfer"))
+        nixl = (metric_sum(d_after, "vllm:nixl_bytes_transferred_sum")
+                - metric_sum(d_before, "vllm:nixl_bytes_transferred_sum"))
+        results[target] = (stream_tokens(events), ext, nixl, rx)
+    print("\n" + "\n".join(f"{t}: tokens {r[0]}, decoder external_kv_transfer +{r[1]:g}, "
+                           f"nixl bytes +{r[2]:g}, rx bytes {r[3]}" for t, r in results.items()))
+    # greedy tokens equal one engine's serving the prompt whole (node1's prefiller, direct)
+    for target, (tokens, *_rest) in results.items():
+        assert len(tokens) == 8, (target, tokens)
+        assert tokens == signature("node1/prefill-0", prompt + f" {target}"), target
+    # node2's decoder got the prompt over NIXL, not recomputed; the bytes crossed eth0
+    _tokens, ext2, nixl2, rx2 = results["node2/decode-0"]
+    assert ext2 >= n_tokens - 16, (ext2, n_tokens)
+    assert nixl2 >= KV_BYTES_PER_TOKEN * (n_tokens - 16), nixl2
+    assert rx2["node2"] >= KV_BYTES_PER_TOKEN * (n_tokens - 16), rx2
+    # node1's pair shares node1's LMCache store: nothing of that size crossed to node2
+    _tokens, _ext1, nixl1, rx1 = results["node1/decode-0"]
+    assert nixl1 == 0, nixl1
+    assert rx1["node2"] < KV_BYTES_PER_TOKEN * n_tokens / 4, rx1
+    nodes.state["kv"] = True
+
+
+# --------------------------------------------------------------------------- 4. node lost
+
+
+def test_node_lost_under_traffic_and_readmitted(nodes: TwoNodes) -> None:
+    _need(nodes, "deployed")
+    lab = nodes.lab
+    outcome: dict[str, Any] = {}
+
+    def long_stream() -> None:
+        try:
+            outcome["events"], outcome["seconds"] = stream("a long answer from node two", 1500,
+                                                           timeout=180)
+        except Exception as exc:  # recorded and asserted below
+            outcome["error"] = repr(exc)
+
+    proxy("POST", "/admin/backends/node1/decode-0/drain")
+    try:
+        t = threading.Thread(target=long_stream, daemon=True)  # in the controller's netns,
+        t.start()                                               # like this thread
+        wait_for("the stream runs on node2's decoder",
+                 lambda: metric_sum(engine("node2/decode-0", "GET", "/metrics"),
+                                    "vllm:num_requests_running") >= 1, timeout=60)
+    finally:
+        proxy("POST", "/admin/backends/node1/decode-0/undrain")
+    t_down = time.monotonic()
+    lab.link_down("node2")
+    # new requests go to node1's decoder within the health budget, and nothing hangs
+    served: list[float] = []
+
+    def one_ok() -> bool:
+        t0 = time.monotonic()
+        answer = proxy("POST", "/v1/completions", {"model": "tiny", "prompt": "are you there",
+                                                   "max_tokens": 4}, timeout=30)
+        served.append(time.monotonic() - t0)
+        return answer["usage"]["completion_tokens"] == 4
+
+    took = wait_for("a new request is served with node2 gone", one_ok, timeout=45)
+    t.join(timeout=60)
+    assert not t.is_alive(), "the stream from the lost node hangs"
+    stream_end = time.monotonic() - t_down
+    # ended by the proxy once node2 was ejected and its stream silent, not after the stream
+    # idle timeout (60 s): health probes 3 x 2 s + the wedge budget 5 s, with slack
+    assert stream_end < 30, f"the stream from the lost node ended after {stream_end:.0f}s"
+    events = outcome.get("events", [])
+    errors = [e for e in events if "error" in e]
+    assert errors or "error" in outcome, outcome  # ended with an error, not a clean [DONE]
+    for _ in range(5):
+        assert one_ok()
+    assert backend("node2/decode-0")["healthy"] is False
+    lab.link_up("node2")
+
+    def node2_back() -> bool:
+        # vLLM's decoder may not survive its NIXL peer's loss: then its container restarts
+        # (restart policy, engine watchdog) and the proxy readmits it once /health passes
+        engine("node2/decode-0", "POST", "/v1/completions",
+               {"model": "tiny", "prompt": "back", "max_tokens": 2})
+        return backend("node2/decode-0")["healthy"] is True
+
+    back = wait_for("node2's decoder serving and readmitted", node2_back, timeout=240, every=2)
+    restarts = lab.ssh("node2", "docker inspect -f '{{.RestartCount}}' "
+                       "$(docker ps -aq --filter label=com.docker.compose.service=decode-0)")
+    proxy("POST", "/admin/backends/node1/decode-0/drain")
+    try:
+        assert signature("proxy")  # served by node2's decoder again
+    finally:
+        proxy("POST", "/admin/backends/node1/decode-0/undrain")
+    print(f"\nnode2 link down: first request served {took:.1f}s later (slowest "
+          f"{max(served):.1f}s), the stream from node2 ended after {stream_end:.1f}s "
+          f"({errors[-1] if errors else outcome.get('error')}); readmitted {back:.1f}s after "
+          f"link up (node2's decoder container restarts: {restarts.stdout.strip()})")
+
+
+# --------------------------------------------------------------------------- 5. upgrade
+
+
+def test_upgrade_yml_rolls_both_nodes_under_traffic(nodes: TwoNodes) -> None:
+    _need(nodes, "deployed")
+    lab = nodes.lab
+    ref1 = signature("node1/decode-0")
+    assert classify(signature("proxy"), {"rev1": ref1}) == "rev1"
+    x_prompt = long_prompt("xrev")
+    engine("node1/prefill-0", "POST", "/v1/completions",
+           {"model": "tiny", "prompt": x_prompt, "max_tokens": 1, "temperature": 0})
+    time.sleep(2.0)  # LMCache stores asynchronously
+    assert external_hits_after("node1/decode-0", x_prompt) > 0, "the probe cannot see a hit"
+
+    client = SteadyClient(PROXY, workers=1, pause_s=STEADY_PAUSE_S, api_key=CLIENT_KEY)
+    client.start()
+    time.sleep(5)
+    t0 = time.monotonic()
+    run = playbook(lab, "upgrade.yml", nodes.inv, "-e", "model_revision=rev2", timeout=1800)
+    upgrade_s = time.monotonic() - t0
+    time.sleep(5)
+    client.stop()
+    print(f"\nupgrade.yml {upgrade_s:.0f}s; requests {client.sent}, failed "
+          f"{len(client.failed)}; slowest request {max(o.seconds for o in client.outcomes):.1f}s")
+    assert run.rc == 0, run.tail(150)
+    assert ADMIN not in run.out
+    assert client.sent >= 20, client.sent
+    assert not client.failed, "failed requests:\n" + "\n".join(
+        f"{o.detail} (stream={o.stream}, id={o.request_id})" for o in client.failed[:10])
+    during = [o for o in client.outcomes if t0 <= o.started <= t0 + upgrade_s]
+    assert len(during) >= 10, len(during)
+    # a bounded wait: no request waited longer than one engine restart's health budget
+    assert max(o.seconds for o in client.outcomes) < 60, sorted(
+        o.seconds for o in client.outcomes)[-5:]
+
+    for name in ENGINES:
+        root = engine(name, "GET", "/v1/models")["data"][0]["root"]
+        assert root == REV["rev2"], (name, root)
+    ref2 = signature("node1/decode-0")
+    refs = {"rev1": ref1, "rev2": ref2}
+    assert ref1 != ref2
+    for name in ENGINES:
+        assert classify(signature(name), refs) == "rev2", name
+    for _ in range(4):
+        assert classify(signature("proxy"), refs) == "rev2"
+
+    metrics = proxy("GET", "/metrics")
+    pairs = []
+    for line in metrics.splitlines():
+        if line.startswith("pdstack_proxy_pairs_total{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            pairs.append((labels, float(line.rsplit(" ", 1)[1])))
+    mixed = [(lab_, n) for lab_, n in pairs
+             if lab_["prefill_generation"] != lab_["decode_generation"] and n > 0]
+    assert not mixed, f"requests served by a mixed-generation pair: {mixed}"
+    served = {lab_["prefill_generation"].split("@")[0] for lab_, n in pairs if n > 0}
+    assert served == {"rev1", "rev2"}, pairs
+    # no LMCache hit crossed revisions on node1's shared store; rev2 -> rev2 still hits
+    assert external_hits_after("node1/decode-0", x_prompt) == 0
+    y_prompt = long_prompt("yrev")
+    engine("node1/prefill-0", "POST", "/v1/completions",
+           {"model": "tiny", "prompt": y_prompt, "max_tokens": 1, "temperature": 0})
+    time.sleep(2.0)
+    assert external_hits_after("node1/decode-0", y_prompt) > 0
+    env_text = node_path(lab, "node2", f"/opt/pdstack/{nodes.plan['deployment']}/.env").read_text()
+    assert "rev1" not in env_text, env_text
