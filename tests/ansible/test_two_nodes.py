@@ -54,6 +54,7 @@ from anshelpers import REPO, VENV_BIN, Lab, node_path, playbook
 
 from pdstack.testing.canaries import canaries, check_stack
 from pdstack.testing.heavy import CPU_STACK_IMAGES, heavy_lock, http_json, require_docker
+from pdstack.testing.proxy_harness import metric_value
 from pdstack.testing.steady import SteadyClient
 
 pytestmark = [pytest.mark.netns, pytest.mark.docker]
@@ -77,7 +78,6 @@ KV_BYTES_PER_TOKEN = 2048  # tiny-llama: 2 layers x 4 KV heads x 64 x (K+V) x bf
 STEADY_PAUSE_S = 3.0
 
 
-
 # --------------------------------------------------------------------------- helpers
 
 
@@ -88,17 +88,6 @@ def engine(name: str, method: str, path: str, body: Any = None) -> Any:
 def proxy(method: str, path: str, body: Any = None, timeout: float = 120.0) -> Any:
     key = ADMIN if path.startswith("/admin") else CLIENT_KEY
     return http_json(method, PROXY + path, body, key=key, timeout=timeout)
-
-
-def metric_sum(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if not (line.startswith(name + "{") or line.startswith(name + " ")):
-            continue
-        got = dict(re.findall(r'(\w+)="([^"]*)"', line.split(" ")[0]))
-        if all(got.get(k) == v for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def signature(via: str, prompt: str = FIXED_PROMPT) -> list[int]:
@@ -131,11 +120,11 @@ def long_prompt(tag: str, tokens: int = 700) -> str:
 
 
 def external_hits_after(name: str, prompt: str) -> float:
-    before = metric_sum(engine(name, "GET", "/metrics"), "vllm:external_prefix_cache_hits_total")
+    before = metric_value(engine(name, "GET", "/metrics"), "vllm:external_prefix_cache_hits_total")
     engine(name, "POST", "/v1/completions",
            {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
     time.sleep(1.0)
-    after = metric_sum(engine(name, "GET", "/metrics"), "vllm:external_prefix_cache_hits_total")
+    after = metric_value(engine(name, "GET", "/metrics"), "vllm:external_prefix_cache_hits_total")
     return after - before
 
 
@@ -311,21 +300,19 @@ def test_site_yml_deploys_both_nodes_idempotently(nodes: TwoNodes, tmp_path: Pat
         want = {s["name"] for s in nodes.plan["nodes"][node]["services"]}
         want |= {"lmcache-metrics"} if "lmcache" in want else set()  # its metrics gate
         assert set(ps.stdout.split()) == want, (node, ps.stdout)
-    for name, url in ENGINES.items():  # each engine serves (with its own key)
-        root = http_json("GET", f"{url}/v1/models", key=ENGINE_KEY)["data"][0]["root"]
-        assert root == "/models/tiny-llama/rev1", (name, root)
-    health = http_json("GET", f"{PROXY}/health", timeout=10)
+    for name in ENGINES:  # each engine serves (with its own key)
+        root = engine(name, "GET", "/v1/models")["data"][0]["root"]
+        assert root == REV["rev1"], (name, root)
+    health = proxy("GET", "/health", timeout=10)
     assert health["status"] == "ok", health
     # node1's own pair answers through the proxy (shared L1 on node1, no NIXL hop: node2's
-    # decoder drained meanwhile, see the module docstring)
-    drain = f"{PROXY}/admin/backends/node2/decode-0"
-    http_json("POST", f"{drain}/drain", key=ADMIN)
+    # decoder drained meanwhile; the NIXL hop is test 3's)
+    proxy("POST", "/admin/backends/node2/decode-0/drain")
     try:
-        answer = http_json("POST", f"{PROXY}/v1/completions",
-                      {"model": "tiny", "prompt": "hello", "max_tokens": 4, "ignore_eos": True},
-                      key=CLIENT_KEY)
+        answer = proxy("POST", "/v1/completions",
+                       {"model": "tiny", "prompt": "hello", "max_tokens": 4, "ignore_eos": True})
     finally:
-        http_json("POST", f"{drain}/undrain", key=ADMIN)
+        proxy("POST", "/admin/backends/node2/decode-0/undrain")
     assert answer["usage"]["completion_tokens"] == 4, answer
     nodes.state["deployed"] = True
     again = playbook(lab, "site.yml", inv, timeout=900)
@@ -364,12 +351,12 @@ def test_kv_crosses_nodes_and_tokens_match_a_single_engine(nodes: TwoNodes) -> N
             d_after = engine(target, "GET", "/metrics")
         finally:
             proxy("POST", f"/admin/backends/{other}/undrain")
-        ext = (metric_sum(d_after, "vllm:prompt_tokens_by_source_total",
+        ext = (metric_value(d_after, "vllm:prompt_tokens_by_source_total",
                           source="external_kv_transfer")
-               - metric_sum(d_before, "vllm:prompt_tokens_by_source_total",
+               - metric_value(d_before, "vllm:prompt_tokens_by_source_total",
                             source="external_kv_transfer"))
-        nixl = (metric_sum(d_after, "vllm:nixl_bytes_transferred_sum")
-                - metric_sum(d_before, "vllm:nixl_bytes_transferred_sum"))
+        nixl = (metric_value(d_after, "vllm:nixl_bytes_transferred_sum")
+                - metric_value(d_before, "vllm:nixl_bytes_transferred_sum"))
         results[target] = (stream_tokens(events), ext, nixl, rx)
     print("\n" + "\n".join(f"{t}: tokens {r[0]}, decoder external_kv_transfer +{r[1]:g}, "
                            f"nixl bytes +{r[2]:g}, rx bytes {r[3]}" for t, r in results.items()))
@@ -386,7 +373,6 @@ def test_kv_crosses_nodes_and_tokens_match_a_single_engine(nodes: TwoNodes) -> N
     _tokens, _ext1, nixl1, rx1 = results["node1/decode-0"]
     assert nixl1 == 0, nixl1
     assert rx1["node2"] < KV_BYTES_PER_TOKEN * n_tokens / 4, rx1
-    nodes.state["kv"] = True
 
 
 # --------------------------------------------------------------------------- 4. node lost
@@ -409,7 +395,7 @@ def test_node_lost_under_traffic_and_readmitted(nodes: TwoNodes) -> None:
         t = threading.Thread(target=long_stream, daemon=True)  # in the controller's netns,
         t.start()                                               # like this thread
         wait_for("the stream runs on node2's decoder",
-                 lambda: metric_sum(engine("node2/decode-0", "GET", "/metrics"),
+                 lambda: metric_value(engine("node2/decode-0", "GET", "/metrics"),
                                     "vllm:num_requests_running") >= 1, timeout=60)
     finally:
         proxy("POST", "/admin/backends/node1/decode-0/undrain")
