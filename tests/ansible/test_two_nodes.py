@@ -31,7 +31,10 @@ later test needs the earlier state):
    is readmitted and serves again;
 5. ``upgrade.yml -e model_revision=rev2`` under steady traffic: 0 failed requests, no
    request served by a mixed-generation pair (the proxy's per-pair counter), a bounded wait,
-   every engine on rev2 after; no LMCache hit crossed revisions on node1.
+   every engine on rev2 after; no LMCache hit crossed revisions on node1;
+6. the inventory switched to kv_mode ``nixl`` (and rev2, as a user records the upgrade):
+   ``site.yml`` redeploys both nodes, the LMCache services go, and both pairs move KV over
+   NIXL: node2's across the bridge, node1's within node1 (nothing of its size on node2).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from anshelpers import REPO, VENV_BIN, Lab, node_path, playbook
 
 from pdstack.testing.canaries import canaries, check_stack
@@ -182,10 +186,9 @@ class TwoNodes:
     state: dict[str, Any]
 
 
-def _inventory(lab: Lab, dest: Path) -> Path:
-    inv = lab.write_inventory(dest, source=INVENTORY,
-                              group_vars={"stack_secrets": SECRETS, "stack_pull": "never"})
-    return inv
+def _inventory(lab: Lab, dest: Path, **group_vars: Any) -> Path:
+    return lab.write_inventory(dest, source=INVENTORY, group_vars={
+        "stack_secrets": SECRETS, "stack_pull": "never", **group_vars})
 
 
 def _plan(inv: Path) -> dict[str, Any]:
@@ -333,12 +336,9 @@ def test_site_yml_deploys_both_nodes_idempotently(nodes: TwoNodes, tmp_path: Pat
 # --------------------------------------------------------------------------- 3. KV crosses
 
 
-def test_kv_crosses_nodes_and_tokens_match_a_single_engine(nodes: TwoNodes) -> None:
-    _need(nodes, "deployed")
-    lab = nodes.lab
-    prompt = long_prompt("cross")  # ~700 tokens: ~1.4 MB of KV
-    n_tokens = engine("node1/decode-0", "POST", "/tokenize",
-                      {"model": "tiny", "prompt": prompt})["count"]
+def kv_through_each_decoder(lab: Lab, prompt: str) -> dict[str, tuple]:
+    """``prompt`` streamed through the proxy once to each decoder (the other drained): the
+    tokens, and what the decoder's metrics and each node's eth0 counted meanwhile."""
     results = {}
     for target in DECODERS:
         other = next(d for d in DECODERS if d != target)
@@ -364,13 +364,28 @@ def test_kv_crosses_nodes_and_tokens_match_a_single_engine(nodes: TwoNodes) -> N
     for target, (tokens, *_rest) in results.items():
         assert len(tokens) == 8, (target, tokens)
         assert tokens == signature("node1/prefill-0", prompt + f" {target}"), target
-    # node2's decoder got the prompt over NIXL, not recomputed; the bytes crossed eth0
+    return results
+
+
+def assert_nixl_across(results: dict[str, tuple], n_tokens: int) -> None:
+    """node2's decoder got the prompt over NIXL, not recomputed; the bytes crossed eth0."""
     _tokens, ext2, nixl2, rx2 = results["node2/decode-0"]
     assert ext2 >= n_tokens - 16, (ext2, n_tokens)
     assert nixl2 >= KV_BYTES_PER_TOKEN * (n_tokens - 16), nixl2
     assert rx2["node2"] >= KV_BYTES_PER_TOKEN * (n_tokens - 16), rx2
-    # node1's pair shares node1's LMCache store: nothing of that size crossed to node2
-    _tokens, _ext1, nixl1, rx1 = results["node1/decode-0"]
+
+
+def test_kv_crosses_nodes_and_tokens_match_a_single_engine(nodes: TwoNodes) -> None:
+    _need(nodes, "deployed")
+    prompt = long_prompt("cross")  # ~700 tokens: ~1.4 MB of KV
+    n_tokens = engine("node1/decode-0", "POST", "/tokenize",
+                      {"model": "tiny", "prompt": prompt})["count"]
+    results = kv_through_each_decoder(nodes.lab, prompt)
+    assert_nixl_across(results, n_tokens)
+    # node1's pair shares node1's LMCache store: its decoder read every full 256-token chunk
+    # from there (tokens as computed whole, above), nothing of that size crossed to node2
+    _tokens, ext1, nixl1, rx1 = results["node1/decode-0"]
+    assert ext1 >= max(256, (n_tokens // 256) * 256 - 256), (ext1, n_tokens)
     assert nixl1 == 0, nixl1
     assert rx1["node2"] < KV_BYTES_PER_TOKEN * n_tokens / 4, rx1
 
@@ -513,3 +528,38 @@ def test_upgrade_yml_rolls_both_nodes_under_traffic(nodes: TwoNodes) -> None:
     assert external_hits_after("node1/decode-0", y_prompt) > 0
     env_text = node_path(lab, "node2", f"/opt/pdstack/{nodes.plan['deployment']}/.env").read_text()
     assert "rev1" not in env_text, env_text
+
+
+# --------------------------------------------------------------------------- 6. kv_mode nixl
+
+
+def test_site_yml_switches_to_kv_mode_nixl_and_both_pairs_use_it(nodes: TwoNodes,
+                                                                 tmp_path: Path) -> None:
+    _need(nodes, "deployed")
+    lab = nodes.lab
+    model = yaml.safe_load((INVENTORY / "group_vars" / "all.yml").read_text())["pdstack_model"]
+    inv = _inventory(lab, tmp_path / "lab-2node", pdstack_kv_mode="nixl",
+                     pdstack_model={**model, "revision": "rev2"})
+    plan = _plan(inv)
+    pairings = plan["backend_table"]["pairings"]
+    assert {p["kv_path"] for p in pairings} == {"nixl"} and len(pairings) == 2, pairings
+    run = playbook(lab, "site.yml", inv, timeout=1500)
+    assert run.rc == 0, run.tail(150)
+    for node in lab.nodes:  # exactly the planned services: the LMCache ones are gone
+        ps = lab.ssh(node, "docker ps -a --format '{{.Label \"com.docker.compose.service\"}}'")
+        want = {s["name"] for s in plan["nodes"][node]["services"]}
+        assert "lmcache" not in want
+        assert set(ps.stdout.split()) == want, (node, ps.stdout)
+    took = wait_for("every backend healthy in the proxy", lambda: all(
+        b["healthy"] for b in proxy("GET", "/admin/backends")["backends"]), timeout=60)
+    prompt = long_prompt("nixl")
+    n_tokens = engine("node1/decode-0", "POST", "/tokenize",
+                      {"model": "tiny", "prompt": prompt})["count"]
+    results = kv_through_each_decoder(lab, prompt)
+    print(f"kv_mode nixl: site.yml {run.seconds:.0f}s, backends healthy {took:.1f}s later")
+    assert_nixl_across(results, n_tokens)
+    # node1's pair: its prefiller's KV over NIXL within node1, not recomputed, not via node2
+    _tokens, ext1, nixl1, rx1 = results["node1/decode-0"]
+    assert ext1 >= n_tokens - 16, (ext1, n_tokens)
+    assert nixl1 >= KV_BYTES_PER_TOKEN * (n_tokens - 16), nixl1
+    assert rx1["node2"] < KV_BYTES_PER_TOKEN * n_tokens / 4, rx1

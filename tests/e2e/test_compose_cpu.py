@@ -174,6 +174,53 @@ def test_prefix_sharing_through_proxy_reads_lmcache(cpu_stack: dict[str, float])
     assert hits >= shared, f"LMCache lookups hit only {hits:.0f} tokens (< {shared})"
 
 
+async def test_skip_prefill_goes_straight_to_decoder(cpu_stack: dict[str, float]) -> None:
+    """Skip-prefill on the stack's real engines (shared-l1): a proxy with the stack's backend
+    table and a 200-token threshold sends a prompt whose prefix it knows is in the node's
+    store straight to a decoder; the prefiller sees nothing, the decoder reuses the prefix
+    instead of computing it, and the answer equals the prefiller computing it whole."""
+    from pdstack.testing import proxy_harness as ph
+    from pdstack.testing.vllm_engines import prompt_of
+
+    table = json.loads((CPU_STACK / "backends.json").read_text())
+    table["skip_prefill_threshold_tokens"] = 200
+    prefill = _backends()["prefill"][0]
+    sampling = {"model": table["served_model_name"], "max_tokens": 16, "temperature": 0}
+    sources = ("external_kv_transfer", "local_cache_hit", "local_compute")
+
+    def decoders() -> dict[str, float]:
+        got = [parse_prometheus(http_get(u + "/metrics")) for u in _backends()["decode"]]
+        return {src: sum(metric_sum(m, EXTERNAL, source=src) for m in got) for src in sources}
+
+    def prefill_prompt_tokens() -> float:
+        return metric_sum(parse_prometheus(http_get(prefill + "/metrics")),
+                          "vllm:prompt_tokens_total")
+
+    shared = prompt_of(900, seed=23)
+    async with ph.running_proxy(table) as rp:
+        first = await ph.stream_completion(rp.session, rp.url, shared + " first question",
+                                           **sampling)
+        assert first.status == 200 and not first.error_events, first.text
+        p0, d0 = prefill_prompt_tokens(), decoders()
+        second_prompt = shared + " second question about the cache"
+        second = await ph.stream_completion(rp.session, rp.url, second_prompt, **sampling)
+        p1, d1 = prefill_prompt_tokens(), decoders()
+        proxy_metrics = await rp.metrics()
+        async with rp.session.post(f"{prefill}/v1/completions",
+                                   json={**sampling, "prompt": second_prompt}) as resp:
+            assert resp.status == 200, await resp.text()
+            direct = await resp.json()
+    assert second.status == 200 and not second.error_events, second.text
+    assert ph.metric_value(proxy_metrics, "pdstack_proxy_skip_prefill_total") == 1
+    assert ph.metric_value(proxy_metrics, "pdstack_proxy_prefix_index_hit_ratio") > 0
+    assert p1 == p0  # the prefiller saw nothing
+    delta = {src: d1[src] - d0[src] for src in sources}
+    prompt_tokens = direct["usage"]["prompt_tokens"]
+    print(f"\n[e2e] skip-prefill: prompt_tokens={prompt_tokens} decoders {delta}")
+    assert delta["local_compute"] <= 0.3 * prompt_tokens, delta  # reused, not computed
+    assert ph.completion_text(second.events) == direct["choices"][0]["text"]
+
+
 def test_stack_memory_under_limit(cpu_stack: dict[str, float]) -> None:
     mem = stack_memory(CPU_STACK)
     assert {"lmcache", "proxy"} <= set(mem), mem
