@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdstack.plan import NUMA_SYSFS_MASK
 from pdstack.testing.ports import free_port as free_port  # ve.free_port, re-exported
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout (editable install)
@@ -142,9 +144,33 @@ def start_engine(
         cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     cmd += extra_args or []
     env = base_env(cpu) | (extra_env or {})
+    if "VLLM_NIXL_SIDE_CHANNEL_PORT" in env:  # the planner's rule for CPU engines
+        cmd = numa_hidden(cmd)
+    # the whole engine (API server, engine core, worker) on its cores, as a container's
+    # cpuset would hold it: vLLM binds only the worker's compute threads, and its API server
+    # on the other core took the test client's and the proxy's core: under a tenant flood
+    # that, not the proxy's queue, set tenant B's TTFT (P99 2.4-5.8x alone; pinned 1.1-1.6x)
+    if not re.fullmatch(r"[0-9,-]+", cpu):
+        raise ValueError(f"start_engine {name}: cpu must be a core list (0, 0-1, 0,1), not {cpu!r}")
+    cmd = ["taskset", "-c", cpu, *cmd]
     proc = spawn(name, cmd, env)
     proc.url = f"http://127.0.0.1:{port}"
     return proc
+
+
+def numa_hidden(cmd: list[str]) -> list[str]:
+    """``cmd`` in its own mount namespace with an empty read-only tmpfs over the NUMA sysfs
+    directory, as the stacks' CPU NIXL engines run (``pdstack.plan.NUMA_SYSFS_MASK``):
+    otherwise vLLM's NIXL connector moves the engine's main thread, its one compute thread
+    here, off the core it is bound to onto the machine's last core (all of them on core 1,
+    beside the test's client and proxy). Needs root (CI runs as root: the lab needs it)."""
+    if os.geteuid() != 0:
+        raise RuntimeError("a NIXL test engine needs root: it hides the NUMA sysfs directory "
+                           "in its own mount namespace (unshare --mount)")
+    path, options = NUMA_SYSFS_MASK.split(":", 1)
+    script = f'mount -t tmpfs -o {options} pdstack-numa-mask {path} && exec "$@"'
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "numa-mask",
+            *cmd]
 
 
 def start_lmcache(zmq_port: int, http_port: int) -> Proc:
