@@ -80,6 +80,7 @@ KV_BYTES_PER_TOKEN = 2048  # tiny-llama: 2 layers x 4 KV heads x 64 x (K+V) x bf
 # more traffic slows every restart on 2 cores (the sizing notes of the single-node rolling
 # upgrade test this module replaced: tests/upgrade/test_rolling_upgrade.py in git history).
 STEADY_PAUSE_S = 3.0
+LOST_STREAM_TOKENS = 2000  # the stream on node2 when its link goes down (max_model_len 2048)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -154,8 +155,10 @@ def wait_for(what: str, check, timeout: float, every: float = 0.5) -> float:
         time.sleep(every)
 
 
-def stream(prompt: str, max_tokens: int, timeout: float = 120.0) -> tuple[list[dict], float]:
-    """One streamed completion through the proxy: its SSE events and seconds taken."""
+def stream(prompt: str, max_tokens: int, timeout: float = 120.0,
+           first: threading.Event | None = None) -> tuple[list[dict], float]:
+    """One streamed completion through the proxy: its SSE events and seconds taken
+    (``first`` is set when the first event arrives)."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True, "return_token_ids": True}
     req = urllib.request.Request(PROXY + "/v1/completions", data=json.dumps(body).encode(),
@@ -168,6 +171,8 @@ def stream(prompt: str, max_tokens: int, timeout: float = 120.0) -> tuple[list[d
             line = raw.decode().strip()
             if line.startswith("data: ") and line != "data: [DONE]":
                 events.append(json.loads(line[6:]))
+                if first is not None:
+                    first.set()
     return events, time.monotonic() - t0
 
 
@@ -397,25 +402,27 @@ def test_node_lost_under_traffic_and_readmitted(nodes: TwoNodes) -> None:
     _need(nodes, "deployed")
     lab = nodes.lab
     outcome: dict[str, Any] = {}
+    started = threading.Event()
 
     def long_stream() -> None:
         try:
-            outcome["events"], outcome["seconds"] = stream("a long answer from node two", 1500,
-                                                           timeout=180)
+            outcome["events"], outcome["seconds"] = stream(
+                "a long answer from node two", LOST_STREAM_TOKENS, timeout=180, first=started)
         except Exception as exc:  # recorded and asserted below
             outcome["error"] = repr(exc)
 
+    # node1's decoder drained: the stream's decode leg can only run on node2's; the link goes
+    # down at its first event (the whole answer takes node2 ~3 s: a poll of node2's metrics
+    # first once found it already done)
     proxy("POST", "/admin/backends/node1/decode-0/drain")
     try:
         t = threading.Thread(target=long_stream, daemon=True)  # in the controller's netns,
         t.start()                                               # like this thread
-        wait_for("the stream runs on node2's decoder",
-                 lambda: metric_value(engine("node2/decode-0", "GET", "/metrics"),
-                                    "vllm:num_requests_running") >= 1, timeout=60)
+        assert started.wait(60), f"the stream sent nothing within 60 s: {outcome}"
+        t_down = time.monotonic()
+        lab.link_down("node2")
     finally:
         proxy("POST", "/admin/backends/node1/decode-0/undrain")
-    t_down = time.monotonic()
-    lab.link_down("node2")
     # new requests go to node1's decoder within the health budget, and nothing hangs
     served: list[float] = []
 
@@ -434,6 +441,7 @@ def test_node_lost_under_traffic_and_readmitted(nodes: TwoNodes) -> None:
     # idle timeout (60 s): health probes 3 x 2 s + the wedge budget 5 s, with slack
     assert stream_end < 30, f"the stream from the lost node ended after {stream_end:.0f}s"
     events = outcome.get("events", [])
+    assert len(stream_tokens(events)) < LOST_STREAM_TOKENS, "the stream ended before the loss"
     errors = [e for e in events if "error" in e]
     assert errors or "error" in outcome, outcome  # ended with an error, not a clean [DONE]
     for _ in range(5):
