@@ -110,16 +110,19 @@ def classify(ids: list[int], refs: dict[str, list[int]]) -> str:
     return matches[0] if len(matches) == 1 else f"unknown ({ids})"
 
 
+def token_count(prompt: str) -> int:
+    return int(engine("node1/decode-0", "POST", "/tokenize",
+                      {"model": "tiny", "prompt": prompt})["count"])
+
+
 def long_prompt(tag: str, tokens: int = 700) -> str:
     words = ["prefill", "decode", "cache", "token", "model",
              "server", "request", "stream", "node", "engine"]
     text = f"{tag}: " + " ".join(f"{words[i % len(words)]} {tag}{i}" for i in range(tokens))
-    count = engine("node1/decode-0", "POST", "/tokenize", {"model": "tiny", "prompt": text})[
-        "count"]
+    count = token_count(text)
     while count > tokens * 1.2:
         text = text[: int(len(text) * tokens / count)]
-        count = engine("node1/decode-0", "POST", "/tokenize",
-                       {"model": "tiny", "prompt": text})["count"]
+        count = token_count(text)
     assert count >= 600, count
     return text
 
@@ -131,6 +134,19 @@ def external_hits_after(name: str, prompt: str) -> float:
     time.sleep(1.0)
     after = metric_value(engine(name, "GET", "/metrics"), "vllm:external_prefix_cache_hits_total")
     return after - before
+
+
+def containers(lab: Lab, node: str) -> set[str]:
+    """The compose service of every container on the node's own Docker engine, running or
+    not."""
+    ps = lab.ssh(node, "docker ps -a --format '{{.Label \"com.docker.compose.service\"}}'")
+    assert ps.returncode == 0, (node, ps.stderr)
+    return set(ps.stdout.split())
+
+
+def planned_services(plan: dict[str, Any], node: str) -> set[str]:
+    want = {s["name"] for s in plan["nodes"][node]["services"]}
+    return want | ({"lmcache-metrics"} if "lmcache" in want else set())  # its metrics gate
 
 
 def rx_bytes(lab: Lab, node: str) -> int:
@@ -303,11 +319,7 @@ def test_site_yml_deploys_both_nodes_idempotently(nodes: TwoNodes, tmp_path: Pat
         secrets = node_path(lab, node, "/etc/pdstack/secrets.env")
         assert stat.S_IMODE(secrets.stat().st_mode) == 0o600
         # each node's containers run on the node's own engine
-        ps = lab.ssh(node, "docker ps --format '{{.Label \"com.docker.compose.service\"}}'")
-        assert ps.returncode == 0, (node, ps.stderr)
-        want = {s["name"] for s in nodes.plan["nodes"][node]["services"]}
-        want |= {"lmcache-metrics"} if "lmcache" in want else set()  # its metrics gate
-        assert set(ps.stdout.split()) == want, (node, ps.stdout)
+        assert containers(lab, node) == planned_services(nodes.plan, node), node
     for name in ENGINES:  # each engine serves (with its own key)
         root = engine(name, "GET", "/v1/models")["data"][0]["root"]
         assert root == REV["rev1"], (name, root)
@@ -383,8 +395,7 @@ def assert_nixl_across(results: dict[str, tuple], n_tokens: int) -> None:
 def test_kv_crosses_nodes_and_tokens_match_a_single_engine(nodes: TwoNodes) -> None:
     _need(nodes, "deployed")
     prompt = long_prompt("cross")  # ~700 tokens: ~1.4 MB of KV
-    n_tokens = engine("node1/decode-0", "POST", "/tokenize",
-                      {"model": "tiny", "prompt": prompt})["count"]
+    n_tokens = token_count(prompt)
     results = kv_through_each_decoder(nodes.lab, prompt)
     assert_nixl_across(results, n_tokens)
     # node1's pair shares node1's LMCache store: its decoder read every full 256-token chunk
@@ -554,15 +565,12 @@ def test_site_yml_switches_to_kv_mode_nixl_and_both_pairs_use_it(nodes: TwoNodes
     run = playbook(lab, "site.yml", inv, timeout=1500)
     assert run.rc == 0, run.tail(150)
     for node in lab.nodes:  # exactly the planned services: the LMCache ones are gone
-        ps = lab.ssh(node, "docker ps -a --format '{{.Label \"com.docker.compose.service\"}}'")
-        want = {s["name"] for s in plan["nodes"][node]["services"]}
-        assert "lmcache" not in want
-        assert set(ps.stdout.split()) == want, (node, ps.stdout)
+        assert "lmcache" not in planned_services(plan, node)
+        assert containers(lab, node) == planned_services(plan, node), node
     took = wait_for("every backend healthy in the proxy", lambda: all(
         b["healthy"] for b in proxy("GET", "/admin/backends")["backends"]), timeout=60)
     prompt = long_prompt("nixl")
-    n_tokens = engine("node1/decode-0", "POST", "/tokenize",
-                      {"model": "tiny", "prompt": prompt})["count"]
+    n_tokens = token_count(prompt)
     results = kv_through_each_decoder(lab, prompt)
     print(f"kv_mode nixl: site.yml {run.seconds:.0f}s, backends healthy {took:.1f}s later")
     assert_nixl_across(results, n_tokens)

@@ -47,6 +47,19 @@ def _backends() -> dict[str, list[str]]:
     return out
 
 
+SOURCES = ("external_kv_transfer", "local_cache_hit", "local_compute")
+
+
+def _engine_tokens(urls: list[str]) -> dict[str, float]:
+    """Prompt tokens by source (vLLM's counter), summed over the engines at ``urls``."""
+    out = dict.fromkeys(SOURCES, 0.0)
+    for u in urls:
+        m = parse_prometheus(http_get(u + "/metrics"))
+        for src in SOURCES:
+            out[src] += metric_sum(m, EXTERNAL, source=src)
+    return out
+
+
 def _proxy_url() -> str:
     text = (CPU_STACK / "compose.yaml").read_text()
     # the proxy's command: pdstack proxy ... --host ADDR --port N
@@ -110,23 +123,13 @@ def test_prefix_sharing_through_proxy_reads_lmcache(cpu_stack: dict[str, float])
     model = be["model"][0]
     proxy = _proxy_url()
     lmc_url = _lmcache_metrics_url()
-    sources = ("external_kv_transfer", "local_cache_hit", "local_compute")
-
-    def engine_tokens(urls: list[str]) -> dict[str, float]:
-        out = dict.fromkeys(sources, 0.0)
-        for u in urls:
-            m = parse_prometheus(http_get(u + "/metrics"))
-            for src in sources:
-                out[src] += metric_sum(m, EXTERNAL, source=src)
-        return out
-
     def lmc() -> dict[str, float]:
         return parse_prometheus(http_get(lmc_url))
 
     def delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
         return metric_sum(after, name) - metric_sum(before, name)
 
-    dec0, pre0, lmc0 = engine_tokens(be["decode"]), engine_tokens(be["prefill"]), lmc()
+    dec0, pre0, lmc0 = _engine_tokens(be["decode"]), _engine_tokens(be["prefill"]), lmc()
 
     # ~1000-token shared system prompt (3 full LMCache chunks of 256 and more), then
     # different questions: every request shares >= 768 prompt tokens with the others.
@@ -148,8 +151,8 @@ def test_prefix_sharing_through_proxy_reads_lmcache(cpu_stack: dict[str, float])
         assert chunks >= 1, f"no streamed content for {q!r}"
     assert total_chunks >= 2 * len(questions), f"only {total_chunks} streamed chunks in all"
 
-    dec = {k: v - dec0[k] for k, v in engine_tokens(be["decode"]).items()}
-    pre = {k: v - pre0[k] for k, v in engine_tokens(be["prefill"]).items()}
+    dec = {k: v - dec0[k] for k, v in _engine_tokens(be["decode"]).items()}
+    pre = {k: v - pre0[k] for k, v in _engine_tokens(be["prefill"]).items()}
     lmc1 = lmc()
     writes = delta(lmc1, lmc0, "lmcache_mp_l1_write_chunks_total")
     reads = delta(lmc1, lmc0, "lmcache_mp_l1_read_chunks_total")
@@ -186,11 +189,7 @@ async def test_skip_prefill_goes_straight_to_decoder(cpu_stack: dict[str, float]
     table["skip_prefill_threshold_tokens"] = 200
     prefill = _backends()["prefill"][0]
     sampling = {"model": table["served_model_name"], "max_tokens": 16, "temperature": 0}
-    sources = ("external_kv_transfer", "local_cache_hit", "local_compute")
-
-    def decoders() -> dict[str, float]:
-        got = [parse_prometheus(http_get(u + "/metrics")) for u in _backends()["decode"]]
-        return {src: sum(metric_sum(m, EXTERNAL, source=src) for m in got) for src in sources}
+    decoders = _backends()["decode"]
 
     def prefill_prompt_tokens() -> float:
         return metric_sum(parse_prometheus(http_get(prefill + "/metrics")),
@@ -201,10 +200,10 @@ async def test_skip_prefill_goes_straight_to_decoder(cpu_stack: dict[str, float]
         first = await ph.stream_completion(rp.session, rp.url, shared + " first question",
                                            **sampling)
         assert first.status == 200 and not first.error_events, first.text
-        p0, d0 = prefill_prompt_tokens(), decoders()
+        p0, d0 = prefill_prompt_tokens(), _engine_tokens(decoders)
         second_prompt = shared + " second question about the cache"
         second = await ph.stream_completion(rp.session, rp.url, second_prompt, **sampling)
-        p1, d1 = prefill_prompt_tokens(), decoders()
+        p1, d1 = prefill_prompt_tokens(), _engine_tokens(decoders)
         proxy_metrics = await rp.metrics()
         async with rp.session.post(f"{prefill}/v1/completions",
                                    json={**sampling, "prompt": second_prompt}) as resp:
@@ -214,7 +213,7 @@ async def test_skip_prefill_goes_straight_to_decoder(cpu_stack: dict[str, float]
     assert ph.metric_value(proxy_metrics, "pdstack_proxy_skip_prefill_total") == 1
     assert ph.metric_value(proxy_metrics, "pdstack_proxy_prefix_index_hit_ratio") > 0
     assert p1 == p0  # the prefiller saw nothing
-    delta = {src: d1[src] - d0[src] for src in sources}
+    delta = {src: d1[src] - d0[src] for src in SOURCES}
     prompt_tokens = direct["usage"]["prompt_tokens"]
     print(f"\n[e2e] skip-prefill: prompt_tokens={prompt_tokens} decoders {delta}")
     assert delta["local_compute"] <= 0.3 * prompt_tokens, delta  # reused, not computed
