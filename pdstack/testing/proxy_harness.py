@@ -179,9 +179,10 @@ async def stream_completion(
 
 
 def p99(values: list[float]) -> float:
-    """Nearest-rank 99th percentile (of fewer than 100 values: the largest)."""
+    """Nearest-rank 99th percentile: the ceil(0.99 n)-th smallest (of fewer than 100
+    values the largest; of 100-199 the second largest)."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return ordered[max(0, (99 * len(ordered) + 99) // 100 - 1)]
 
 
 def completion_text(events: list[str]) -> str:

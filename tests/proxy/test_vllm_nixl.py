@@ -215,14 +215,20 @@ async def test_engine_key_refused_without_served_with_and_cached_tokens(
 # engine's batch small, so what a flood can cost tenant B is the proxy's queue, which fair
 # queuing orders by tenant, and the wait for a slot, which B (nothing running) skips by
 # going one over the cap (pdstack.proxy.admission); with one FIFO, B waits behind A's whole
-# queue. Measured here (B's TTFT P99 with A flooding / B alone, eager engines, the engine's
-# whole process on core 0: start_engine pins it): cap 1: 0.94-1.43x fair in 5 of 6 runs,
-# once 1.97x; 26-41x FIFO. With vLLM's API server free to run on the client's and the
-# proxy's core, it was 2.4-5.8x fair: that process, not the queue, then set B's TTFT.
+# queue. The proxy's own part is asserted on its metrics: every request of B waits < 25 ms
+# in its queue with fair queuing (measured: at most 0.8 ms; FIFO: seconds). B's TTFT also
+# holds B's prefill batched with alpha's running request on the one engine core, which the
+# proxy cannot remove: B's TTFT P99 with A flooding / B alone (101 requests a phase, the
+# engine's whole process on core 0: start_engine pins it) measured 1.24-1.41x fair in 4
+# runs here (1.16-1.60x in 6 more with other alpha shapes), 27-43x FIFO. With 10 requests a
+# phase the P99 was the slowest one: 0.94-1.97x here, and once 4x on CI (one 194 ms
+# request). With vLLM's API server free to run on the client's and the proxy's core, it
+# was 2.4-5.8x fair: that process, not the queue, then set B's TTFT.
 TENANT_KEYS = {"alpha": "sk-vllm-alpha", "beta": "sk-vllm-beta"}
 NN_RUNNING = 1  # the proxy's running cap on the engine (a CPU engine gains little by batching)
 NN_A_QUEUED = 24  # alpha's queue bound: the rest of its flood is refused (429)
-NN_B_RATE, NN_B_SECONDS = 1.0, 10.0  # tenant B: a modest rate, 10 requests per phase
+NN_B_RATE, NN_B_SECONDS = 5.0, 20.0  # tenant B: a modest rate (~20 % of the engine), 100
+# requests a phase: a P99 of them is not one stray request
 # prompt sizes (~1.2 tokens per word): B's own prefill is most of its TTFT, as with a long
 # system prompt
 NN_B_WORDS, NN_A_WORDS = 1400, 150
@@ -297,6 +303,13 @@ async def _tenant_drive(rp: ph.RunningProxy, tenant: str, rate: float, seconds: 
     return out
 
 
+def _beta_waits(metrics: str) -> dict[str, float]:
+    """Tenant beta's requests that waited in the proxy's admission queue: all of them
+    ("+Inf") and those that waited under 25 ms (its histogram's buckets)."""
+    name = "pdstack_proxy_tenant_queue_wait_seconds_bucket"
+    return {le: ph.metric_value(metrics, name, tenant="beta", le=le) for le in ("0.025", "+Inf")}
+
+
 async def _noisy_neighbour_real(engine: ve.Proc) -> dict:
     import os
 
@@ -344,8 +357,11 @@ async def _noisy_neighbour_on(engine: ve.Proc) -> dict:
             # beside alpha's decodes is a new batch shape for the eager CPU engine (CI: 220 ms
             # once, the next nine 55-74 ms)
             await _tenant_drive(rp, "beta", 1.0, 0.5, NN_B_WORDS, 1, s0 + 2900)
+            before = _beta_waits(await rp.metrics())
             crowded = await _tenant_drive(rp, "beta", NN_B_RATE, NN_B_SECONDS, NN_B_WORDS, 1,
                                           s0 + 3000)
+            after = _beta_waits(await rp.metrics())
+            crowded["waits"] = {le: after[le] - before[le] for le in after}
             out["fair" if fairness else "fifo"] = {"crowded": crowded, "alpha": await flood}
     return out
 
@@ -361,13 +377,20 @@ async def test_noisy_neighbour_on_a_real_engine(nixl_engines: tuple[ve.Proc, ve.
         print(f"\n[tenants, real vLLM, {mode}] B TTFT P99 alone {alone * 1000:.0f} ms, with A "
               f"flooding at {10 * r['capacity']:.0f} req/s {crowded * 1000:.0f} ms "
               f"({crowded / alone:.2f}x); B statuses {sorted(set(r[mode]['crowded']['status']))}; "
-              f"A 429s {a['status'].count(429)}/{len(a['status'])}")
+              f"A 429s {a['status'].count(429)}/{len(a['status'])}; B waited in the queue "
+              f"{r[mode]['crowded']['waits']['+Inf']:.0f} times, "
+              f"{r[mode]['crowded']['waits']['0.025']:.0f} under 25 ms")
     fair, fifo = r["fair"], r["fifo"]
     assert set(r["alone"]["status"]) == set(fair["crowded"]["status"]) == {200}
-    # issue 24 asks 1.5x: met in 5 of 6 runs here (0.94-1.43x), once 1.97x (P99 of 10 is
-    # the slowest one, of ~50 ms). The bound asserted is what holds every run; fair vs FIFO
-    # in the same run is the fairness.
-    assert ph.p99(fair["crowded"]["ttft"]) <= 2.5 * alone
+    # the proxy's part: under the flood B's requests all went through its queue, and with
+    # fair queuing none of them waited there 25 ms (with one FIFO most wait seconds)
+    waits = fair["crowded"]["waits"]
+    assert waits["+Inf"] >= len(fair["crowded"]["ttft"]) / 2
+    assert waits["0.025"] == waits["+Inf"]
+    assert fifo["crowded"]["waits"]["0.025"] < fifo["crowded"]["waits"]["+Inf"] / 2
+    # B's TTFT, the engine's sharing included: issue 24 asks 1.5x, measured 1.16-1.60x (see
+    # above); asserted is what held every run, and fair vs FIFO in the same run
+    assert ph.p99(fair["crowded"]["ttft"]) <= 2.0 * alone
     assert ph.p99(fifo["crowded"]["ttft"]) >= 3 * ph.p99(fair["crowded"]["ttft"])
     a = fair["alpha"]
     assert a["status"].count(429) > len(a["status"]) / 2
