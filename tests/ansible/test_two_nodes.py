@@ -187,7 +187,7 @@ def stream(prompt: str, max_tokens: int, timeout: float = 120.0,
             line = raw.decode().strip()
             if line.startswith("data: ") and line != "data: [DONE]":
                 events.append(json.loads(line[6:]))
-                if first is not None:
+                if first is not None and not first.is_set():
                     first.set()
     return events, time.monotonic() - t0
 
@@ -424,14 +424,18 @@ def test_node_lost_under_traffic_and_readmitted(nodes: TwoNodes) -> None:
 
     # node1's decoder drained: the stream's decode leg can only run on node2's; the link goes
     # down at its first event (the whole answer takes node2 ~3 s: a poll of node2's metrics
-    # first once found it already done)
+    # first once found it already done), through an `ip` already waiting in node2's
+    # namespace (CI once saw 3.8 s from the drain to the undrain below, and the whole answer)
+    fire = lab.link_down_armed("node2")
     proxy("POST", "/admin/backends/node1/decode-0/drain")
     try:
         t = threading.Thread(target=long_stream, daemon=True)  # in the controller's netns,
         t.start()                                               # like this thread
+        t_sent = time.monotonic()
         assert started.wait(60), f"the stream sent nothing within 60 s: {outcome}"
+        t_first = time.monotonic()
+        fired_in = fire()
         t_down = time.monotonic()
-        lab.link_down("node2")
     finally:
         proxy("POST", "/admin/backends/node1/decode-0/undrain")
     # new requests go to node1's decoder within the health budget, and nothing hangs
@@ -452,7 +456,9 @@ def test_node_lost_under_traffic_and_readmitted(nodes: TwoNodes) -> None:
     # idle timeout (60 s): health probes 3 x 2 s + the wedge budget 5 s, with slack
     assert stream_end < 30, f"the stream from the lost node ended after {stream_end:.0f}s"
     events = outcome.get("events", [])
-    assert len(stream_tokens(events)) < LOST_STREAM_TOKENS, "the stream ended before the loss"
+    assert len(stream_tokens(events)) < LOST_STREAM_TOKENS, (
+        f"the stream ended before the loss: first event {t_first - t_sent:.2f} s after the "
+        f"request, link down {fired_in:.2f} s later, the answer took {outcome.get('seconds')} s")
     errors = [e for e in events if "error" in e]
     assert errors or "error" in outcome, outcome  # ended with an error, not a clean [DONE]
     for _ in range(5):

@@ -32,7 +32,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -193,6 +193,27 @@ class Lab:
         """Take the node's eth0 down (its address and route go with it)."""
         self.node_run(node, ["ip", "link", "set", "eth0", "down"])
         self._faults.append(("link", node))
+
+    def link_down_armed(self, node: str) -> Callable[[], float]:
+        """:meth:`link_down`, ready to fire: ``ip`` already waits in the node's namespace for
+        the word, so the link goes down within milliseconds of the call (not a fork and
+        exec of the test process later). The returned trigger gives the seconds it took."""
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.ns(node), "sh", "-c",
+             "read go && exec ip link set eth0 down"],
+            stdin=subprocess.PIPE, text=True)
+        self._faults.append(("link", node))
+
+        def fire() -> float:
+            t0 = time.monotonic()
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.close()
+            if proc.wait(timeout=30) != 0:
+                raise RuntimeError(f"{node}: ip link set eth0 down failed ({proc.returncode})")
+            return time.monotonic() - t0
+
+        return fire
 
     def link_up(self, node: str) -> None:
         self.node_run(node, ["ip", "link", "set", "eth0", "up"])

@@ -10,6 +10,7 @@ refuse requests without it; the proxy sends it on both legs) and
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 
@@ -217,13 +218,15 @@ async def test_engine_key_refused_without_served_with_and_cached_tokens(
 # going one over the cap (pdstack.proxy.admission); with one FIFO, B waits behind A's whole
 # queue. The proxy's own part is asserted on its metrics: every request of B waits < 25 ms
 # in its queue with fair queuing (measured: at most 0.8 ms; FIFO: seconds). B's TTFT also
-# holds B's prefill batched with alpha's running request on the one engine core, which the
-# proxy cannot remove: B's TTFT P99 with A flooding / B alone (101 requests a phase, the
-# engine's whole process on core 0: start_engine pins it) measured 1.24-1.41x fair in 4
-# runs here (1.16-1.60x in 6 more with other alpha shapes), 27-43x FIFO. With 10 requests a
-# phase the P99 was the slowest one: 0.94-1.97x here, and once 4x on CI (one 194 ms
-# request). With vLLM's API server free to run on the client's and the proxy's core, it
-# was 2.4-5.8x fair: that process, not the queue, then set B's TTFT.
+# holds B's prefill batched with alpha's running request on the one engine core, which no
+# front door removes: the yardstick is therefore B beside A at its capacity (one request
+# of A always running, none queued), measured in the same run. Here (101 requests of B a
+# phase, the engine's whole process on core 0: start_engine pins it): fair with A flooding
+# 0.90-0.97x of that, 0.94-1.23x of B alone; sharing alone 1.04-1.27x; FIFO 24-48x alone.
+# Over more runs without the shared phase, fair was 1.14-1.41x alone (1.16-1.60x with other
+# alpha shapes); with 10 requests a phase (the P99 is the slowest one) 0.94-1.97x, and once
+# 4x on CI (one 194 ms request). With vLLM's API server free to run on the client's and
+# the proxy's core, it was 2.4-5.8x fair: that process, not the queue, then set B's TTFT.
 TENANT_KEYS = {"alpha": "sk-vllm-alpha", "beta": "sk-vllm-beta"}
 NN_RUNNING = 1  # the proxy's running cap on the engine (a CPU engine gains little by batching)
 NN_A_QUEUED = 24  # alpha's queue bound: the rest of its flood is refused (429)
@@ -269,7 +272,6 @@ async def _tenant_drive(rp: ph.RunningProxy, tenant: str, rate: float, seconds: 
                         words: int, max_tokens: int, seed0: int) -> dict[str, list]:
     """Open loop at ``rate`` req/s for ``seconds``: TTFT of each 200, every status, and the
     Retry-After of every 429."""
-    import asyncio
     import time
 
     out: dict[str, list] = {"ttft": [], "e2e": [], "status": [], "retry_after": []}
@@ -303,6 +305,23 @@ async def _tenant_drive(rp: ph.RunningProxy, tenant: str, rate: float, seconds: 
     return out
 
 
+async def _tenant_loop(rp: ph.RunningProxy, tenant: str, done: asyncio.Event, words: int,
+                       max_tokens: int, seed0: int) -> int:
+    """Closed loop, one request at a time until ``done``: the tenant uses the engine (the
+    proxy's running cap) without ever queueing. The number of requests answered 200."""
+    headers = {"Authorization": f"Bearer {TENANT_KEYS[tenant]}"}
+    served = 0
+    while not done.is_set():
+        body = {"model": "tiny", "prompt": ve.prompt_of(words, seed=seed0 + served),
+                "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        async with rp.session.post(f"{rp.url}/v1/completions", json=body,
+                                   headers=headers) as r:
+            await r.read()
+            assert r.status == 200, r.status
+            served += 1
+    return served
+
+
 def _beta_waits(metrics: str) -> dict[str, float]:
     """Tenant beta's requests that waited in the proxy's admission queue: all of them
     ("+Inf") and those that waited under 25 ms (its histogram's buckets)."""
@@ -325,8 +344,6 @@ async def _noisy_neighbour_on(engine: ve.Proc) -> dict:
     """B alone and A's capacity once (through the fair proxy: nothing queues), then A's
     flood with B beside it through a fair proxy and through a FIFO one. Every prompt is
     new to the engine (its prefix cache would hide the queue): each phase has its seeds."""
-    import asyncio
-
     out: dict = {}
     for fairness in (True, False):
         async with ph.running_proxy(_colocated(engine), **_tenant_proxy_config(fairness)) as rp:
@@ -349,6 +366,17 @@ async def _noisy_neighbour_on(engine: ve.Proc) -> dict:
                                             5000)
                 service = sorted(probe["e2e"])[len(probe["e2e"]) // 2]
                 out["capacity"] = NN_RUNNING / max(service, 0.02)
+                # B beside A at its capacity (one request always running, none queued): what
+                # sharing the engine costs B, the best any front door can give under a flood
+                done = asyncio.Event()
+                loop = asyncio.create_task(_tenant_loop(rp, "alpha", done, NN_A_WORDS,
+                                                        NN_A_TOKENS, 7000))
+                await asyncio.sleep(0.5)
+                await _tenant_drive(rp, "beta", 1.0, 0.5, NN_B_WORDS, 1, 1900)  # untimed
+                out["shared"] = await _tenant_drive(rp, "beta", NN_B_RATE, NN_B_SECONDS,
+                                                    NN_B_WORDS, 1, 2000)
+                done.set()
+                out["shared"]["alpha_served"] = await loop
             flood = asyncio.create_task(_tenant_drive(
                 rp, "alpha", 10 * out["capacity"], NN_B_SECONDS + 3.0, NN_A_WORDS, NN_A_TOKENS,
                 s0 + 10_000))
@@ -367,29 +395,37 @@ async def _noisy_neighbour_on(engine: ve.Proc) -> dict:
 
 
 async def test_noisy_neighbour_on_a_real_engine(nixl_engines: tuple[ve.Proc, ve.Proc]) -> None:
-    """Tenant B at a modest rate alone, then with tenant A flooding at 10x the engine's
-    capacity: with fair queuing B's TTFT P99 stays near alone, none of B's is refused, A
-    gets 429 + Retry-After; with one FIFO B's P99 grows several-fold."""
+    """Tenant B at a modest rate alone, beside A at its capacity, then with tenant A
+    flooding at 10x the engine's capacity: with fair queuing B's TTFT P99 stays near the
+    shared engine's, none of B's is refused, A gets 429 + Retry-After; with one FIFO B's P99
+    grows several-fold."""
     r = await _noisy_neighbour_real(nixl_engines[0])
-    alone = ph.p99(r["alone"]["ttft"])
+    alone, shared = ph.p99(r["alone"]["ttft"]), ph.p99(r["shared"]["ttft"])
+    print(f"\n[tenants, real vLLM] B TTFT P99 alone {alone * 1000:.0f} ms, beside A at its "
+          f"capacity ({r['shared']['alpha_served']} of A's served, none queued) "
+          f"{shared * 1000:.0f} ms ({shared / alone:.2f}x)")
     for mode in ("fair", "fifo"):
         crowded, a = ph.p99(r[mode]["crowded"]["ttft"]), r[mode]["alpha"]
         print(f"\n[tenants, real vLLM, {mode}] B TTFT P99 alone {alone * 1000:.0f} ms, with A "
               f"flooding at {10 * r['capacity']:.0f} req/s {crowded * 1000:.0f} ms "
-              f"({crowded / alone:.2f}x); B statuses {sorted(set(r[mode]['crowded']['status']))}; "
+              f"({crowded / alone:.2f}x alone, {crowded / shared:.2f}x shared); "
+              f"B statuses {sorted(set(r[mode]['crowded']['status']))}; "
               f"A 429s {a['status'].count(429)}/{len(a['status'])}; B waited in the queue "
               f"{r[mode]['crowded']['waits']['+Inf']:.0f} times, "
               f"{r[mode]['crowded']['waits']['0.025']:.0f} under 25 ms")
     fair, fifo = r["fair"], r["fifo"]
     assert set(r["alone"]["status"]) == set(fair["crowded"]["status"]) == {200}
+    assert set(r["shared"]["status"]) == {200} and r["shared"]["alpha_served"] >= 10
     # the proxy's part: under the flood B's requests all went through its queue, and with
     # fair queuing none of them waited there 25 ms (with one FIFO most wait seconds)
     waits = fair["crowded"]["waits"]
     assert waits["+Inf"] >= len(fair["crowded"]["ttft"]) / 2
     assert waits["0.025"] == waits["+Inf"]
     assert fifo["crowded"]["waits"]["0.025"] < fifo["crowded"]["waits"]["+Inf"] / 2
-    # B's TTFT, the engine's sharing included: issue 24 asks 1.5x, measured 1.16-1.60x (see
-    # above); asserted is what held every run, and fair vs FIFO in the same run
+    # B's TTFT: what the flood adds over A merely using the engine is the front door's
+    # doing (issue 24's 1.5x); over B alone, the engine's sharing is in it too (measured
+    # up to 1.60x, see above: asserted is what held every run)
+    assert ph.p99(fair["crowded"]["ttft"]) <= 1.5 * shared
     assert ph.p99(fair["crowded"]["ttft"]) <= 2.0 * alone
     assert ph.p99(fifo["crowded"]["ttft"]) >= 3 * ph.p99(fair["crowded"]["ttft"])
     a = fair["alpha"]
