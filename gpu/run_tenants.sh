@@ -17,8 +17,6 @@
 #        fifo     the same via the FIFO proxy (:8063)
 #        shared   alpha at about the engine's capacity (SHARED_RATE) + beta: what sharing costs
 #        cap64    the flood via a fair proxy with --admission-max-running 64 (:8064)
-#        prio     the flood via a fair proxy with --admission-engine-priority on (:8065; the
-#                 inventory's engine runs --scheduling-policy priority)
 #   5. pack results + logs into $OUT/results.tar.gz (always)
 set -uo pipefail
 T0=$(date +%s)
@@ -118,9 +116,6 @@ extra_proxy fifo 8063 --admission-fairness off
 # a fair proxy with a lower running cap (the later flag wins): A's batch beside B is smaller
 extra_proxy cap64 8064 --admission-max-running 64
 C=http://127.0.0.1:8064
-# the fair order carried into the engine's queue (vLLM priority = tenant's requests running)
-extra_proxy prio 8065 --admission-engine-priority on
-R=http://127.0.0.1:8065
 
 # the issue-23 many-tenants workload (results/h200x1-tiers): 200 shared prompts of 1.5-5 k
 # tokens, 85 % reuse, user 64-512, answers 48-160; each tenant its own prompts
@@ -152,7 +147,6 @@ for v in $VARIANTS; do
     fair*) run_variant "$v" "$P" "alpha:$ALPHA_RATE" "beta:$BETA_RATE" ;;
     fifo*) run_variant "$v" "$F" "alpha:$ALPHA_RATE" "beta:$BETA_RATE" ;;
     shared*) run_variant "$v" "$P" "alpha:$SHARED_RATE" "beta:$BETA_RATE" ;;
-    prio*) run_variant "$v" "$R" "alpha:$ALPHA_RATE" "beta:$BETA_RATE" ;;
     cap64*) run_variant "$v" "$C" "alpha:$ALPHA_RATE" "beta:$BETA_RATE" ;;
   esac
 done

@@ -89,10 +89,6 @@ class AdmissionConfig:
     queue_max: int = 4096
     queue_timeout_s: float = 60.0
     fairness: bool = True  # per-tenant fair queuing + priorities (False: one FIFO)
-    # the fair order carried into the engine's own queue: each request sent with vLLM's
-    # ``priority`` = its tenant's requests already running (engines need
-    # ``--scheduling-policy priority``; see :meth:`KvAdmission.engine_priority`)
-    engine_priority: bool = False
 
 
 @dataclass
@@ -210,7 +206,6 @@ class KvAdmission:
         # in flight only (forget() drops them)
         self._running: dict[str, tuple[str, float, float]] = {}
         self._tenant_running: dict[str, int] = {}  # tenant name -> its requests in _running
-        self._class_rank: dict[str, int] = {}  # tenant name -> its priority class's rank
         # admitted from the queue, not yet placed (hold/reserve): pump waits for them, so
         # two waiters never take the same headroom
         self._unplaced: set[str] = set()
@@ -381,8 +376,6 @@ class KvAdmission:
         if not self.config.enabled:
             return
         name = tenant.name if tenant is not None else ""
-        if tenant is not None:  # configured tenants (+ default): a bounded map
-            self._class_rank[name] = tenant.policy.rank
         queue = self._queue
         if not queue and self._fits(candidates(), tokens, name):
             self._start(request_id, name, 0.0)
@@ -453,22 +446,6 @@ class KvAdmission:
         self._cost_all = _ewma(self._cost_all or None, seconds)
         if charged:
             self._queue.settle(name, seconds - charged)
-
-    def engine_priority(self, request_id: str) -> int | None:
-        """vLLM's ``priority`` for an admitted request (lower is scheduled first, and under
-        KV pressure vLLM preempts the highest first): how many of its tenant's requests were
-        running when it was admitted, plus 1,000 per priority class below ``interactive``. A
-        tenant with nothing running goes ahead of a flood's requests inside the engine too,
-        where the proxy's running cap alone only lets it join the flood's batch. None when
-        off (the client's own ``priority`` is then passed on as sent)."""
-        if not (self.config.enabled and self.config.engine_priority):
-            return None
-        entry = self._running.get(request_id)
-        if entry is None:
-            return None
-        tenant = entry[0]
-        running = self._tenant_running.get(tenant, 1) - 1
-        return max(0, running) + 1000 * self._class_rank.get(tenant, 0)
 
     def _shed_for(self, rank: int) -> bool:
         """A full queue: drop its newest waiter of a lower class than ``rank`` (503 to

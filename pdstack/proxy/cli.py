@@ -250,15 +250,6 @@ def _add_admission_flags(p: argparse.ArgumentParser, a: AdmissionConfig) -> None
         help="on (default): the queue is fair across tenants (weights, priority classes); "
         "off: one FIFO in arrival order",
     )
-    adm.add_argument(
-        "--admission-engine-priority",
-        choices=("on", "off"),
-        default="on" if a.engine_priority else "off",
-        help="on: each request carries vLLM's priority (its tenant's requests already "
-        "running, +1000 for batch), so a tenant with nothing running is scheduled first inside "
-        "the engine too; the engines need --scheduling-policy priority. off (default): the "
-        "client's priority, if any, passes as sent",
-    )
 
 
 def backend_table_from_args(args: argparse.Namespace) -> Any:
@@ -343,10 +334,7 @@ def admission_from_args(args: argparse.Namespace) -> AdmissionConfig:
         if values[field] < 0:
             raise SystemExit(f"pdstack proxy: {flags[field]} must be >= 0, got {values[field]}")
     fair = getattr(args, "admission_fairness", "on") == "on"
-    engine_priority = getattr(args, "admission_engine_priority", "off") == "on"
-    return AdmissionConfig(
-        enabled=args.admission == "kv", fairness=fair, engine_priority=engine_priority, **values
-    )
+    return AdmissionConfig(enabled=args.admission == "kv", fairness=fair, **values)
 
 
 def config_from_args(args: argparse.Namespace, table: Any = None) -> ProxyConfig:

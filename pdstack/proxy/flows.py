@@ -381,10 +381,6 @@ class Flows(Legs):
             )
         # hold the tokens now (P/D: the decoder is picked after the prefill leg)
         self.admission.hold(candidates(), ctx.request_id, ctx.tokens)
-        priority = self.admission.engine_priority(ctx.request_id)
-        if priority is not None:  # every leg: the body, and the bytes sent as they are
-            ctx.body["priority"] = priority
-            ctx.raw = json.dumps(ctx.body).encode()
         return None
 
     def _pick_decoder(

@@ -438,46 +438,6 @@ async def test_a_tenant_with_nothing_running_goes_one_over_the_running_cap() -> 
     assert min(fifo["b_ttft"]) > 1.5 and fifo["b_peak"] == 2
 
 
-async def _priorities_seen(engine_priority: bool) -> dict[str, list[int | None]]:
-    """Three of alpha's requests at once (answers of ~1 s), then one of beta's and one of
-    gamma's (a batch tenant) while alpha's run; every client asks ``priority`` 7. The
-    ``priority`` each request reached the engine with, by tenant."""
-    async with ph.engines("e0", ttft_ms=20, itl_ms=100, output_tokens=10) as e:
-        cfg = {
-            "tenants": {"alpha": TenantPolicy("alpha"), "beta": TenantPolicy("beta"),
-                        "gamma": TenantPolicy("gamma", priority="batch")},
-            "tenant_keys": keyed("alpha", "beta", "gamma"),
-            "admission": AdmissionConfig(enabled=True, engine_priority=engine_priority),
-        }
-        async with ph.running_proxy(table(e["e0"]), **cfg) as rp:
-            flood = [asyncio.create_task(complete(rp, "alpha", f"a{i}", max_tokens=10,
-                                                  priority=7)) for i in range(3)]
-            await ph.until(lambda: e["e0"].running == 3, "alpha's three running", 5)
-            for name in ("beta", "gamma"):
-                status, body, _ = await complete(rp, name, name, max_tokens=1, priority=7)
-                assert status == 200, body
-            for status, body, _ in await asyncio.gather(*flood):
-                assert status == 200, body
-            seen: dict[str, list[int | None]] = {}
-            for r in e["e0"].seen("/v1/completions"):
-                assert r.body is not None
-                seen.setdefault(str(r.body["prompt"])[0], []).append(r.body.get("priority"))
-            return seen
-
-
-async def test_engine_priority_carries_the_fair_order_into_the_engine() -> None:
-    """``--admission-engine-priority on``: each request reaches the engine with vLLM's
-    ``priority`` = its tenant's requests already running (+1000 for a batch tenant), whatever
-    the client asked; off, the client's passes as sent."""
-    on = await _priorities_seen(True)
-    off = await _priorities_seen(False)
-    print(f"priorities on: {on}; off: {off}")
-    assert sorted(on["a"]) == [0, 1, 2]  # admitted while 0, 1 and 2 of alpha's ran
-    assert on["b"] == [0]  # beta had nothing running: ahead of alpha's inside the engine
-    assert on["g"] == [1000]  # a batch tenant behind every interactive one
-    assert off == {"a": [7, 7, 7], "b": [7], "g": [7]}
-
-
 async def test_long_prompts_are_not_charged_for_a_flood_of_long_answers() -> None:
     """Fair queuing charges what a request occupies (engine seconds, settled when it ends),
     not its prompt tokens: tenant B's long prompts (1 token out) against A's flood of short
