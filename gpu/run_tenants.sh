@@ -36,28 +36,10 @@ VARIANTS=${VARIANTS:-b-alone fair fifo shared cap64}
 elapsed() { echo $(( $(date +%s) - T0 )); }
 left() { echo $(( BUDGET - $(elapsed) )); }
 log() { echo "[tenants +$(elapsed)s] $*" | tee -a "$W/run.log"; }
-pack() {
-  for d in "$W"/logs/*/; do
-    [ -d "$d" ] || continue
-    for f in "$d"*.log; do [ -f "$f" ] && tail -c 200000 "$f" > "$f.tail"; done
-  done
-  for f in "$W"/logs/*.out; do [ -f "$f" ] && tail -c 200000 "$f" > "$f.tail"; done
-  tar -C "$W" -czf "$OUTDIR/results.tar.gz" --exclude='*.log' --exclude='*.out' \
-    results logs run.log state 2>/dev/null
-  cp "$W/run.log" "$OUTDIR/run.log" 2>/dev/null
-  log "packed $(du -h "$OUTDIR/results.tar.gz" | cut -f1)"
-}
-trap pack EXIT
-
-if [ ! -f "$SITE/env.sh" ]; then
-  log "installing payload from /tmp/chunks ($(ls /tmp/chunks 2>/dev/null | wc -l) files)"
-  SKIP_CHECK=1 bash /tmp/chunks/install.sh /tmp/chunks > "$W/install.log" 2>&1
-  rc=$?; tail -5 "$W/install.log" | tee -a "$W/run.log"
-  [ $rc -eq 0 ] || { log "install failed rc=$rc"; exit 1; }
-fi
-# shellcheck disable=SC1091
-source "$SITE/env.sh"
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# shellcheck source=gpu/lib.sh
+source "$REPO/gpu/lib.sh"
+trap gpu_pack EXIT
+gpu_install || exit 1
 PY=python3
 PD=("$PY" -m pdstack.cli)
 INV=inventory/h200x1-tenants

@@ -1,0 +1,32 @@
+#!/bin/bash
+# gpu/lib.sh: the steps a gpu/run_*.sh driver shares (sourced). Needs W (its state folder),
+# SITE (the payload's install folder), OUTDIR ($OUT) and a `log` function. (run_sweeps.sh,
+# run_tiers.sh and run_h200x1.sh predate it and keep their own copies.)
+
+# pack results + log tails into $OUTDIR/results.tar.gz (what comes back from the machine)
+gpu_pack() {
+  local d f
+  for d in "$W"/logs/*/; do
+    [ -d "$d" ] || continue
+    for f in "$d"*.log; do [ -f "$f" ] && tail -c 200000 "$f" > "$f.tail"; done
+  done
+  for f in "$W"/logs/*.out; do [ -f "$f" ] && tail -c 200000 "$f" > "$f.tail"; done
+  tar -C "$W" -czf "$OUTDIR/results.tar.gz" --exclude='*.log' --exclude='*.out' \
+    results logs run.log state 2>/dev/null
+  cp "$W/run.log" "$OUTDIR/run.log" 2>/dev/null
+  log "packed $(du -h "$OUTDIR/results.tar.gz" | cut -f1)"
+}
+
+# install the payload from /tmp/chunks once, then its environment and this repo on the path
+gpu_install() {
+  if [ ! -f "$SITE/env.sh" ]; then
+    log "installing payload from /tmp/chunks ($(ls /tmp/chunks 2>/dev/null | wc -l) files)"
+    SKIP_CHECK=1 bash /tmp/chunks/install.sh /tmp/chunks > "$W/install.log" 2>&1
+    local rc=$?
+    tail -5 "$W/install.log" | tee -a "$W/run.log"
+    [ $rc -eq 0 ] || { log "install failed rc=$rc"; return 1; }
+  fi
+  # shellcheck disable=SC1091
+  source "$SITE/env.sh"
+  export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+}
