@@ -187,7 +187,7 @@ def stream(prompt: str, max_tokens: int, timeout: float = 120.0,
             line = raw.decode().strip()
             if line.startswith("data: ") and line != "data: [DONE]":
                 events.append(json.loads(line[6:]))
-                if first is not None and not first.is_set():
+                if first is not None:
                     first.set()
     return events, time.monotonic() - t0
 

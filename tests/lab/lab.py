@@ -191,13 +191,13 @@ class Lab:
 
     def link_down(self, node: str) -> None:
         """Take the node's eth0 down (its address and route go with it)."""
-        self.node_run(node, ["ip", "link", "set", "eth0", "down"])
-        self._faults.append(("link", node))
+        self.link_down_armed(node)()
 
     def link_down_armed(self, node: str) -> Callable[[], float]:
         """:meth:`link_down`, ready to fire: ``ip`` already waits in the node's namespace for
-        the word, so the link goes down within milliseconds of the call (not a fork and
-        exec of the test process later). The returned trigger gives the seconds it took."""
+        the word, so the link goes down within milliseconds of the call (`ip netns exec`, a
+        new mount namespace, is done beforehand). The returned trigger gives the seconds it
+        took."""
         proc = subprocess.Popen(
             ["ip", "netns", "exec", self.ns(node), "sh", "-c",
              "read go && exec ip link set eth0 down"],

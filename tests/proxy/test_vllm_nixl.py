@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -268,6 +269,15 @@ def _colocated(engine: ve.Proc) -> dict:
     )
 
 
+def _post(rp: ph.RunningProxy, tenant: str, words: int, max_tokens: int, seed: int) -> Any:
+    """One streamed completion of ``tenant`` (a new prompt of ``words``) through the proxy:
+    aiohttp's request context manager."""
+    body = {"model": "tiny", "prompt": ve.prompt_of(words, seed=seed),
+            "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    return rp.session.post(f"{rp.url}/v1/completions", json=body,
+                           headers={"Authorization": f"Bearer {TENANT_KEYS[tenant]}"})
+
+
 async def _tenant_drive(rp: ph.RunningProxy, tenant: str, rate: float, seconds: float,
                         words: int, max_tokens: int, seed0: int) -> dict[str, list]:
     """Open loop at ``rate`` req/s for ``seconds``: TTFT of each 200, every status, and the
@@ -275,14 +285,10 @@ async def _tenant_drive(rp: ph.RunningProxy, tenant: str, rate: float, seconds: 
     import time
 
     out: dict[str, list] = {"ttft": [], "e2e": [], "status": [], "retry_after": []}
-    headers = {"Authorization": f"Bearer {TENANT_KEYS[tenant]}"}
 
     async def one(i: int) -> None:
-        body = {"model": "tiny", "prompt": ve.prompt_of(words, seed=seed0 + i),
-                "max_tokens": max_tokens, "temperature": 0, "stream": True}
         t0 = time.perf_counter()
-        async with rp.session.post(f"{rp.url}/v1/completions", json=body,
-                                   headers=headers) as r:
+        async with _post(rp, tenant, words, max_tokens, seed0 + i) as r:
             if r.status == 200:
                 await r.content.readany()
                 out["ttft"].append(time.perf_counter() - t0)
@@ -309,13 +315,9 @@ async def _tenant_loop(rp: ph.RunningProxy, tenant: str, done: asyncio.Event, wo
                        max_tokens: int, seed0: int) -> int:
     """Closed loop, one request at a time until ``done``: the tenant uses the engine (the
     proxy's running cap) without ever queueing. The number of requests answered 200."""
-    headers = {"Authorization": f"Bearer {TENANT_KEYS[tenant]}"}
     served = 0
     while not done.is_set():
-        body = {"model": "tiny", "prompt": ve.prompt_of(words, seed=seed0 + served),
-                "max_tokens": max_tokens, "temperature": 0, "stream": True}
-        async with rp.session.post(f"{rp.url}/v1/completions", json=body,
-                                   headers=headers) as r:
+        async with _post(rp, tenant, words, max_tokens, seed0 + served) as r:
             await r.read()
             assert r.status == 200, r.status
             served += 1
