@@ -16,6 +16,13 @@ is watched: a crash fails the start at once and prints the last lines of its log
 ``stop`` sends SIGTERM to each process group (proxy, engines, LMCache in that order),
 then SIGKILL after ``--grace`` seconds.
 
+``start --foreground`` stays and supervises, as the Compose stack's restart policy and engine
+healthcheck do: a service that dies is started again (backoff 1 s doubling to 60 s), and an
+engine that the engine watchdog (``pdstack.sidecars.ENGINE_WATCHDOG``) finds wedged has its
+process group killed and is started again; the others keep running (``--restart no``: the
+first death stops all). A detached ``start`` supervises nothing: run ``--foreground`` under
+systemd, a Slurm step or tmux.
+
 Secrets (HF token, API keys) come from ``/etc/pdstack/secrets.env`` when readable --
 the compose stack's ``env_file`` -- into the services' environment only; they are
 never printed, logged or put on a command line.
@@ -30,6 +37,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
 import urllib.error
@@ -41,6 +49,7 @@ from subprocess import DEVNULL, STDOUT, Popen
 from typing import Any, TextIO
 from urllib.parse import urlparse
 
+from pdstack import sidecars
 from pdstack.commands import load_or_exit
 from pdstack.plan import SECRETS_ENV_FILE, NodePlan, Plan, Service, make_plan
 
@@ -446,8 +455,15 @@ class Launcher:
             })
         return (EXIT_OK if ok else EXIT_FAILED), rows
 
-    def watch(self, names: list[str], grace: float) -> int:
-        """Foreground: stay until SIGINT/SIGTERM or until a service dies, then stop all."""
+    def watch(self, prepared: list[Prepared], grace: float, restart: str = "unless-stopped",
+              wedge_s: float | None = None) -> int:
+        """Foreground: stay until SIGINT/SIGTERM, then stop everything. Like the Compose
+        stack's ``restart: unless-stopped`` and engine healthcheck: a service that dies is
+        started again after a backoff (``RESTART_BACKOFF_S``), and so is an engine that the
+        engine watchdog (``pdstack.sidecars.ENGINE_WATCHDOG``, run here in its ``dry`` mode)
+        finds wedged -- requests held with no progress, or ``/health`` failing once it had
+        answered, for ``wedge_s`` -- after its process group is killed; the other services
+        keep running. ``restart="no"``: the first death stops everything (exit 1)."""
         stop_now = {"signal": 0}
 
         def handler(signum: int, _frame: object) -> None:
@@ -455,18 +471,105 @@ class Launcher:
 
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
+        wedge = wedge_s if wedge_s is not None else sidecars.engine_wedge_s(self.plan.profile)
+        interval = min(10.0, max(0.5, wedge / 2))  # the Compose healthcheck's 10 s at most
+        now = time.monotonic()
+        watched = [_Supervised(p, started=now, next_check=now + interval) for p in prepared]
+        for w in watched:
+            w.state_file.unlink(missing_ok=True)
         rc = EXIT_OK
-        while not stop_now["signal"]:
-            dead = [n for n in names if self.running(n) is None]
-            if dead:
-                for n in dead:
-                    log = self.log_dir / f"{n}.log"
-                    self.say(f"{n} died; last lines of {log}:\n{tail(log)}")
-                rc = EXIT_FAILED
-                break
-            time.sleep(1.0)
+        while not stop_now["signal"] and rc == EXIT_OK:
+            self._reap()
+            now = time.monotonic()
+            for w in watched:
+                name = w.prepared.name
+                if w.restart_at is not None:
+                    if now >= w.restart_at and self.running(name) is None:
+                        self._respawn(w)
+                    continue
+                if self.running(name) is None:
+                    proc = self.children.get(name)
+                    code = proc.returncode if proc is not None else None
+                    self.say(f"{name} died (exit code {code}); last lines of "
+                             f"{w.prepared.log}:\n{tail(w.prepared.log)}")
+                    if restart == "no":
+                        rc = EXIT_FAILED
+                        break
+                    self._schedule_restart(w, now)
+                    continue
+                if now - w.started >= RESTART_BACKOFF_S[1]:
+                    w.delay = RESTART_BACKOFF_S[0]  # it ran long enough: back to a short delay
+                if w.prepared.service.kind == "engine" and now >= w.next_check:
+                    w.next_check = now + interval
+                    why = self._wedged(w, wedge)
+                    rec = self.record(name)
+                    if why and rec is not None:
+                        self.say(f"{name} wedged: {why}; killing its process group "
+                                 f"{rec.pgid}")
+                        self._signal(rec, signal.SIGKILL)
+                        self._schedule_restart(w, now)
+            time.sleep(0.2)
         self.say("stopping")
-        return max(rc, self.stop(names, grace))
+        return max(rc, self.stop([w.prepared.name for w in watched], grace))
+
+    def _schedule_restart(self, w: _Supervised, now: float) -> None:
+        w.restart_at = now + w.delay
+        self.say(f"restarting {w.prepared.name} in {w.delay:.0f} s (restart "
+                 f"{w.restarts + 1})")
+        w.delay = min(w.delay * 2, RESTART_BACKOFF_S[1])
+
+    def _respawn(self, w: _Supervised) -> None:
+        w.state_file.unlink(missing_ok=True)
+        proc = self.spawn(w.prepared)
+        now = time.monotonic()
+        w.restart_at, w.started, w.next_check = None, now, now
+        w.restarts += 1
+        self.say(f"started {w.prepared.name} again, pid {proc.pid} (restart {w.restarts})")
+
+    def _wedged(self, w: _Supervised, wedge_s: float) -> str | None:
+        """The engine watchdog's verdict (dry: it reports, this launcher restarts): the
+        reason when wedged, else None (healthy, still starting, or merely failing)."""
+        svc = w.prepared.service
+        url = (svc.healthcheck_url or "").removesuffix("/health")
+        model = _opt(w.prepared.argv, "--served-model-name") or ""
+        args = sidecars.engine_watchdog_args(url, wedge_s, str(w.state_file), svc.name, model)
+        try:
+            out = subprocess.run(
+                [sys.executable, "-c", sidecars.ENGINE_WATCHDOG, *args, "dry"],
+                env=w.prepared.env, capture_output=True, text=True, timeout=30,
+            ).stdout
+        except subprocess.TimeoutExpired:
+            return None
+        for line in out.splitlines():
+            if line.startswith("pdstack-watchdog:") and " wedged: " in line:
+                return line.split(" wedged: ", 1)[1].removesuffix(": restarting its container")
+        return None
+
+
+RESTART_POLICIES = ("unless-stopped", "no")
+# a restart's delay: the first, doubled per restart up to the second; back to the first once
+# the service ran that long (Docker's restart policy: 100 ms doubling, reset after 10 s)
+RESTART_BACKOFF_S = (1.0, 60.0)
+
+
+@dataclass
+class _Supervised:
+    """One service under ``Launcher.watch``."""
+
+    prepared: Prepared
+    started: float
+    next_check: float
+    delay: float = RESTART_BACKOFF_S[0]
+    restart_at: float | None = None
+    restarts: int = 0
+
+    @property
+    def state_file(self) -> Path:
+        return self.prepared.log.with_name(f"{self.prepared.name}.watchdog.json")
+
+
+def _opt(argv: Sequence[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv[:-1] else None
 
 
 # --------------------------------------------------------------------------- CLI
@@ -534,7 +637,18 @@ def cmd_launch(args: argparse.Namespace) -> int:
     rc = launcher.start(prepared, timeout=args.timeout, keep_on_failure=args.keep_on_failure)
     if rc != EXIT_OK or not args.foreground:
         return rc
-    return launcher.watch(names, grace=args.grace)
+    return launcher.watch(prepared, grace=args.grace, restart=args.restart,
+                          wedge_s=args.wedge_s)
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"want a number of seconds > 0, got {text!r}")
+    return value
 
 
 def register(sub: argparse._SubParsersAction, name: str, help_text: str) -> None:
@@ -567,7 +681,17 @@ def register(sub: argparse._SubParsersAction, name: str, help_text: str) -> None
                    help=f"KEY=VALUE secrets for the services (default {SECRETS_ENV_FILE}; "
                         "skipped when absent)")
     p.add_argument("--foreground", action="store_true",
-                   help="after start, stay until SIGINT/SIGTERM or a service dies, then stop")
+                   help="after start, stay and supervise until SIGINT/SIGTERM, then stop all: "
+                   "a service that dies, or an engine the watchdog finds wedged, is started "
+                   "again (see --restart)")
+    p.add_argument("--restart", choices=RESTART_POLICIES, default="unless-stopped",
+                   help="with --foreground: unless-stopped (default; as the Compose stack) "
+                   "restarts what dies, with a backoff of 1 s doubling to 60 s; no: the "
+                   "first death stops every service (exit 1)")
+    p.add_argument("--wedge-s", type=_positive, default=None, metavar="S",
+                   help="with --foreground: seconds an engine may hold requests with no "
+                   "progress, or fail /health once up, before it is restarted (default: the "
+                   "Compose watchdog's, 120 on gpu, 30 on cpu)")
     p.add_argument("--keep-on-failure", action="store_true",
                    help="leave started services running when the start fails")
     p.add_argument("--json", action="store_true", help="status as JSON")

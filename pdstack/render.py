@@ -55,9 +55,7 @@ def render_node(topo: Topology, plan: Plan, node_name: str) -> dict[str, str]:
     node = plan.nodes[node_name]
     env = _environment()
     model_arg = model_path(d)
-    # seconds an engine may hold requests with no progress before its watchdog restarts it:
-    # no single step of a healthy engine comes near it
-    wedge_s = 120 if d.profile == "gpu" else 30
+    wedge_s = sidecars.engine_wedge_s(d.profile)
     ctx = {
         "plan": plan,
         "node": node,

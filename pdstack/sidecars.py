@@ -128,11 +128,26 @@ http.server.ThreadingHTTPServer((host, port), Gate).serve_forever()
 
 WATCHDOG_STATE = "/tmp/pdstack-watchdog.json"
 
+# seconds an engine may hold requests with no progress (or fail /health once it answered)
+# before its watchdog restarts it, by profile: no single step of a healthy engine comes near it
+ENGINE_WEDGE_S = {"gpu": 120, "cpu": 30}
+
+
+def engine_wedge_s(profile: str) -> int:
+    return ENGINE_WEDGE_S["gpu" if profile == "gpu" else "cpu"]
+
+
+def engine_watchdog_args(url: str, wedge_s: float, state: str, name: str,
+                         model: str) -> list[str]:
+    """``ENGINE_WATCHDOG``'s arguments after ``python3 -c SCRIPT`` (add ``dry`` to report
+    without killing: ``pdstack launch`` does the restart itself)."""
+    return [url, f"{wedge_s:g}", state, name, model]
+
 
 def engine_healthcheck(url: str, wedge_s: float, name: str, model: str) -> list[str]:
     """The engine container's healthcheck ``test`` (exec form)."""
-    return ["CMD", "python3", "-c", ENGINE_WATCHDOG, url, f"{wedge_s:g}", WATCHDOG_STATE, name,
-            model]
+    return ["CMD", "python3", "-c", ENGINE_WATCHDOG,
+            *engine_watchdog_args(url, wedge_s, WATCHDOG_STATE, name, model)]
 
 
 def metrics_gate_command(host: str, port: int, upstream: str) -> list[str]:

@@ -15,7 +15,10 @@ checks what must be true when it starts, records what it saw in
 
 Faults, by port, from the environment: ``FAKE_CRASH_PORT`` (print ``boom`` and exit 3),
 ``FAKE_UNHEALTHY_PORT`` (``/health`` answers 503), ``FAKE_IGNORE_TERM_PORT`` (ignore
-SIGTERM), ``FAKE_STARTUP_DELAY`` (seconds before listening).
+SIGTERM), ``FAKE_STARTUP_DELAY`` (seconds before listening); at run time, by process: the
+file ``$FAKE_RECORD_DIR/hang-<pid>`` makes that process's ``/health`` hang (a wedged
+engine's API server). The vllm stand-in also serves ``/metrics`` (idle counters), so the
+engine watchdog sees it answer.
 """
 
 from __future__ import annotations
@@ -45,10 +48,16 @@ def ports_from_env(key: str) -> set[int]:
 
 class Health(http.server.BaseHTTPRequestHandler):
     status = 200
+    metrics = False
 
     def do_GET(self) -> None:
-        code = self.status if self.path == "/health" else 404
-        body = b"ok" if code == 200 else b"no"
+        if self.path == "/health" and hang_file().exists():
+            time.sleep(60)  # a hung API server: /health never answers
+        if self.path == "/metrics" and self.metrics:
+            code, body = 200, b"vllm:num_requests_running 0.0\nvllm:prompt_tokens_total 0.0\n"
+        else:
+            code = self.status if self.path == "/health" else 404
+            body = b"ok" if code == 200 else b"no"
         self.send_response(code)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -63,8 +72,13 @@ class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
     allow_reuse_address = True
 
 
-def serve_http(host: str, port: int, status: int) -> Server:
-    handler = type("H", (Health,), {"status": status})
+def hang_file() -> Path:
+    """While ``$FAKE_RECORD_DIR/hang-<pid>`` exists, this process's ``/health`` hangs."""
+    return Path(os.environ["FAKE_RECORD_DIR"]) / f"hang-{os.getpid()}"
+
+
+def serve_http(host: str, port: int, status: int, metrics: bool = False) -> Server:
+    handler = type("H", (Health,), {"status": status, "metrics": metrics})
     server = Server((host, port), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
@@ -119,7 +133,7 @@ def main() -> int:
                 return 4
         child = subprocess.Popen(["sleep", "300"])
         record["grandchild"] = child.pid
-        servers.append(serve_http(host, port, status))
+        servers.append(serve_http(host, port, status, metrics=True))
     elif prog == "lmcache":
         http_port = int(opt(argv, "--http-port", "0") or 0)
         tcp = socket.create_server((host, port))

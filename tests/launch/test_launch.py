@@ -12,7 +12,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -345,3 +347,146 @@ def test_read_env_file(tmp_path: Path) -> None:
     f.write_text("# c\nA=1\nexport B='two words'\n\nC=\"x=y\"\nbad line\n")
     assert read_env_file(f) == {"A": "1", "B": "two words", "C": "x=y"}
     assert read_env_file(tmp_path / "missing") == {}
+
+
+# --------------------------------------------------------------------------- --foreground
+
+
+class Foreground:
+    """``pdstack launch start --foreground`` running in the background of a test, its output
+    collected line by line."""
+
+    def __init__(self, st: Stack, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdstack.cli", "launch", "-i", str(st.inv), "--log-dir",
+             str(st.logs), "start", "--foreground", *args],
+            env=st.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def wait_for(self, text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.lines):
+            assert self.proc.poll() is None or any(text in ln for ln in self.lines), (
+                f"launch exited {self.proc.returncode} before {text!r}:\n{self.output}")
+            assert time.monotonic() < deadline, f"no {text!r} in {timeout} s:\n{self.output}"
+            time.sleep(0.1)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def end(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(timeout)
+        self._reader.join(5)
+        return rc
+
+
+def healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def wait_healthy_again(st: Stack, service: str, port: int, old_pid: int,
+                       timeout: float = 20) -> int:
+    """The new pid of ``service`` once it runs again (another pid) and answers /health."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rec = st.pids().get(service)
+        if rec and rec["pid"] != old_pid and healthy(port):
+            return int(rec["pid"])
+        time.sleep(0.2)
+    raise AssertionError(f"{service} not running again with a new pid in {timeout} s")
+
+
+def test_foreground_restarts_a_dead_engine_and_leaves_the_rest(
+    stacks: list[Stack], tmp_path: Path
+) -> None:
+    st = new_stack(stacks, tmp_path, "colocated")
+    fg = Foreground(st, "--wedge-s", "30")
+    try:
+        fg.wait_for("all services healthy", 60)
+        before = st.pids()
+        e0 = before["engine-0"]
+        os.killpg(e0["pgid"], signal.SIGKILL)  # the engine and its grandchild, as an OOM kill
+        fg.wait_for("engine-0 died (exit code -9)", 15)
+        fg.wait_for("restarting engine-0 in 1 s (restart 1)", 5)
+        new_pid = wait_healthy_again(st, "engine-0", st.ports["engine"], e0["pid"])
+        assert "started engine-0 again" in fg.output
+        after = st.pids()
+        assert after["engine-1"] == before["engine-1"] and after["proxy"] == before["proxy"]
+        assert healthy(st.ports["proxy"])
+        # killed again at once: the second delay doubles
+        os.killpg(after["engine-0"]["pgid"], signal.SIGKILL)
+        fg.wait_for("restarting engine-0 in 2 s (restart 2)", 15)
+        wait_healthy_again(st, "engine-0", st.ports["engine"], new_pid)
+    finally:
+        rc = fg.end()
+    assert rc == 0, fg.output
+    assert "stopping" in fg.output
+    assert not list(st.logs.glob("*.pid")), "a SIGTERM to launch stops every service"
+    for rec in before.values():
+        assert not group_members(rec["pgid"], rec["start_ticks"])
+
+
+def test_foreground_restarts_a_wedged_engine(stacks: list[Stack], tmp_path: Path) -> None:
+    """An engine whose /health hangs once it had answered (vLLM after its EngineCore died:
+    results/h200x1-tenants run 3) is killed and started again after --wedge-s; the same
+    watchdog as the Compose healthcheck decides."""
+    st = new_stack(stacks, tmp_path, "colocated")
+    fg = Foreground(st, "--wedge-s", "1.5")
+    try:
+        fg.wait_for("all services healthy", 60)
+        before = st.pids()
+        e0 = before["engine-0"]
+        time.sleep(2)  # the watchdog has seen it answer (it checks every 0.75 s)
+        (st.records / f"hang-{e0['pid']}").touch()
+        t0 = time.monotonic()
+        fg.wait_for("engine-0 wedged: /health or /metrics failing for", 40)
+        took = time.monotonic() - t0
+        # the budget, plus a check's own 2 s /health timeout and its interval, twice
+        assert 1.5 <= took < 30, f"wedge found after {took:.1f} s (budget 1.5 s + checks)"
+        fg.wait_for(f"killing its process group {e0['pgid']}", 5)
+        wait_healthy_again(st, "engine-0", st.ports["engine"], e0["pid"])
+        assert not _alive(e0["pid"]) and not group_members(e0["pgid"], e0["start_ticks"])
+        after = st.pids()
+        assert after["engine-1"] == before["engine-1"] and after["proxy"] == before["proxy"]
+        assert "engine-1 wedged" not in fg.output
+    finally:
+        rc = fg.end()
+    assert rc == 0, fg.output
+
+
+def test_foreground_restart_no_stops_everything(stacks: list[Stack], tmp_path: Path) -> None:
+    st = new_stack(stacks, tmp_path, "colocated")
+    fg = Foreground(st, "--restart", "no")
+    try:
+        fg.wait_for("all services healthy", 60)
+        before = st.pids()
+        os.killpg(before["engine-1"]["pgid"], signal.SIGKILL)
+        rc = fg.proc.wait(30)
+    finally:
+        fg.end()
+    assert rc == 1, fg.output
+    assert "engine-1 died" in fg.output and "restarting" not in fg.output
+    assert not _alive(before["engine-0"]["pid"]) and not _alive(before["proxy"]["pid"])
+
+
+def test_foreground_bad_wedge_seconds_exit_2(stacks: list[Stack], tmp_path: Path) -> None:
+    st = new_stack(stacks, tmp_path, "colocated")
+    r = st.launch("start", "--foreground", "--wedge-s", "0")
+    assert r.returncode == 2
+    assert "--wedge-s" in r.stderr and "want a number of seconds > 0, got '0'" in r.stderr
+    assert not list(st.records.glob("*.json")), "nothing may start on bad input"
