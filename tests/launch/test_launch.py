@@ -354,7 +354,8 @@ def test_read_env_file(tmp_path: Path) -> None:
 
 class Foreground:
     """``pdstack launch start --foreground`` running in the background of a test, its output
-    collected line by line."""
+    collected line by line; ``with`` waits until every service is healthy and ends it
+    (SIGTERM) after, its exit code in ``rc``."""
 
     def __init__(self, st: Stack, *args: str) -> None:
         self.proc = subprocess.Popen(
@@ -363,6 +364,7 @@ class Foreground:
             env=st.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
         )
         self.lines: list[str] = []
+        self.rc: int | None = None
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -386,9 +388,20 @@ class Foreground:
     def end(self, timeout: float = 30) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-        rc = self.proc.wait(timeout)
+        self.rc = self.proc.wait(timeout)
         self._reader.join(5)
-        return rc
+        return self.rc
+
+    def __enter__(self) -> Foreground:
+        try:
+            self.wait_for("all services healthy", 60)
+        except BaseException:
+            self.end()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end()
 
 
 def healthy(port: int) -> bool:
@@ -415,9 +428,7 @@ def test_foreground_restarts_a_dead_engine_and_leaves_the_rest(
     stacks: list[Stack], tmp_path: Path
 ) -> None:
     st = new_stack(stacks, tmp_path, "colocated")
-    fg = Foreground(st, "--wedge-s", "30")
-    try:
-        fg.wait_for("all services healthy", 60)
+    with Foreground(st, "--wedge-s", "30") as fg:
         before = st.pids()
         e0 = before["engine-0"]
         os.killpg(e0["pgid"], signal.SIGKILL)  # the engine and its grandchild, as an OOM kill
@@ -432,9 +443,7 @@ def test_foreground_restarts_a_dead_engine_and_leaves_the_rest(
         os.killpg(after["engine-0"]["pgid"], signal.SIGKILL)
         fg.wait_for("restarting engine-0 in 2 s (restart 2)", 15)
         wait_healthy_again(st, "engine-0", st.ports["engine"], new_pid)
-    finally:
-        rc = fg.end()
-    assert rc == 0, fg.output
+    assert fg.rc == 0, fg.output
     assert "stopping" in fg.output
     assert not list(st.logs.glob("*.pid")), "a SIGTERM to launch stops every service"
     for rec in before.values():
@@ -446,9 +455,7 @@ def test_foreground_restarts_a_wedged_engine(stacks: list[Stack], tmp_path: Path
     results/h200x1-tenants run 3) is killed and started again after --wedge-s; the same
     watchdog as the Compose healthcheck decides."""
     st = new_stack(stacks, tmp_path, "colocated")
-    fg = Foreground(st, "--wedge-s", "1.5")
-    try:
-        fg.wait_for("all services healthy", 60)
+    with Foreground(st, "--wedge-s", "1.5") as fg:
         before = st.pids()
         e0 = before["engine-0"]
         time.sleep(2)  # the watchdog has seen it answer (it checks every 0.75 s)
@@ -464,22 +471,16 @@ def test_foreground_restarts_a_wedged_engine(stacks: list[Stack], tmp_path: Path
         after = st.pids()
         assert after["engine-1"] == before["engine-1"] and after["proxy"] == before["proxy"]
         assert "engine-1 wedged" not in fg.output
-    finally:
-        rc = fg.end()
-    assert rc == 0, fg.output
+    assert fg.rc == 0, fg.output
 
 
 def test_foreground_restart_no_stops_everything(stacks: list[Stack], tmp_path: Path) -> None:
     st = new_stack(stacks, tmp_path, "colocated")
-    fg = Foreground(st, "--restart", "no")
-    try:
-        fg.wait_for("all services healthy", 60)
+    with Foreground(st, "--restart", "no") as fg:
         before = st.pids()
         os.killpg(before["engine-1"]["pgid"], signal.SIGKILL)
-        rc = fg.proc.wait(30)
-    finally:
-        fg.end()
-    assert rc == 1, fg.output
+        fg.proc.wait(30)
+    assert fg.rc == 1, fg.output
     assert "engine-1 died" in fg.output and "restarting" not in fg.output
     assert not _alive(before["engine-0"]["pid"]) and not _alive(before["proxy"]["pid"])
 
