@@ -275,7 +275,9 @@ class Launcher:
         self.children: dict[str, Popen[bytes]] = {}
 
     def say(self, msg: str) -> None:
-        print(f"[launch {self.node.name}] {msg}", file=self.out, flush=True)
+        # UTC time of day: a supervisor's log is read as a timeline (died, restarted, healthy)
+        stamp = time.strftime("%H:%M:%S", time.gmtime())
+        print(f"[launch {self.node.name} {stamp}] {msg}", file=self.out, flush=True)
 
     def record(self, name: str) -> PidRecord | None:
         return PidRecord.read(self.log_dir / f"{name}.pid")
@@ -499,20 +501,51 @@ class Launcher:
                     continue
                 if now - w.started >= RESTART_BACKOFF_S[1]:
                     w.delay = RESTART_BACKOFF_S[0]  # it ran long enough: back to a short delay
-                if w.prepared.service.kind == "engine" and now >= w.next_check:
-                    w.next_check = now + interval
-                    why = self._wedged(w, wedge)
-                    rec = self.record(name)
-                    if why and rec is not None:
-                        self.say(f"{name} wedged: {why}; killing its process group "
-                                 f"{rec.pgid}")
-                        self._signal(rec, signal.SIGKILL)
-                        self._schedule_restart(w, now)
+                if w.prepared.service.kind == "engine":
+                    self._check_engine(w, now, wedge, interval)
             time.sleep(0.2)
+        for w in watched:
+            w.end_check()
         self.say("stopping")
         return max(rc, self.stop([w.prepared.name for w in watched], grace))
 
+    def _check_engine(self, w: _Supervised, now: float, wedge_s: float,
+                      interval: float) -> None:
+        """Run the engine watchdog (dry: it reports, this launcher restarts) every
+        ``interval``, in the background: a hung engine's check takes seconds (its own
+        /health, /metrics and probe timeouts) and must not hold up the other services'."""
+        if w.check is None:
+            if now >= w.next_check:
+                w.next_check = now + interval
+                w.check_started = now
+                w.check = self._start_watchdog(w, wedge_s)
+            return
+        if w.check.poll() is None:
+            if now - w.check_started > WATCHDOG_CHECK_TIMEOUT_S:
+                w.end_check()
+            return
+        out = w.check.stdout.read() if w.check.stdout else ""
+        w.end_check()
+        why = next((line.split(" wedged: ", 1)[1].removesuffix(": restarting its container")
+                    for line in out.splitlines()
+                    if line.startswith("pdstack-watchdog:") and " wedged: " in line), None)
+        rec = self.record(w.prepared.name)
+        if why and rec is not None:
+            self.say(f"{w.prepared.name} wedged: {why}; killing its process group {rec.pgid}")
+            self._signal(rec, signal.SIGKILL)
+            self._schedule_restart(w, now)
+
+    def _start_watchdog(self, w: _Supervised, wedge_s: float) -> Popen[str]:
+        svc = w.prepared.service
+        url = (svc.healthcheck_url or "").removesuffix("/health")
+        model = _opt(w.prepared.argv, "--served-model-name") or ""
+        args = sidecars.engine_watchdog_args(url, wedge_s, str(w.state_file), svc.name, model)
+        return Popen([sys.executable, "-c", sidecars.ENGINE_WATCHDOG, *args, "dry"],
+                     env=w.prepared.env, stdin=DEVNULL, stdout=subprocess.PIPE,
+                     stderr=DEVNULL, text=True)
+
     def _schedule_restart(self, w: _Supervised, now: float) -> None:
+        w.end_check()
         w.restart_at = now + w.delay
         self.say(f"restarting {w.prepared.name} in {w.delay:.0f} s (restart "
                  f"{w.restarts + 1})")
@@ -526,30 +559,14 @@ class Launcher:
         w.restarts += 1
         self.say(f"started {w.prepared.name} again, pid {proc.pid} (restart {w.restarts})")
 
-    def _wedged(self, w: _Supervised, wedge_s: float) -> str | None:
-        """The engine watchdog's verdict (dry: it reports, this launcher restarts): the
-        reason when wedged, else None (healthy, still starting, or merely failing)."""
-        svc = w.prepared.service
-        url = (svc.healthcheck_url or "").removesuffix("/health")
-        model = _opt(w.prepared.argv, "--served-model-name") or ""
-        args = sidecars.engine_watchdog_args(url, wedge_s, str(w.state_file), svc.name, model)
-        try:
-            out = subprocess.run(
-                [sys.executable, "-c", sidecars.ENGINE_WATCHDOG, *args, "dry"],
-                env=w.prepared.env, capture_output=True, text=True, timeout=30,
-            ).stdout
-        except subprocess.TimeoutExpired:
-            return None
-        for line in out.splitlines():
-            if line.startswith("pdstack-watchdog:") and " wedged: " in line:
-                return line.split(" wedged: ", 1)[1].removesuffix(": restarting its container")
-        return None
-
 
 RESTART_POLICIES = ("unless-stopped", "no")
 # a restart's delay: the first, doubled per restart up to the second; back to the first once
 # the service ran that long (Docker's restart policy: 100 ms doubling, reset after 10 s)
 RESTART_BACKOFF_S = (1.0, 60.0)
+# one watchdog run's limit: its own timeouts add up to 9 s (/health 2, /metrics 2, /load 1,
+# the 1-token probe 4)
+WATCHDOG_CHECK_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -563,9 +580,21 @@ class _Supervised:
     restart_at: float | None = None
     restarts: int = 0
 
+    check: Popen[str] | None = None  # the engine watchdog's run under way
+    check_started: float = 0.0
+
     @property
     def state_file(self) -> Path:
         return self.prepared.log.with_name(f"{self.prepared.name}.watchdog.json")
+
+    def end_check(self) -> None:
+        if self.check is not None:
+            if self.check.poll() is None:
+                self.check.kill()
+            self.check.wait()
+            if self.check.stdout:
+                self.check.stdout.close()
+            self.check = None
 
 
 def _opt(argv: Sequence[str], flag: str) -> str | None:
