@@ -8,7 +8,6 @@ from pathlib import Path
 
 from pdstack.commands import load_or_exit
 from pdstack.plan import make_plan
-from pdstack.render import output_dirs, render_all, write_stacks
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -63,6 +62,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
+    # here, not at the top: validate and plan need no templates or dashboard builder (the
+    # GPU payload has no grafana_foundation_sdk)
+    from pdstack.render import output_dirs, render_all, write_stacks
+
     topo = load_or_exit(args.inventory)
     plan = make_plan(topo)
     rendered = render_all(topo, plan)

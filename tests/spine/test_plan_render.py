@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -217,3 +218,33 @@ def test_cpu_nixl_engines_hide_the_numa_topology_from_vllm():
     doc = yaml.safe_load(text["node2"]["compose.yaml"])
     assert doc["services"]["decode-0"]["tmpfs"] == ["/sys/devices/system/node:ro,size=4k"]
     assert "tmpfs" not in yaml.safe_load(text["node1"]["compose.yaml"])["services"]["decode-0"]
+
+
+def test_validate_and_plan_need_no_dashboard_builder():
+    """A GPU host's minimal environment (the lent H200's payload) has no
+    grafana_foundation_sdk: `pdstack validate` and `pdstack plan --json` still work there;
+    only `render` needs it. With the import blocked, plan prints the planned engine."""
+    block = (
+        "import builtins, sys\n"
+        "real = builtins.__import__\n"
+        "def imp(name, *a, **k):\n"
+        "    if name.split('.')[0] == 'grafana_foundation_sdk':\n"
+        "        raise ImportError('blocked for this test')\n"
+        "    return real(name, *a, **k)\n"
+        "builtins.__import__ = imp\n"
+        "from pdstack.cli import main\n"
+        "sys.argv = ['pdstack', *sys.argv[1:]]\n"
+        "sys.exit(main())\n"
+    )
+    for args in (["validate", "-i", "inventory/h200x1"],
+                 ["plan", "-i", "inventory/h200x1", "--json"]):
+        r = subprocess.run([sys.executable, "-c", block, *args], cwd=REPO, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, f"{args}: {r.stderr[-800:]}"
+    plan = json.loads(r.stdout)
+    assert [s["name"] for n in plan["nodes"].values() for s in n["services"]] == ["engine-0",
+                                                                                 "proxy"]
+    blocked = subprocess.run([sys.executable, "-c", block, "render", "-i", "inventory/h200x1",
+                              "-o", "/nonexistent-dir-never-written"], cwd=REPO,
+                             capture_output=True, text=True, timeout=60)
+    assert blocked.returncode != 0 and "blocked for this test" in blocked.stderr
