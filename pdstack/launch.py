@@ -490,8 +490,8 @@ class Launcher:
                         self._respawn(w)
                     continue
                 if self.running(name) is None:
-                    proc = self.children.get(name)
-                    code = proc.returncode if proc is not None else None
+                    proc = self.children.get(name)  # None: started by an earlier launch
+                    code = proc.poll() if proc is not None else None
                     self.say(f"{name} died (exit code {code}); last lines of "
                              f"{w.prepared.log}:\n{tail(w.prepared.log)}")
                     if restart == "no":
