@@ -50,6 +50,7 @@ from typing import Any, TextIO
 from urllib.parse import urlparse
 
 from pdstack import sidecars
+from pdstack.argtypes import seconds
 from pdstack.commands import load_or_exit
 from pdstack.plan import SECRETS_ENV_FILE, NodePlan, Plan, Service, make_plan
 
@@ -526,9 +527,7 @@ class Launcher:
             return
         out = w.check.stdout.read() if w.check.stdout else ""
         w.end_check()
-        why = next((line.split(" wedged: ", 1)[1].removesuffix(": restarting its container")
-                    for line in out.splitlines()
-                    if line.startswith("pdstack-watchdog:") and " wedged: " in line), None)
+        why = sidecars.watchdog_verdict(out)
         rec = self.record(w.prepared.name)
         if why and rec is not None:
             self.say(f"{w.prepared.name} wedged: {why}; killing its process group {rec.pgid}")
@@ -538,8 +537,8 @@ class Launcher:
     def _start_watchdog(self, w: _Supervised, wedge_s: float) -> Popen[str]:
         svc = w.prepared.service
         url = (svc.healthcheck_url or "").removesuffix("/health")
-        model = _opt(w.prepared.argv, "--served-model-name") or ""
-        args = sidecars.engine_watchdog_args(url, wedge_s, str(w.state_file), svc.name, model)
+        args = sidecars.engine_watchdog_args(url, wedge_s, str(w.state_file), svc.name,
+                                             self.plan.backend_table.served_model_name)
         return Popen([sys.executable, "-c", sidecars.ENGINE_WATCHDOG, *args, "dry"],
                      env=w.prepared.env, stdin=DEVNULL, stdout=subprocess.PIPE,
                      stderr=DEVNULL, text=True)
@@ -595,10 +594,6 @@ class _Supervised:
             if self.check.stdout:
                 self.check.stdout.close()
             self.check = None
-
-
-def _opt(argv: Sequence[str], flag: str) -> str | None:
-    return argv[argv.index(flag) + 1] if flag in argv[:-1] else None
 
 
 # --------------------------------------------------------------------------- CLI
@@ -670,16 +665,6 @@ def cmd_launch(args: argparse.Namespace) -> int:
                           wedge_s=args.wedge_s)
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"want a number of seconds > 0, got {text!r}")
-    return value
-
-
 def register(sub: argparse._SubParsersAction, name: str, help_text: str) -> None:
     p = sub.add_parser(
         name,
@@ -717,7 +702,7 @@ def register(sub: argparse._SubParsersAction, name: str, help_text: str) -> None
                    help="with --foreground: unless-stopped (default; as the Compose stack) "
                    "restarts what dies, with a backoff of 1 s doubling to 60 s; no: the "
                    "first death stops every service (exit 1)")
-    p.add_argument("--wedge-s", type=_positive, default=None, metavar="S",
+    p.add_argument("--wedge-s", type=seconds, default=None, metavar="S",
                    help="with --foreground: seconds an engine may hold requests with no "
                    "progress, or fail /health once up, before it is restarted (default: the "
                    "Compose watchdog's, 120 on gpu, 30 on cpu)")

@@ -144,6 +144,15 @@ def engine_watchdog_args(url: str, wedge_s: float, state: str, name: str,
     return [url, f"{wedge_s:g}", state, name, model]
 
 
+def watchdog_verdict(output: str) -> str | None:
+    """Why ``ENGINE_WATCHDOG`` found its engine wedged, from its output (its ``restart``
+    line: ``pdstack-watchdog: NAME wedged: WHY: restarting its container``); None if not."""
+    for line in output.splitlines():
+        if line.startswith("pdstack-watchdog:") and " wedged: " in line:
+            return line.split(" wedged: ", 1)[1].removesuffix(": restarting its container")
+    return None
+
+
 def engine_healthcheck(url: str, wedge_s: float, name: str, model: str) -> list[str]:
     """The engine container's healthcheck ``test`` (exec form)."""
     return ["CMD", "python3", "-c", ENGINE_WATCHDOG,

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pdstack.argtypes import positive_int, seconds
 from pdstack.bench import scenarios
 from pdstack.bench.workload import Distribution, DistributionError, WorkloadConfig
 
@@ -53,38 +54,18 @@ def _share(text: str) -> float:
     return value
 
 
-def _positive(text: str, kind: type, noun: str, unit: str = "") -> Any:
-    """``kind(text)`` if it is > 0; else ArgumentTypeError ("not NOUN" / "must be > 0UNIT")."""
-    try:
-        value = kind(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not {noun}: {text!r}") from exc
-    if not value > 0:
-        got = value if kind is int else text
-        raise argparse.ArgumentTypeError(f"must be > 0{unit}, got {got}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    return int(_positive(text, int, "an integer"))
-
-
-def _seconds(text: str) -> float:
-    return float(_positive(text, float, "a number", " seconds"))
-
-
 # the workload knobs a --scenario presets: (flag, type, help)
 _WORKLOAD_FLAGS: tuple[tuple[str, Any, str], ...] = (
-    ("--system-prompts", _positive_int, "K shared system prompts (default 4)"),
+    ("--system-prompts", positive_int, "K shared system prompts (default 4)"),
     ("--shared-share", _share, "share of requests that reuse a shared system prompt (default 0.8)"),
     ("--system-len", _dist,
      "system prompt length in tokens (default 1024; seed: uniform:2000:6000)"),
     ("--user-len", _dist, "user message length in tokens (default uniform:32:256)"),
     ("--output-len", _dist, "answer length (max_tokens) (default uniform:64:256)"),
     ("--turns", _dist, "multi-turn: turns per conversation (default uniform:3:8)"),
-    ("--think-time", _seconds,
+    ("--think-time", seconds,
      "multi-turn: mean seconds between turns, exponential (default 4)"),
-    ("--kv-capacity-tokens", _positive_int,
+    ("--kv-capacity-tokens", positive_int,
      "many-tenants: one engine's GPU KV in tokens (default: from "
      "vllm:cache_config_info at --metrics-url, the smallest engine)"),
 )

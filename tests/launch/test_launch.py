@@ -489,5 +489,5 @@ def test_foreground_bad_wedge_seconds_exit_2(stacks: list[Stack], tmp_path: Path
     st = new_stack(stacks, tmp_path, "colocated")
     r = st.launch("start", "--foreground", "--wedge-s", "0")
     assert r.returncode == 2
-    assert "--wedge-s" in r.stderr and "want a number of seconds > 0, got '0'" in r.stderr
+    assert "--wedge-s" in r.stderr and "argument --wedge-s: must be > 0 seconds, got 0" in r.stderr
     assert not list(st.records.glob("*.json")), "nothing may start on bad input"
