@@ -1,7 +1,16 @@
 #!/bin/bash
 # gpu/lib.sh: the steps a gpu/run_*.sh driver shares (sourced). Needs W (its state folder),
-# SITE (the payload's install folder), OUTDIR ($OUT) and a `log` function. (run_sweeps.sh,
-# run_tiers.sh and run_h200x1.sh predate it and keep their own copies.)
+# SITE (the payload's install folder), OUTDIR ($OUT), T0 and BUDGET, and a `log` function.
+# (run_sweeps.sh, run_tiers.sh and run_h200x1.sh predate it and keep their own copies.)
+
+# the issue-23 many-tenants workload (results/h200x1-tiers): 200 shared prompts of 1.5-5 k
+# tokens (~1.9x one engine's GPU KV), 85 % reuse, user 64-512, answers 48-160
+GPU_MT=(--scenario many-tenants --system-prompts 200 --system-len uniform:1500:5000
+        --shared-share 0.85 --user-len uniform:64:512 --output-len uniform:48:160)
+
+# the driver's seconds so far, and those left of its BUDGET (from its T0)
+elapsed() { echo $(( $(date +%s) - T0 )); }
+left() { echo $(( BUDGET - $(elapsed) )); }
 
 # pack results + log tails into $OUTDIR/results.tar.gz (what comes back from the machine)
 gpu_pack() {

@@ -45,8 +45,6 @@ RATES_TURN=${RATES_TURN:-8,16}
 # engine's API server need the descriptors
 ulimit -n 1048576 2>/dev/null || ulimit -n 65536 2>/dev/null
 
-elapsed() { echo $(( $(date +%s) - T0 )); }
-left() { echo $(( BUDGET - $(elapsed) )); }
 log() { echo "[tenants +$(elapsed)s] $*" | tee -a "$W/run.log"; }
 # shellcheck source=gpu/lib.sh
 source "$REPO/gpu/lib.sh"
@@ -119,10 +117,6 @@ extra_proxy fifo 8063 --admission-fairness off
 extra_proxy cap64 8064 --admission-max-running 64
 C=http://127.0.0.1:8064
 
-# the issue-23 many-tenants workload (results/h200x1-tiers): 200 shared prompts of 1.5-5 k
-# tokens, 85 % reuse, user 64-512, answers 48-160; each tenant its own prompts
-MT=(--scenario many-tenants --system-prompts 200 --system-len uniform:1500:5000 --shared-share 0.85
-    --user-len uniform:64:512 --output-len uniform:48:160)
 quiesce() {  # engine: wait (<= 90 s) until it runs and queues nothing (a flood's aborts)
   "$PY" - "$1/metrics" <<'PYEOF' 2>&1 | tee -a "$W/run.log"
 import sys, time, urllib.request
@@ -159,12 +153,13 @@ sweep() {  # name engine target rates duration workload/tenant args...
   log "sweep $name rc=$rc"
   if [ -f "$out" ]; then touch "$W/state/swept-$name"; else touch "$W/state/failed-$name"; fi
 }
-run_variant() {  # name engine target tenants...: the many-tenants mix, one rate = the shares' sum
+run_variant() {  # name engine target tenants...: GPU_MT (each tenant its own prompts), one
+                 # rate = the shares' sum
   local name=$1 engine=$2 target=$3; shift 3
   local rate=$BETA_RATE t args=()
   for t in "$@"; do args+=(--tenant "$t"); done
   [ $# -gt 1 ] && rate=$(( ${1#alpha:} + BETA_RATE ))
-  sweep "$name" "$engine" "$target" "$rate" "$DURATION" "${MT[@]}" "${args[@]}"
+  sweep "$name" "$engine" "$target" "$rate" "$DURATION" "${GPU_MT[@]}" "${args[@]}"
 }
 FLOOD=("alpha:$ALPHA_RATE" "beta:$BETA_RATE")
 for v in $VARIANTS; do
