@@ -38,6 +38,15 @@ source "$REPO/gpu/lib.sh"
 trap gpu_pack EXIT
 gpu_install || exit 1
 mkdir -p /tmp/models && cp -r "$REPO/gpu/models/$MODEL" /tmp/models/
+# LMCache's in-process connector (lmcache-pd) imports aiofile, which the payload lacks
+# (run 1: "No module named 'aiofile'"): wheels carried in gpu/payload/extra (pip download
+# --no-deps aiofile caio aiofiles sortedcontainers nvtx redis py-cpuinfo, cp312 manylinux),
+# unpacked into the site folder when missing there
+if ! python3 -c "import aiofile" 2>/dev/null; then
+  for whl in "$REPO"/gpu/payload/extra/*.whl; do
+    [ -f "$whl" ] && python3 -m zipfile -e "$whl" "$SITE" && log "unpacked $(basename "$whl")"
+  done
+fi
 PY=python3
 PD=("$PY" -m pdstack.cli)
 

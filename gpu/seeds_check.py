@@ -53,7 +53,7 @@ def prompts() -> list[list[int]]:
 
 def complete(base: str, model: str, prompt: list[int], timeout: float = 120.0) -> dict[str, Any]:
     body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True, "logprobs": 1}
+            "ignore_eos": True, "return_token_ids": True}
     req = urllib.request.Request(f"{base}/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     t = time.perf_counter()
@@ -67,9 +67,6 @@ def complete(base: str, model: str, prompt: list[int], timeout: float = 120.0) -
     s = round(time.perf_counter() - t, 3)
     choice = out["choices"][0]
     ids = choice.get("token_ids")
-    if ids is None and choice.get("logprobs"):
-        # the logprobs' tokens ("token_id:N" without a tokenizer)
-        ids = [int(str(tok).rsplit(":", 1)[-1]) for tok in choice["logprobs"]["tokens"]]
     if ids is None:
         return {"error": f"no token ids in the answer: {json.dumps(out)[:300]}", "s": s}
     return {"ids": ids[:MAX_TOKENS], "usage": out.get("usage"), "s": s}
