@@ -71,8 +71,14 @@ LAUNCHES=(
   "nixl-l1 inventory/h200x1-seed-nixl-l1"
   "colocated-l1 inventory/h200x1-seed-colocated-l1"
 )
+# SEEDS_ONLY="k1 k2": only these modes (and their launches, node b's included)
+if [ -n "${SEEDS_ONLY:-}" ]; then
+  keep() { local e; for e in "$@"; do for k in $SEEDS_ONLY; do
+    case "$e" in "$k "*|"$k-b "*) echo "$e";; esac; done; done; }
+  mapfile -t SEEDS < <(keep "${SEEDS[@]}"); mapfile -t LAUNCHES < <(keep "${LAUNCHES[@]}")
+fi
 YARDSTICK=http://127.0.0.1:8310   # inventory/h200x1-seed-colocated's engine-0
-ENV=(--env VLLM_SERVER_DEV_MODE=1 --env VLLM_DISABLE_COMPILE_CACHE=1)
+ENV=(--env VLLM_SERVER_DEV_MODE=1 --env VLLM_DISABLE_COMPILE_CACHE=1 ${EXTRA_ENV:-})
 
 if [ ! -f "$W/results/machine.txt" ]; then
   { echo "# h200x1-seeds machine facts, $(date -u +%FT%TZ)"; uname -a; nproc; free -g
@@ -123,6 +129,7 @@ fi
 
 check() {  # key inventory
   [ -f "$W/state/check-$1" ] && return 0
+  http_get "$YARDSTICK/health" > /dev/null || { log "no yardstick: no check of $1"; return 0; }
   log "check $1"
   "$PY" gpu/seeds_check.py --inventory "$2" --yardstick "$YARDSTICK" \
     --output "$W/results/$1-check.json" 2>&1 | tee -a "$W/run.log"
