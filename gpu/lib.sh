@@ -1,7 +1,21 @@
 #!/bin/bash
-# gpu/lib.sh: the steps a gpu/run_*.sh driver shares (sourced). Needs W (its state folder),
-# SITE (the payload's install folder), OUTDIR ($OUT), T0 and BUDGET, and a `log` function.
+# gpu/lib.sh: the steps a gpu/run_*.sh driver shares (sourced from the repo root, then
+# `gpu_start TAG DEFAULT_STATE_DIR "${1:-}" || exit 1`).
 # (run_sweeps.sh, run_tiers.sh and run_h200x1.sh predate it and keep their own copies.)
+
+# the driver's frame: T0, BUDGET (its first argument, default 560 s), REPO (the repo root, the
+# caller's folder), W (its state folder: $W or DEFAULT_STATE_DIR), SITE (the payload's install
+# folder), OUTDIR ($OUT: what comes back); its folders; `log` lines tagged TAG; the results
+# packed at every exit; the payload installed and its environment sourced
+gpu_start() {
+  GPU_TAG=$1 T0=$(date +%s) BUDGET=${3:-560} REPO=$(pwd)
+  W=${W:-$2} SITE=${SITE:-/tmp/site}
+  OUTDIR=${OUT:-$W/out}
+  mkdir -p "$W/results" "$W/logs" "$W/state" "$OUTDIR"
+  trap gpu_pack EXIT
+  gpu_install
+}
+log() { echo "[$GPU_TAG +$(elapsed)s $(date -u +%T)] $*" | tee -a "$W/run.log"; }
 
 # the issue-23 many-tenants workload (results/h200x1-tiers): 200 shared prompts of 1.5-5 k
 # tokens (~1.9x one engine's GPU KV), 85 % reuse, user 64-512, answers 48-160

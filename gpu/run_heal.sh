@@ -10,23 +10,14 @@
 # supervisor brings it back: the crash, the watchdog's verdict, the restart, healthy again,
 # then a short sweep that it serves. Resumable (state in /tmp/pdheal): call it again.
 set -uo pipefail
-T0=$(date +%s)
-BUDGET=${1:-560}
-REPO=$(pwd)
-W=${W:-/tmp/pdheal}
-SITE=${SITE:-/tmp/site}
-OUTDIR=${OUT:-$W/out}
-mkdir -p "$W/results" "$W/logs" "$W/state" "$OUTDIR"
 WEDGE_S=${WEDGE_S:-30}
 FLOOD_RATE=${FLOOD_RATE:-300}
 FLOOD_S=${FLOOD_S:-15}
 ulimit -n 1048576 2>/dev/null || ulimit -n 65536 2>/dev/null
 
-log() { echo "[heal +$(elapsed)s $(date -u +%T)] $*" | tee -a "$W/run.log"; }
 # shellcheck source=gpu/lib.sh
-source "$REPO/gpu/lib.sh"
-trap gpu_pack EXIT
-gpu_install || exit 1
+source "$(pwd)/gpu/lib.sh"
+gpu_start heal /tmp/pdheal "${1:-}" || exit 1
 PY=python3
 PD=("$PY" -m pdstack.cli)
 INV=inventory/h200x1

@@ -10,18 +10,9 @@
 # the engine log's phase lines (weights, torch.compile, CUDA graphs, KV cache, the whole
 # engine init) go into results/restart.txt. Resumable (state in /tmp/pdrestart).
 set -uo pipefail
-T0=$(date +%s)
-BUDGET=${1:-560}
-REPO=$(pwd)
-W=${W:-/tmp/pdrestart}
-SITE=${SITE:-/tmp/site}
-OUTDIR=${OUT:-$W/out}
-mkdir -p "$W/results" "$W/logs" "$W/state" "$OUTDIR"
-log() { echo "[restart +$(elapsed)s] $*" | tee -a "$W/run.log"; }
 # shellcheck source=gpu/lib.sh
-source "$REPO/gpu/lib.sh"
-trap gpu_pack EXIT
-gpu_install || exit 1
+source "$(pwd)/gpu/lib.sh"
+gpu_start restart /tmp/pdrestart "${1:-}" || exit 1
 PD=(python3 -m pdstack.cli)
 PHASES='Loading weights took|Model loading took|torch.compile take|Compiling a graph|Directly load|Graph capturing finished|init engine|Available KV cache|GPU KV cache size|compile cache|Cache the graph'
 for n in 1 2; do

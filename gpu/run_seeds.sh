@@ -17,13 +17,6 @@
 #      prefill-0's counters show it serving
 #   5. pack results + logs into $OUT/results.tar.gz (always)
 set -uo pipefail
-T0=$(date +%s)
-BUDGET=${1:-560}
-REPO=$(pwd)
-W=${W:-/tmp/pdseeds}
-SITE=${SITE:-/tmp/site}
-OUTDIR=${OUT:-$W/out}
-mkdir -p "$W/results" "$W/logs" "$W/state" "$OUTDIR"
 RATES=${RATES:-8,16}
 DURATION=${DURATION:-20}
 WARMUP=${WARMUP:-3}
@@ -32,11 +25,9 @@ FAULT_S=${FAULT_S:-40}
 FAULT_AT=${FAULT_AT:-12}
 MODEL=deepseek-v2-mini
 
-log() { echo "[seeds +$(elapsed)s] $*" | tee -a "$W/run.log"; }
 # shellcheck source=gpu/lib.sh
-source "$REPO/gpu/lib.sh"
-trap gpu_pack EXIT
-gpu_install || exit 1
+source "$(pwd)/gpu/lib.sh"
+gpu_start seeds /tmp/pdseeds "${1:-}" || exit 1
 mkdir -p /tmp/models && cp -r "$REPO/gpu/models/$MODEL" /tmp/models/
 # LMCache's in-process connector (lmcache-pd) imports aiofile, which the payload lacks
 # (run 1: "No module named 'aiofile'"): wheels carried in gpu/payload/extra (pip download

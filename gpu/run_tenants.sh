@@ -27,13 +27,6 @@
 #        turn-vllm     vLLM with its defaults   turn-pdstack  pdstack's default stack (:8062)
 #   5. pack results + logs into $OUT/results.tar.gz (always)
 set -uo pipefail
-T0=$(date +%s)
-BUDGET=${1:-560}
-REPO=$(pwd)
-W=${W:-/tmp/pdten}
-SITE=${SITE:-/tmp/site}
-OUTDIR=${OUT:-$W/out}
-mkdir -p "$W/results" "$W/logs" "$W/state" "$OUTDIR"
 DURATION=${DURATION:-30}
 WARMUP=${WARMUP:-5}
 BETA_RATE=${BETA_RATE:-4}
@@ -45,11 +38,9 @@ RATES_TURN=${RATES_TURN:-8,16}
 # engine's API server need the descriptors
 ulimit -n 1048576 2>/dev/null || ulimit -n 65536 2>/dev/null
 
-log() { echo "[tenants +$(elapsed)s] $*" | tee -a "$W/run.log"; }
 # shellcheck source=gpu/lib.sh
-source "$REPO/gpu/lib.sh"
-trap gpu_pack EXIT
-gpu_install || exit 1
+source "$(pwd)/gpu/lib.sh"
+gpu_start tenants /tmp/pdten "${1:-}" || exit 1
 PY=python3
 PD=("$PY" -m pdstack.cli)
 INV=inventory/h200x1-tenants
