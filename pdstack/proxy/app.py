@@ -94,8 +94,6 @@ class Proxy(AdminAPI, EngineRoutes, Flows):
             self.config.admission,
             lambda: self.registry.backends.values(),
             self._auth_headers,
-            # its requests wait in vLLM's queue while their KV arrives: not a full engine
-            ignores_waiting=lambda b: self.registry.receives_over_nixl(b),
         )
         if self.config.admission.enabled:
             self.metrics.watch_admission(self.admission)
@@ -379,6 +377,7 @@ class Proxy(AdminAPI, EngineRoutes, Flows):
                 session=affinity.session_key(request.headers, body),
             )
             ctx.text = prompt_text(body)
+            self.admission.expect(rid, max_tokens_of(body))  # its expected KV growth
             ctx.budget_s = self.leg_budget.for_chars(len(ctx.text))
             ctx.upstream_headers = {
                 "Content-Type": "application/json",

@@ -130,17 +130,24 @@ _CONFIG_FLAGS = _SERVER + _TUNING + _LMCACHE_PD + _CLIENT_TIMEOUTS
 _ADMISSION = (
     _Flag(
         "kv_high",
-        "KV usage watermark, reservations included (default %(default)s)",
+        "watermark on an engine's projected KV, prompt + expected output of each request "
+        "counted, over its capacity (default %(default)s)",
         metavar="RATIO",
     ),
-    _Flag("max_waiting", "requests an engine may queue itself (default %(default)s)", metavar="N"),
+    _Flag(
+        "output_tokens",
+        "a request's expected output, at most its max_tokens (default %(default)s)",
+        metavar="N",
+    ),
     _Flag(
         "max_running",
         "the proxy's requests active on one engine at most; 0 = no cap (default %(default)s)",
         metavar="N",
     ),
     _Flag(
-        "scrape_interval_s", "engine /metrics scrape interval (default %(default)s)", metavar="S"
+        "scrape_interval_s",
+        "engine /metrics read interval: a correction, not the gate (default %(default)s)",
+        metavar="S",
     ),
     _Flag(
         "queue_max",
@@ -157,7 +164,12 @@ _ADMISSION_RANGES = {
     "scrape_interval_s": (0.01, 10.0),
     "queue_timeout_s": (0.0, 3600.0),
 }
-_ADMISSION_NONNEGATIVE = ("max_waiting", "max_running", "queue_max")
+_ADMISSION_NONNEGATIVE = ("output_tokens", "max_running", "queue_max")
+# flags that are gone, and why (each is one clear error, not silently ignored)
+_ADMISSION_REMOVED = {
+    "--admission-max-waiting": "the gate no longer reads the engine's waiting gauge; it holds "
+    "only what would overfill KV or pass the running cap: drop the flag",
+}
 
 
 def _dest(flag: str) -> str:
@@ -250,6 +262,8 @@ def _add_admission_flags(p: argparse.ArgumentParser, a: AdmissionConfig) -> None
         help="on (default): the queue is fair across tenants (weights, priority classes); "
         "off: one FIFO in arrival order",
     )
+    for flag in _ADMISSION_REMOVED:
+        adm.add_argument(flag, default=None, help=argparse.SUPPRESS)
 
 
 def backend_table_from_args(args: argparse.Namespace) -> Any:
@@ -322,6 +336,9 @@ def _adhoc_lmcache_pd(table: Any, args: argparse.Namespace) -> Any:
 
 
 def admission_from_args(args: argparse.Namespace) -> AdmissionConfig:
+    for flag, why in _ADMISSION_REMOVED.items():
+        if getattr(args, _dest(flag), None) is not None:
+            raise SystemExit(f"pdstack proxy: {flag} was removed: {why}")
     flags = {f.field: f.name("admission-") for f in _ADMISSION}
     values = {field: getattr(args, _dest(flag)) for field, flag in flags.items()}
     for field, (lo, hi) in _ADMISSION_RANGES.items():

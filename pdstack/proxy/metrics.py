@@ -20,11 +20,17 @@ Metric names (all prefixed ``pdstack_proxy_``):
   gauge {backend, role, node, generation}: 1 until it generates again.
 - ``decode_fallback_total`` counter: requests a decoder served whole because no prefiller
   was usable (route ``decode_fallback`` in ``ttft_seconds``).
-- KV-aware admission (``--admission kv``): ``admission_rejected_total`` counter {reason}
+- KV-aware admission (``--admission kv``): ``admission_admitted_total`` counter {reason}
+  (why a request went: ``idle`` engine, ``fits`` under the KV watermark, ``no_capacity``
+  known), ``admission_held_total`` counter {reason} (why one waited: ``kv_full``,
+  ``running_cap``, ``behind_queue``); ``admission_rejected_total`` counter {reason}
   (``queue_full``, ``timeout``: answered 503); ``admission_waited_total`` counter (requests
   that waited in the proxy's queue) and ``admission_wait_seconds_total``;
-  ``admission_queued`` gauge; ``engine_kv_usage`` / ``engine_reserved_tokens`` gauges
-  {backend}: what the gate last read from each gated engine and what it reserved there.
+  ``admission_queued`` gauge; per gated engine {backend}: ``engine_kv_usage``,
+  ``engine_requests_waiting``, ``engine_requests_running``, ``engine_preemptions`` (what the
+  gate last read from it), ``engine_kv_capacity_tokens``, ``engine_projected_tokens`` (the
+  gate's projection: the KV the engine will hold for what it has now) and
+  ``engine_proxy_requests`` (the proxy's requests there).
 - Tenants (only when ``pdstack_tenants`` or named keys are configured; label ``tenant`` =
   a configured tenant's name, ``default``, or ``other`` past the first 64: bounded):
   ``tenant_requests_total`` {tenant, outcome} (the outcomes above), ``tenant_rejected_total``
@@ -46,6 +52,7 @@ Metric names (all prefixed ``pdstack_proxy_``):
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -268,18 +275,48 @@ class _AdmissionCollector(Collector):
             "pdstack_proxy_admission_wait_seconds", "seconds requests waited for KV headroom"
         )
         wait_s.add_metric([], a.wait_seconds_sum)
-        usage = GaugeMetricFamily(
-            "pdstack_proxy_engine_kv_usage", "KV usage the gate last read", labels=["backend"]
+        admitted = CounterMetricFamily(
+            "pdstack_proxy_admission_admitted", "requests the gate let go, by why",
+            labels=["reason"],
+        )  # fmt: skip
+        held = CounterMetricFamily(
+            "pdstack_proxy_admission_held", "requests the gate held, by why", labels=["reason"]
         )
-        reserved = GaugeMetricFamily(
-            "pdstack_proxy_engine_reserved_tokens",
-            "prompt tokens reserved by requests not yet in the engine's KV usage",
-            labels=["backend"],
-        )
-        for name, load in a.loads.items():
-            usage.add_metric([name], load.kv_usage)
-            reserved.add_metric([name], load.reserved_tokens())
-        yield from (queued, waited, wait_s, usage, reserved)
+        for family, counts in ((admitted, a.admitted), (held, a.held)):
+            for reason, n in sorted(counts.items()):
+                family.add_metric([reason], n)
+        yield from (queued, waited, wait_s, admitted, held)
+        yield from _engine_gauges(a)
+
+
+_ENGINE_GAUGES = (
+    ("kv_usage", "KV usage the gate last read from the engine (0..1)"),
+    ("requests_waiting", "requests waiting in the engine, as the gate last read"),
+    ("requests_running", "requests running in the engine, as the gate last read"),
+    ("preemptions", "the engine's preemptions so far, as the gate last read"),
+    ("kv_capacity_tokens", "the engine's KV capacity in tokens"),
+    ("projected_tokens", "KV tokens the gate projects the engine will hold for what it has"),
+    ("proxy_requests", "the proxy's requests on the engine (sent or held for it)"),
+)
+
+
+def _engine_gauges(a: Any) -> Iterator[Any]:
+    now = time.monotonic()
+    families = {
+        key: GaugeMetricFamily(f"pdstack_proxy_engine_{key}", text, labels=["backend"])
+        for key, text in _ENGINE_GAUGES
+    }
+    for name, load in a.loads.items():
+        fresh = now - load.scraped_at <= a.config.stale_after_s
+        values = {
+            "kv_usage": load.kv_usage, "requests_waiting": load.waiting,
+            "requests_running": load.running, "preemptions": load.preemptions,
+            "kv_capacity_tokens": load.capacity_tokens,
+            "projected_tokens": load.projected(fresh), "proxy_requests": load.active,
+        }  # fmt: skip
+        for key, family in families.items():
+            family.add_metric([name], values[key])
+    yield from families.values()
 
 
 class _TenantCollector(Collector):

@@ -22,7 +22,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from pdstack.proxy.admission import AdmissionConfig, FairQueue, _Waiter
+from pdstack.proxy.admission import AdmissionConfig
+from pdstack.proxy.fair_queue import FairQueue, Waiter
 from pdstack.proxy.tenants import (
     Bucket,
     TenantPolicy,
@@ -92,10 +93,10 @@ def test_usage_meter_reads_usage_or_counts_events() -> None:
     assert m.used(prompt_estimate=10) == 10
 
 
-def waiter(state: TenantState | None, tokens: int = 100) -> _Waiter:
+def waiter(state: TenantState | None, tokens: int = 100) -> Waiter:
     loop = asyncio.new_event_loop()
     try:
-        return _Waiter(lambda: [], tokens, loop.create_future(), state)
+        return Waiter(lambda: [], tokens, loop.create_future(), tenant=state)
     finally:
         loop.close()
 

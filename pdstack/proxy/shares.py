@@ -1,0 +1,87 @@
+"""The tenants' shares: what each tenant's requests occupy on the engines.
+
+Per tenant, over the requests admission let through and that have not ended: how many run,
+and how long each held the engines (engine seconds, from admission to the request's end).
+The fair queue (:mod:`pdstack.proxy.fair_queue`) charges a waiter its tenant's recent
+average engine seconds and settles with the measured time when the request ends: prompt
+tokens alone undercharged a flood of short prompts with long answers (a tenant with long
+prompts waited for ~9 of the flood's requests each time; issue 24). The totals (engine
+seconds per tenant) are the proxy's per-tenant share of engine time.
+
+Memory: one small record per tenant with requests in flight or a cost average (the tenant
+set is the configured one), one per request in flight.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+COST_EWMA = 0.2  # weight of the newest request in a tenant's average engine seconds
+
+
+def ewma(average: float | None, value: float) -> float:
+    """``average`` moved toward ``value`` by COST_EWMA (``value`` itself when there is none)."""
+    return value if average is None else average + COST_EWMA * (value - average)
+
+
+@dataclass(slots=True)
+class Running:
+    tenant: str
+    admitted: float  # monotonic
+    charged: float  # what the fair queue charged (0: it never waited)
+    prompt: int
+
+
+class TenantLedger:
+    """Who runs what: per request and per tenant (single-threaded, asyncio)."""
+
+    def __init__(self, settle: Callable[[str, float], None]) -> None:
+        self._settle = settle  # the fair queue's: (tenant, measured - charged)
+        self._running: dict[str, Running] = {}
+        self.count: dict[str, int] = {}  # tenant -> its requests running
+        self.prompt: dict[str, int] = {}  # tenant -> their prompt tokens
+        self._cost: dict[str, float] = {}
+        self._cost_all = 0.0
+        self.engine_seconds: dict[str, float] = {}  # tenant -> total, of ended requests
+
+    def cost_of(self, tenant: str) -> float:
+        """What a request of ``tenant`` is charged in the fair queue before it has run:
+        its tenant's average engine seconds, else every tenant's, else 1 s."""
+        return self._cost.get(tenant) or self._cost_all or 1.0
+
+    def start(self, request_id: str, tenant: str, charged: float, prompt: int = 0) -> None:
+        """An admitted request: measured from now until :meth:`end`."""
+        if not request_id:
+            return
+        old = self._running.get(request_id)
+        if old is None:
+            self.count[tenant] = self.count.get(tenant, 0) + 1
+            self.prompt[tenant] = self.prompt.get(tenant, 0) + prompt
+        self._running[request_id] = Running(tenant, time.monotonic(), charged, prompt)
+
+    def end(self, request_id: str) -> bool:
+        """The request ended: its measured engine time updates its tenant's average and
+        corrects what its queueing charged. False when it was not running."""
+        r = self._running.pop(request_id, None)
+        if r is None:
+            return False
+        name = r.tenant
+        left = self.count.get(name, 1) - 1
+        if left > 0:
+            self.count[name] = left
+            self.prompt[name] = self.prompt.get(name, 0) - r.prompt
+        else:
+            self.count.pop(name, None)
+            self.prompt.pop(name, None)
+        seconds = max(time.monotonic() - r.admitted, 1e-3)
+        self.engine_seconds[name] = self.engine_seconds.get(name, 0.0) + seconds
+        self._cost[name] = ewma(self._cost.get(name), seconds)
+        self._cost_all = ewma(self._cost_all or None, seconds)
+        if r.charged:
+            self._settle(name, seconds - r.charged)
+        return True
+
+    def running(self, tenant: str) -> int:
+        return self.count.get(tenant, 0)
