@@ -59,6 +59,9 @@ class AdmissionConfig:
     # the output a request is expected to add to KV (its max_tokens when smaller)
     output_tokens: int = 512
     max_running: int = 0  # the proxy's requests active on one engine at once; 0 = no cap
+    # prompt tokens in prefill at once per engine that active tenants share by weight
+    # (pdstack.proxy.shares); 0 = no prefill share
+    prefill_tokens: int = 16384
     scrape_interval_s: float = 0.25  # the engines' /metrics: a correction, not the gate
     scrape_timeout_s: float = 1.0
     stale_after_s: float = 2.0  # an older scrape is not used (the proxy's count alone)
@@ -153,6 +156,8 @@ class KvAdmission:
         if load is None or (not load.requests and backend.in_flight == 0):
             return True, kv_gate.OPEN_IDLE
         cap = self.config.max_running
+        if tenant and self._over_share(tenant, tokens):
+            return False, kv_gate.HELD_SHARE
         if cap > 0 and load.active >= cap and not self._first_of_tenant(load, tenant):
             return False, kv_gate.HELD_RUNNING
         if load.capacity_tokens <= 0:
@@ -165,6 +170,17 @@ class KvAdmission:
     def is_open(self, backend: BackendState, tokens: int, tenant: str | None = None) -> bool:
         """``backend`` may take a request of ``tokens`` prompt (and the expected output)."""
         return self.check(backend, tokens, self.config.output_tokens, tenant)[0]
+
+    def _over_share(self, tenant: str, tokens: int) -> bool:
+        """One more request would take ``tenant`` past its share of the engines (running
+        slots, prompt tokens in prefill) while another tenant is active."""
+        if not self.config.fairness:
+            return False
+        engines = max(1, len(self.loads))
+        return self.ledger.over_share(
+            tenant, tokens, self.config.max_running * engines,
+            self.config.prefill_tokens * engines,
+        )  # fmt: skip
 
     def _first_of_tenant(self, load: EngineLoad, tenant: str | None) -> bool:
         """Fair queuing's guarantee at the running cap: a tenant with nothing running (on
@@ -191,17 +207,17 @@ class KvAdmission:
     ) -> tuple[bool, str]:
         """Some usable candidate is open (to ``tenant``), or there is none at all (then
         routing answers 503 at once: admission never holds a request that no engine could
-        take). The reason: the first open candidate's, else the most telling closed one's
-        (KV over the running cap)."""
+        take). The reason: the first open candidate's, else the first closed one's (a full
+        KV before any other)."""
         usable = [b for b in candidates if b.usable]
         if not usable:
             return True, kv_gate.OPEN_UNKNOWN
-        closed = kv_gate.HELD_RUNNING
+        closed = ""
         for b in usable:
             ok, reason = self.check(b, tokens, output, tenant)
             if ok:
                 return True, reason
-            if reason == kv_gate.HELD_KV:
+            if not closed or reason == kv_gate.HELD_KV:
                 closed = reason
         return False, closed
 
@@ -243,6 +259,8 @@ class KvAdmission:
         load = self.loads.get(backend.name)
         if load is not None:
             load.land(request_id)
+        if self.ledger.landed(request_id):
+            self.pump()  # its tenant's prefill share has room again
 
     def release(self, backend: BackendState, request_id: str) -> None:
         """The request ended (or failed) on ``backend``."""
@@ -274,6 +292,23 @@ class KvAdmission:
         if not self.config.enabled:
             return
         name = tenant.name if tenant is not None else ""
+        if tenant is not None:
+            self.ledger.seen(name, tenant.policy.weight)
+        try:
+            await self._wait_open(candidates, tokens, tenant, request_id)
+        except AdmissionRejected as exc:
+            if tenant is not None and tenant.policy.priority == "batch":
+                exc.tenant_fault = True  # a batch tenant waits its turn: 429, never 5xx
+            raise
+
+    async def _wait_open(
+        self,
+        candidates: Callable[[], list[BackendState]],
+        tokens: int,
+        tenant: TenantState | None,
+        request_id: str,
+    ) -> None:
+        name = tenant.name if tenant is not None else ""
         output = self.output_of(request_id)
         reason = kv_gate.HELD_QUEUE
         if not self._queue:
@@ -299,14 +334,16 @@ class KvAdmission:
                     "max_queued",
                     f"tenant {tenant.name!r} is at its max_queued limit ({cap} requests "
                     "waiting for the engines); retry later",
+                    tenant_fault=True,
                 )
-        rank = tenant.policy.rank if tenant is not None else 0
-        if len(self._queue) >= self.config.queue_max and not self._shed_for(rank):
-            raise AdmissionRejected(
-                "queue_full",
-                f"every engine is near its KV limit and {len(self._queue)} requests wait "
-                "already; retry later",
-            )
+        if len(self._queue) < self.config.queue_max or self._shed_for(tenant):
+            return
+        raise AdmissionRejected(
+            "queue_full",
+            f"every engine is near its KV limit and {len(self._queue)} requests wait "
+            "already (the most of them your tenant's); retry later",
+            tenant_fault=tenant is not None and self.config.fairness,
+        )
 
     async def _wait(self, waiter: Waiter) -> None:
         queue, tenant = self._queue, waiter.tenant
@@ -335,10 +372,14 @@ class KvAdmission:
                 self.on_wait(tenant, waited)
         self.admitted_after_wait += 1
 
-    def _shed_for(self, rank: int) -> bool:
-        """A full queue: drop its newest waiter of a lower class than ``rank`` (503 to
-        it); False when there is none."""
-        victim = self._queue.newest_below(rank) if self.config.fairness else None
+    def _shed_for(self, tenant: TenantState | None) -> bool:
+        """A full queue: drop the waiter a newcomer of ``tenant`` goes before (the newest
+        of a lower class, else of the tenant with the most waiters per weight: 429 to it,
+        the flood pays); False when there is none (the newcomer is the heaviest)."""
+        if tenant is None or not self.config.fairness:
+            return False
+        p = tenant.policy
+        victim = self._queue.victim_for(tenant.name, p.rank, p.weight)
         if victim is None:
             return False
         self._queue.discard(victim)
@@ -346,8 +387,9 @@ class KvAdmission:
             victim.future.set_exception(
                 AdmissionRejected(
                     "shed",
-                    "shed for an interactive request: every engine is near its KV limit "
-                    "and the queue is full; retry later",
+                    "shed for another tenant's request: the queue is full and your tenant "
+                    "holds the most of it (or is of a lower class); retry later",
+                    tenant_fault=True,
                 )
             )
         return True

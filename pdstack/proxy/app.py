@@ -97,9 +97,12 @@ class Proxy(AdminAPI, EngineRoutes, Flows):
         )
         if self.config.admission.enabled:
             self.metrics.watch_admission(self.admission)
-        self.tenants = TenantTable(cfg.tenants, cfg.tenant_keys, cfg.tenant_window_s)
+        self.tenants = TenantTable(
+            cfg.tenants, cfg.tenant_keys, cfg.tenant_window_s, plain_keys=cfg.api_keys
+        )
         if self.tenants.configured:
-            self.metrics.watch_tenants(self.tenants)
+            ledger = self.admission.ledger if self.config.admission.enabled else None
+            self.metrics.watch_tenants(self.tenants, ledger)
             self.admission.on_wait = lambda t, s: self.metrics.tenant_waited(t, s)
         self._health_task: asyncio.Task[None] | None = None
         self._probing: set[str] = set()

@@ -26,9 +26,11 @@ from pdstack.proxy.tenants import TenantState
 class AdmissionRejected(Exception):
     """No gated engine had KV headroom within the deadline, or the queue was full."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, tenant_fault: bool = False) -> None:
         super().__init__(message)
         self.reason = reason  # "queue_full" | "timeout" | "shed" | "max_queued"
+        # the tenant's own doing (over its share, or a batch tenant): 429, not 503
+        self.tenant_fault = tenant_fault
 
 
 @dataclass(eq=False)
@@ -170,6 +172,22 @@ class FairQueue:
         """The most recent waiter of a class below ``rank`` (a larger rank number)."""
         victims = [f.waiters[-1] for f in self._flows.values() if f.waiters and f.rank > rank]
         return max(victims, key=lambda w: w.seq, default=None)
+
+    def victim_for(self, name: str, rank: int, weight: float) -> Waiter | None:
+        """A full queue and a waiter of tenant ``name`` (class ``rank``) arrives: the waiter
+        to shed for it. The newest of a lower class, else the newest of the tenant of the
+        same class with the most waiters per weight, if that is not ``name`` itself (then
+        None: the newcomer is the one over its share)."""
+        lower = self.newest_below(rank)
+        if lower is not None:
+            return lower
+        mine = self._flows.get(name)
+        own = ((len(mine.waiters) if mine else 0) + 1) / weight
+        flows = [(n, f) for n, f in self._flows.items() if f.waiters and f.rank == rank]
+        heavy = max(flows, key=lambda nf: len(nf[1].waiters) / nf[1].weight, default=None)
+        if heavy is None or heavy[0] == name or len(heavy[1].waiters) / heavy[1].weight <= own:
+            return None
+        return heavy[1].waiters[-1]
 
     def drain(self) -> list[Waiter]:
         out = [*self._fifo, *(w for f in self._flows.values() for w in f.waiters)]

@@ -38,7 +38,12 @@ Metric names (all prefixed ``pdstack_proxy_``):
   ``queue_full``, ``timeout``, ``shed``: 503), ``tenant_tokens_total`` {tenant, kind}
   (``prompt``, ``completion``: the real usage where the answer carried it),
   ``tenant_queue_wait_seconds`` histogram {tenant} (time in KV admission's queue),
-  ``tenant_in_flight`` / ``tenant_queued`` gauges {tenant}.
+  ``tenant_in_flight`` / ``tenant_queued`` gauges {tenant}; with KV admission also
+  ``tenant_engine_seconds_total`` {tenant} (engine time of its ended requests, admission
+  to end: each tenant's share of engine time is its rate over the sum of all),
+  ``tenant_running`` and ``tenant_prefill_tokens`` gauges {tenant} (requests on the
+  engines, prompt tokens admitted with no first byte yet) and ``tenant_engine_share``
+  gauge {tenant} (its weight's share of the engines while several tenants are active).
 - ``pairs_total`` counter {prefill, decode, prefill_generation, decode_generation}: which
   prefiller/decoder pairs served requests (proves generations never mix).
 - kv_mode ``lmcache-pd``: ``lmcache_pd_notify_total`` counter {outcome}: ``received`` (the
@@ -174,7 +179,7 @@ class ProxyMetrics:
         )
         self.admission_rejected = Counter(
             "pdstack_proxy_admission_rejected",
-            "requests answered 503 by KV-aware admission",
+            "requests refused by KV-aware admission (503; 429 for a tenant's own share)",
             ["reason"],
             registry=r,
         )
@@ -209,8 +214,9 @@ class ProxyMetrics:
         self.registry.register(_AdmissionCollector(admission))
 
     # ------------------------------------------------------------------ tenants
-    def watch_tenants(self, tenants: Any) -> None:
-        """Per-tenant series (``tenants``: a :class:`pdstack.proxy.tenants.TenantTable`)."""
+    def watch_tenants(self, tenants: Any, ledger: Any = None) -> None:
+        """Per-tenant series (``tenants``: a :class:`pdstack.proxy.tenants.TenantTable`;
+        ``ledger``: admission's :class:`pdstack.proxy.shares.TenantLedger`, or None)."""
         r = self.registry
         self._tenant_requests = Counter(
             "pdstack_proxy_tenant_requests", "client requests by tenant and outcome",
@@ -229,6 +235,8 @@ class ProxyMetrics:
             ["tenant"], buckets=QUEUE_BUCKETS, registry=r,
         )  # fmt: skip
         r.register(_TenantCollector(tenants))
+        if ledger is not None:
+            r.register(_ShareCollector(tenants, ledger))
         self._tenant_children: dict[tuple[str, ...], Any] = {}
 
     def _tenant_child(self, metric: Any, *labels: str) -> Any:
@@ -341,3 +349,52 @@ class _TenantCollector(Collector):
             in_flight.add_metric([label], active[label])
             queued.add_metric([label], waiting[label])
         yield from (in_flight, queued)
+
+
+class _ShareCollector(Collector):
+    """What each tenant holds of the engines (KV admission's ledger), by metrics label."""
+
+    def __init__(self, tenants: Any, ledger: Any) -> None:
+        self._tenants = tenants
+        self._ledger = ledger
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily
+
+        ledger = self._ledger
+        seconds = CounterMetricFamily(
+            "pdstack_proxy_tenant_engine_seconds", "engine time of the tenant's ended "
+            "requests (admission to end)", labels=["tenant"],
+        )  # fmt: skip
+        families = {
+            "running": GaugeMetricFamily(
+                "pdstack_proxy_tenant_running", "the tenant's requests on the engines",
+                labels=["tenant"],
+            ),
+            "prefill": GaugeMetricFamily(
+                "pdstack_proxy_tenant_prefill_tokens",
+                "the tenant's prompt tokens admitted with no first byte yet", labels=["tenant"],
+            ),
+            "share": GaugeMetricFamily(
+                "pdstack_proxy_tenant_engine_share", "the tenant's share of the engines while "
+                "several tenants are active (1 alone)", labels=["tenant"],
+            ),
+        }  # fmt: skip
+        sources = {
+            "seconds": ledger.engine_seconds, "running": ledger.count,
+            "prefill": ledger.prefill, "share": ledger.shares(),
+        }  # fmt: skip
+        totals: dict[str, dict[str, float]] = {k: {} for k in sources}
+        states = self._tenants.states
+        for kind, values in sources.items():
+            for name, value in values.items():
+                state = states.get(name)
+                label = state.label if state is not None else name
+                totals[kind][label] = totals[kind].get(label, 0.0) + value
+        for label, value in sorted(totals.pop("seconds").items()):
+            seconds.add_metric([label], value)
+        yield seconds
+        for kind, family in families.items():
+            for label, value in sorted(totals[kind].items()):
+                family.add_metric([label], value)
+            yield family

@@ -8,6 +8,18 @@ tokens alone undercharged a flood of short prompts with long answers (a tenant w
 prompts waited for ~9 of the flood's requests each time; issue 24). The totals (engine
 seconds per tenant) are the proxy's per-tenant share of engine time.
 
+Shares of the engine (issue 37): while several tenants are active (a request of theirs
+in flight, or one arrived within ``ACTIVE_WINDOW_S``: a tenant at 4 req/s stays active
+between its requests), each may hold at most its weight's share of the engine:
+- running requests: ``share x running capacity`` (the engines' running cap), at least 1;
+- prompt tokens being prefilled (admitted, no first byte yet): ``share x prefill budget``;
+  a tenant with nothing in prefill may always send one request, however long.
+So a flooding tenant's long prefills cannot fill every engine step, and its running
+batch cannot fill the engine, while another tenant is active. Work-conserving toward a
+tenant alone: alone it gets the whole engine. Priority classes act in the queue
+(``interactive`` waiters first, :mod:`pdstack.proxy.fair_queue`): an interactive tenant's
+request goes first, up to its share; batch tenants take the rest.
+
 Memory: one small record per tenant with requests in flight or a cost average (the tenant
 set is the configured one), one per request in flight.
 """
@@ -19,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 COST_EWMA = 0.2  # weight of the newest request in a tenant's average engine seconds
+ACTIVE_WINDOW_S = 5.0  # a tenant with a request this recent counts as active
 
 
 def ewma(average: float | None, value: float) -> float:
@@ -32,6 +45,7 @@ class Running:
     admitted: float  # monotonic
     charged: float  # what the fair queue charged (0: it never waited)
     prompt: int
+    prefilling: bool = True  # no first byte yet
 
 
 class TenantLedger:
@@ -45,6 +59,8 @@ class TenantLedger:
         self._cost: dict[str, float] = {}
         self._cost_all = 0.0
         self.engine_seconds: dict[str, float] = {}  # tenant -> total, of ended requests
+        self.prefill: dict[str, int] = {}  # tenant -> prompt tokens admitted, no first byte
+        self._seen: dict[str, tuple[float, float]] = {}  # tenant -> (weight, last arrival)
 
     def cost_of(self, tenant: str) -> float:
         """What a request of ``tenant`` is charged in the fair queue before it has run:
@@ -55,11 +71,21 @@ class TenantLedger:
         """An admitted request: measured from now until :meth:`end`."""
         if not request_id:
             return
-        old = self._running.get(request_id)
-        if old is None:
-            self.count[tenant] = self.count.get(tenant, 0) + 1
-            self.prompt[tenant] = self.prompt.get(tenant, 0) + prompt
+        if request_id in self._running:
+            return
+        self.count[tenant] = self.count.get(tenant, 0) + 1
+        self.prompt[tenant] = self.prompt.get(tenant, 0) + prompt
+        self.prefill[tenant] = self.prefill.get(tenant, 0) + prompt
         self._running[request_id] = Running(tenant, time.monotonic(), charged, prompt)
+
+    def landed(self, request_id: str) -> bool:
+        """The request's first byte came: its prompt is prefilled (True: it was counted)."""
+        r = self._running.get(request_id)
+        if r is None or not r.prefilling:
+            return False
+        r.prefilling = False
+        self.prefill[r.tenant] = self.prefill.get(r.tenant, 0) - r.prompt
+        return True
 
     def end(self, request_id: str) -> bool:
         """The request ended: its measured engine time updates its tenant's average and
@@ -68,6 +94,8 @@ class TenantLedger:
         if r is None:
             return False
         name = r.tenant
+        if r.prefilling:
+            self.prefill[name] = self.prefill.get(name, 0) - r.prompt
         left = self.count.get(name, 1) - 1
         if left > 0:
             self.count[name] = left
@@ -75,6 +103,7 @@ class TenantLedger:
         else:
             self.count.pop(name, None)
             self.prompt.pop(name, None)
+            self.prefill.pop(name, None)
         seconds = max(time.monotonic() - r.admitted, 1e-3)
         self.engine_seconds[name] = self.engine_seconds.get(name, 0.0) + seconds
         self._cost[name] = ewma(self._cost.get(name), seconds)
@@ -85,3 +114,32 @@ class TenantLedger:
 
     def running(self, tenant: str) -> int:
         return self.count.get(tenant, 0)
+
+    # ------------------------------------------------------------ shares
+    def seen(self, tenant: str, weight: float) -> None:
+        """A request of ``tenant`` arrived (it is active for ACTIVE_WINDOW_S from now)."""
+        self._seen[tenant] = (weight, time.monotonic())
+
+    def shares(self) -> dict[str, float]:
+        """Each active tenant's share of the engine (weights over the active ones)."""
+        cutoff = time.monotonic() - ACTIVE_WINDOW_S
+        weights = {}
+        for name, (weight, last) in list(self._seen.items()):
+            if last >= cutoff or self.count.get(name):
+                weights[name] = weight
+            else:
+                del self._seen[name]  # bounded: only active tenants are kept
+        total = sum(weights.values())
+        return {name: w / total for name, w in weights.items()} if total else {}
+
+    def over_share(self, tenant: str, prompt: int, running_cap: int, prefill_cap: int) -> bool:
+        """Would one more request of ``tenant`` (``prompt`` tokens) take it past its share
+        of the running capacity or the prefill budget? Never while it is alone."""
+        shares = self.shares()
+        share = shares.get(tenant)
+        if share is None or len(shares) < 2:
+            return False
+        if running_cap and self.count.get(tenant, 0) + 1 > max(1.0, share * running_cap):
+            return True
+        in_prefill = self.prefill.get(tenant, 0)
+        return bool(prefill_cap) and in_prefill > 0 and in_prefill + prompt > share * prefill_cap
