@@ -165,6 +165,20 @@ class ProxyMetrics:
             ["prefill", "decode", "prefill_generation", "decode_generation"],
             registry=r,
         )
+        self._mode_metrics(r)
+        r.register(_BackendCollector(backends, in_flight))
+        # pre-bound children: label lookups off the hot path
+        self.outcome = {o: self.requests.labels(o) for o in OUTCOMES}
+        self.ttft_route = {k: self.ttft.labels(k) for k in ROUTES}
+        self.leg_prefill = self.leg.labels("prefill")
+        self.leg_decode_first = self.leg.labels("decode_first_byte")
+        self.leg_decode = self.leg.labels("decode")
+        self._pair_children: dict[tuple[str, str, str, str], Any] = {}
+        self._lookups = 0
+        self._hits = 0
+
+    def _mode_metrics(self, r: CollectorRegistry) -> None:
+        """The series of one KV mode (lmcache-pd) or of KV-aware admission."""
         self.lmcache_pd_notify = Counter(
             "pdstack_proxy_lmcache_pd_notify",
             "lmcache-pd ProxyNotif waits and messages by outcome",
@@ -183,16 +197,6 @@ class ProxyMetrics:
             ["reason"],
             registry=r,
         )
-        r.register(_BackendCollector(backends, in_flight))
-        # pre-bound children: label lookups off the hot path
-        self.outcome = {o: self.requests.labels(o) for o in OUTCOMES}
-        self.ttft_route = {k: self.ttft.labels(k) for k in ROUTES}
-        self.leg_prefill = self.leg.labels("prefill")
-        self.leg_decode_first = self.leg.labels("decode_first_byte")
-        self.leg_decode = self.leg.labels("decode")
-        self._pair_children: dict[tuple[str, str, str, str], Any] = {}
-        self._lookups = 0
-        self._hits = 0
 
     def pair(self, prefill: BackendState, decode: BackendState) -> Any:
         key = (prefill.name, decode.name, prefill.generation, decode.generation)

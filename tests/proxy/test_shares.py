@@ -109,13 +109,7 @@ async def _drive(rp: ph.RunningProxy, key: str, rate: float, seconds: float,
             await r.read()
             statuses.append(r.status)
 
-    tasks, t0, i = [], time.perf_counter(), 0
-    while (now := time.perf_counter() - t0) < seconds:
-        if i / rate > now:
-            await asyncio.sleep(i / rate - now)
-        tasks.append(asyncio.create_task(one(i)))
-        i += 1
-    await asyncio.gather(*tasks)
+    await ph.open_loop(rate, seconds, one)
 
 
 async def test_two_plain_keys_one_floods_the_other_keeps_its_ttft() -> None:

@@ -332,16 +332,7 @@ async def _drive(rp: ph.RunningProxy, tenant: str, rate: float, seconds: float,
                     retry_after.append(r.headers["Retry-After"])
             statuses.append(r.status)
 
-    tasks = []
-    t0 = time.perf_counter()
-    i = 0
-    while (now := time.perf_counter() - t0) < seconds:
-        due = i / rate
-        if due > now:
-            await asyncio.sleep(due - now)
-        tasks.append(asyncio.create_task(one(i)))
-        i += 1
-    await asyncio.gather(*tasks)
+    await ph.open_loop(rate, seconds, one)
 
 
 async def _noisy_neighbour(fairness: bool) -> dict[str, Any]:
