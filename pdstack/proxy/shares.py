@@ -12,8 +12,10 @@ Shares of the engine (issue 37): while several tenants are active (a request of 
 in flight, or one arrived within ``ACTIVE_WINDOW_S``: a tenant at 4 req/s stays active
 between its requests), each may hold at most its weight's share of the engine:
 - running requests: ``share x running capacity`` (the engines' running cap), at least 1;
-- prompt tokens being prefilled (admitted, no first byte yet): ``share x prefill budget``;
-  a tenant with nothing in prefill may always send one request, however long.
+- prompt tokens being prefilled (admitted, no first byte yet, for at most
+  ``PREFILL_MAX_S``: a non-streaming answer's first byte is its last):
+  ``share x prefill budget``; a tenant with nothing in prefill may always send one
+  request, however long.
 So a flooding tenant's long prefills cannot fill every engine step, and its running
 batch cannot fill the engine, while another tenant is active. Work-conserving toward a
 tenant alone: alone it gets the whole engine. Priority classes act in the queue
@@ -27,11 +29,13 @@ set is the configured one), one per request in flight.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 COST_EWMA = 0.2  # weight of the newest request in a tenant's average engine seconds
 ACTIVE_WINDOW_S = 5.0  # a tenant with a request this recent counts as active
+PREFILL_MAX_S = 2.0  # a request admitted longer ago counts as prefilled, first byte or not
 
 
 def ewma(average: float | None, value: float) -> float:
@@ -60,6 +64,7 @@ class TenantLedger:
         self._cost_all = 0.0
         self.engine_seconds: dict[str, float] = {}  # tenant -> total, of ended requests
         self.prefill: dict[str, int] = {}  # tenant -> prompt tokens admitted, no first byte
+        self._prefilling: dict[str, deque[Running]] = {}  # tenant -> in admission order
         self._seen: dict[str, tuple[float, float]] = {}  # tenant -> (weight, last arrival)
 
     def cost_of(self, tenant: str) -> float:
@@ -76,16 +81,33 @@ class TenantLedger:
         self.count[tenant] = self.count.get(tenant, 0) + 1
         self.prompt[tenant] = self.prompt.get(tenant, 0) + prompt
         self.prefill[tenant] = self.prefill.get(tenant, 0) + prompt
-        self._running[request_id] = Running(tenant, time.monotonic(), charged, prompt)
+        r = self._running[request_id] = Running(tenant, time.monotonic(), charged, prompt)
+        self._prefilling.setdefault(tenant, deque()).append(r)
 
     def landed(self, request_id: str) -> bool:
         """The request's first byte came: its prompt is prefilled (True: it was counted)."""
         r = self._running.get(request_id)
         if r is None or not r.prefilling:
             return False
+        self._prefilled(r)
+        return True
+
+    def _prefilled(self, r: Running) -> None:
         r.prefilling = False
         self.prefill[r.tenant] = self.prefill.get(r.tenant, 0) - r.prompt
-        return True
+
+    def _expire(self, tenant: str) -> int:
+        """``tenant``'s prompt tokens in prefill now: its oldest requests (admitted over
+        PREFILL_MAX_S ago, landed or ended) leave the count (amortised O(1))."""
+        queue = self._prefilling.get(tenant)
+        cutoff = time.monotonic() - PREFILL_MAX_S
+        while queue and (not queue[0].prefilling or queue[0].admitted < cutoff):
+            r = queue.popleft()
+            if r.prefilling:
+                self._prefilled(r)
+        if queue is not None and not queue:
+            del self._prefilling[tenant]
+        return self.prefill.get(tenant, 0)
 
     def end(self, request_id: str) -> bool:
         """The request ended: its measured engine time updates its tenant's average and
@@ -95,7 +117,7 @@ class TenantLedger:
             return False
         name = r.tenant
         if r.prefilling:
-            self.prefill[name] = self.prefill.get(name, 0) - r.prompt
+            self._prefilled(r)
         left = self.count.get(name, 1) - 1
         if left > 0:
             self.count[name] = left
@@ -104,6 +126,7 @@ class TenantLedger:
             self.count.pop(name, None)
             self.prompt.pop(name, None)
             self.prefill.pop(name, None)
+            self._prefilling.pop(name, None)
         seconds = max(time.monotonic() - r.admitted, 1e-3)
         self.engine_seconds[name] = self.engine_seconds.get(name, 0.0) + seconds
         self._cost[name] = ewma(self._cost.get(name), seconds)
@@ -141,5 +164,5 @@ class TenantLedger:
             return False
         if running_cap and self.count.get(tenant, 0) + 1 > max(1.0, share * running_cap):
             return True
-        in_prefill = self.prefill.get(tenant, 0)
+        in_prefill = self._expire(tenant) if prefill_cap else 0
         return bool(prefill_cap) and in_prefill > 0 and in_prefill + prompt > share * prefill_cap

@@ -69,6 +69,23 @@ def test_shares_forget_tenants_gone_quiet(monkeypatch: pytest.MonkeyPatch) -> No
     assert ledger.shares() == {"a": 1.0}, "b went quiet; a still runs a request"
 
 
+def test_a_prompt_without_first_byte_counts_as_prefilled_after_a_while(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A non-streaming answer's first byte is its last: its prompt leaves the prefill
+    count after PREFILL_MAX_S, so a batch tenant's unary requests still use their share."""
+    ledger = TenantLedger(lambda tenant, delta: None)
+    ledger.seen("a", 1.0)
+    ledger.seen("b", 1.0)
+    ledger.start("a1", "a", 0.0, 3000)
+    assert ledger.over_share("a", 2000, running_cap=0, prefill_cap=8000)  # 5000 > 4000
+    monkeypatch.setattr(shares, "PREFILL_MAX_S", 0.0)
+    time.sleep(0.01)
+    assert not ledger.over_share("a", 2000, running_cap=0, prefill_cap=8000)
+    assert ledger.prefill["a"] == 0 and ledger.count["a"] == 1
+    assert ledger.end("a1") and ledger.count == {}
+
+
 def _waiter(state: TenantState) -> Waiter:
     loop = asyncio.new_event_loop()
     try:
