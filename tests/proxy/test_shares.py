@@ -168,24 +168,28 @@ async def test_two_plain_keys_one_floods_the_other_keeps_its_ttft() -> None:
 async def test_a_flood_runs_at_its_share_while_another_is_active_and_alone_takes_all(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Running cap 8, two tenants of weight 1: while the quiet one is active the flood
-    runs at most 4 requests; once the quiet one has gone quiet, the flood takes all 8."""
-    monkeypatch.setattr(shares, "ACTIVE_WINDOW_S", 1.0)
+    """Running cap 8, two tenants of weight 1: while the quiet one has a request running
+    the flood runs at most 4; once the quiet one has gone quiet, the flood takes all 8."""
+    monkeypatch.setattr(shares, "ACTIVE_WINDOW_S", 0.5)
     async with ph.engines("e0", output_tokens=4) as e:
         eng = e["e0"]
         cfg = {"api_keys": frozenset({QUIET, LOUD}),
                "admission": AdmissionConfig(enabled=True, max_running=8)}
         async with ph.running_proxy(table(eng), **cfg) as rp:
-            status, _ = await _one(rp, QUIET)
-            assert status == 200
             eng.faults = Faults(hang_after_chunks=1, times=20)
+            quiet = asyncio.create_task(_one(rp, QUIET))
+            await ph.until(lambda: eng.running == 1, "the quiet request running")
             flood = [asyncio.create_task(_one(rp, LOUD)) for _ in range(12)]
             try:
-                await ph.until(lambda: rp.proxy.admission.queued == 8, "8 of 12 held")
-                assert eng.running == 4, "the flood ran past its share"
+                await ph.until(lambda: eng.running == 5 and rp.proxy.admission.queued == 8,
+                               "4 of the flood running, 8 held")
+                await asyncio.sleep(0.3)
+                assert eng.running == 5, "the flood ran past its share"
                 held = rp.proxy.admission.held  # the first at its share, the rest behind it
                 assert held.get("tenant_share") and sum(held.values()) == 8, held
-                # the quiet tenant's window passes: the flood is alone, work-conserving
+                quiet.cancel()  # the quiet tenant goes quiet: the flood is alone
+                with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                    await quiet
                 await ph.until(lambda: eng.running == 8, "the flood takes the engine",
                                timeout=10)
             finally:
