@@ -152,12 +152,12 @@ class KvAdmission:
         ``tenant``: see :meth:`_first_of_tenant`)? (yes/no, the reason)."""
         if not self.config.enabled:
             return True, kv_gate.OPEN_IDLE
+        if tenant and self._over_share(tenant, tokens):  # its share of all the engines
+            return False, kv_gate.HELD_SHARE
         load = self.loads.get(backend.name)
         if load is None or (not load.requests and backend.in_flight == 0):
             return True, kv_gate.OPEN_IDLE
         cap = self.config.max_running
-        if tenant and self._over_share(tenant, tokens):
-            return False, kv_gate.HELD_SHARE
         if cap > 0 and load.active >= cap and not self._first_of_tenant(load, tenant):
             return False, kv_gate.HELD_RUNNING
         if load.capacity_tokens <= 0:
