@@ -31,11 +31,12 @@ Metric names (all prefixed ``pdstack_proxy_``):
   gate last read from it), ``engine_kv_capacity_tokens``, ``engine_projected_tokens`` (the
   gate's projection: the KV the engine will hold for what it has now) and
   ``engine_proxy_requests`` (the proxy's requests there).
-- Tenants (only when ``pdstack_tenants`` or named keys are configured; label ``tenant`` =
-  a configured tenant's name, ``default``, or ``other`` past the first 64: bounded):
-  ``tenant_requests_total`` {tenant, outcome} (the outcomes above), ``tenant_rejected_total``
-  {tenant, limit} (``max_concurrency``, ``max_queued``, ``rpm``, ``tpm``: 429; admission's
-  ``queue_full``, ``timeout``, ``shed``: 503), ``tenant_tokens_total`` {tenant, kind}
+- Tenants (only when ``pdstack_tenants`` or client keys are configured; label ``tenant`` =
+  a configured tenant's name, a plain key's ``key-...``, ``default``, or ``other`` past
+  the first 64: bounded): ``tenant_requests_total`` {tenant, outcome} (the outcomes
+  above), ``tenant_rejected_total`` {tenant, limit} (``max_concurrency``, ``max_queued``,
+  ``rpm``, ``tpm``, admission's ``queue_full`` and ``shed``, a batch tenant's ``timeout``:
+  429; an interactive tenant's ``timeout``: 503), ``tenant_tokens_total`` {tenant, kind}
   (``prompt``, ``completion``: the real usage where the answer carried it),
   ``tenant_queue_wait_seconds`` histogram {tenant} (time in KV admission's queue),
   ``tenant_in_flight`` / ``tenant_queued`` gauges {tenant}; with KV admission also
