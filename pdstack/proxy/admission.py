@@ -7,6 +7,8 @@ A request goes straight to its engine unless, at the moment it arrives,
 - every candidate already runs ``max_running`` of the proxy's requests (the engine's own
   running limit, from the plan): the engine would queue it itself, in arrival order;
   held here, the fair queue decides who goes next; or
+- its tenant holds its weight's share of the engines while another tenant is active
+  (running requests, prompt tokens in prefill: :mod:`pdstack.proxy.shares`); or
 - earlier requests wait already: it goes behind them (fair order, :mod:`.fair_queue`).
 
 The state behind each decision is the proxy's own accounting, current at the decision
@@ -19,7 +21,8 @@ its whole life (decoders, colocated engines); prefillers hand their KV off.
 
 Held requests wait in a bounded queue with a deadline (``queue_max``, ``queue_timeout_s``;
 past either: 503, OpenAI JSON, ``Retry-After``); a tenant's ``max_queued`` bounds its own
-share (429). Every decision is counted with its reason (``admitted`` / ``held`` by reason
+share (429), a full queue sheds the newest waiter of the tenant holding the most of it
+(429: the flood pays), and a batch tenant is refused with 429, never a 5xx. Every decision is counted with its reason (``admitted`` / ``held`` by reason
 in the proxy's metrics), beside what the gate last read from each engine.
 """
 
