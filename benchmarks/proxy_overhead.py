@@ -9,6 +9,9 @@
   pdstack-gc:     (b) started through benchmarks/gc_tuned.py (collector frozen/tuned);
   pdstack-base:   (b) from another source tree (``--baseline-src DIR``, e.g. ``git worktree
                   add DIR main``): old and new code in the same run, on the same engines.
+  pdstack-gate:   (b) with ``--admission kv`` (the KV gate; no tenants), the decode engine
+                  exporting a KV capacity far above the load: every decision runs, none
+                  holds; the table then adds the gate's cost against (b), admission off;
   pdstack-fifo:   (b) with ``--admission kv --admission-fairness off`` and no tenants;
   pdstack-fair:   (b) with ``--admission kv`` (fair queuing on) and tenants in its backend
                   table (every request the ``default`` tenant's, with concurrency, rpm and
@@ -59,6 +62,8 @@ from pdstack.bench.workload import Distribution, Workload, WorkloadConfig  # noq
 
 TARGET_P50_MS = 1.0
 TARGET_P99_MS = 5.0
+# the decode engine's KV in tokens (its /metrics, read by the gate): far above the load
+GATE_CAPACITY_TOKENS = 100_000_000
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -176,7 +181,8 @@ def build_setup(args: argparse.Namespace) -> Setup:
     p_port, d_port = free_port(), free_port()
     gc_tuned = [py, str(REPO / "benchmarks/gc_tuned.py")]
     engine = [*gc_tuned, "pdstack.testing.fake_engine", "--no-record",
-              "--output-tokens", str(2 * args.output_tokens)]
+              "--output-tokens", str(2 * args.output_tokens),
+              "--kv-capacity-tokens", str(GATE_CAPACITY_TOKENS)]
     prefill = Proc("prefill", [*engine, "--port", str(p_port), "--name", "p0",
                                "--ttft-ms", str(args.prefill_ttft_ms)],
                    f"http://127.0.0.1:{p_port}")
@@ -190,16 +196,17 @@ def build_setup(args: argparse.Namespace) -> Setup:
         uv_env = {"PYTHONPATH": os.pathsep.join(
             [str(args.uvloop_path), *filter(None, [os.environ.get("PYTHONPATH")])])}
         prefill.env = decode.env = uv_env  # the fake engines use uvloop when importable
-    for name in ("pdstack", "pdstack-uvloop", "pdstack-gc"):
+    for name in ("pdstack", "pdstack-uvloop", "pdstack-gc", "pdstack-gate"):
         if name not in args.targets:
             continue
         port = free_port()
         launcher = gc_tuned if name == "pdstack-gc" else [py, "-m"]
+        gate = ["--admission", "kv"] if name == "pdstack-gate" else []
         setup.proxies[name] = Proc(
             name,
             [*launcher, "pdstack.cli", "proxy", "--prefill", prefill.url, "--decode", decode.url,
              "--kv-mode", "nixl", "--host", "127.0.0.1", "--port", str(port),
-             *args.pdstack_arg],
+             *gate, *args.pdstack_arg],
             f"http://127.0.0.1:{port}",
             env=uv_env if name == "pdstack-uvloop" else None,
         )
@@ -386,6 +393,42 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def gate_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The KV gate's cost: pdstack-gate against pdstack (admission off), per stream count."""
+    off = {r["streams"]: r for r in rows if r["target"] == "pdstack"}
+    out = []
+    for r in rows:
+        o = off.get(r["streams"])
+        if r["target"] != "pdstack-gate" or o is None or r["median_ttft_ms"] is None \
+                or o["median_ttft_ms"] is None:
+            continue
+        out.append({
+            "streams": r["streams"],
+            "off_p50_ttft_ms": o["median_ttft_ms"], "gate_p50_ttft_ms": r["median_ttft_ms"],
+            "off_p99_ttft_ms": o["p99_ttft_ms"], "gate_p99_ttft_ms": r["p99_ttft_ms"],
+            "gate_minus_off_p50_ms": r["median_ttft_ms"] - o["median_ttft_ms"],
+            "gate_minus_off_p99_ms": r["p99_ttft_ms"] - o["p99_ttft_ms"],
+            "throughput_ratio": (r["request_throughput"] / o["request_throughput"]
+                                 if o["request_throughput"] else None),
+            "gate_failed": r["failed"],
+        })
+    return out
+
+
+def gate_table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'streams':>7} {'off p50':>9} {'gate p50':>9} {'gate-off':>9} {'off p99':>9} "
+            f"{'gate p99':>9} {'gate-off':>9} {'req/s x':>8}")
+    lines = ["KV gate (--admission kv) against admission off, same run:", head, "-" * len(head)]
+    for g in rows:
+        lines.append(
+            f"{g['streams']:>7} {g['off_p50_ttft_ms']:>9.2f} {g['gate_p50_ttft_ms']:>9.2f} "
+            f"{g['gate_minus_off_p50_ms']:>+9.2f} {g['off_p99_ttft_ms']:>9.2f} "
+            f"{g['gate_p99_ttft_ms']:>9.2f} {g['gate_minus_off_p99_ms']:>+9.2f} "
+            f"{fmt(g['throughput_ratio'], '.3f', 8)}"
+        )
+    return "\n".join(lines)
+
+
 def verdict(rows: list[dict[str, Any]], streams: int, target: str) -> dict[str, Any]:
     row = next((r for r in rows if r["target"] == target and r["streams"] == streams), None)
     if row is None or "delta_p50_ttft_ms" not in row:
@@ -436,7 +479,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--targets", default=None,
                    type=lambda s: [x.strip() for x in s.split(",")],
                    help="of direct, pdstack, pdstack-uvloop, pdstack-gc, pdstack-base, "
-                   "pdstack-fifo, pdstack-fair, vllm-router "
+                   "pdstack-gate, pdstack-fifo, pdstack-fair, vllm-router "
                    "(default: all, pdstack-uvloop only when uvloop is there)")
     p.add_argument("--duration", type=float, default=20.0,
                    help="measured seconds per target and stream count (default 20)")
@@ -485,8 +528,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.uvloop_path is not None:
             args.targets.insert(2, "pdstack-uvloop")
     unknown = set(args.targets) - {"direct", "pdstack", "pdstack-uvloop", "pdstack-gc",
-                                   "pdstack-base", "pdstack-fifo", "pdstack-fair",
-                                   "vllm-router"}
+                                   "pdstack-base", "pdstack-gate", "pdstack-fifo",
+                                   "pdstack-fair", "vllm-router"}
     if unknown:
         p.error(f"unknown targets {sorted(unknown)}")
     if args.rounds < 1 or args.duration <= 0:
@@ -567,6 +610,10 @@ def main(argv: list[str] | None = None) -> int:
         "target": verdicts,
     }
     text = table(rows)
+    gates = gate_rows(rows)
+    if gates:
+        result["gate_vs_off"] = gates
+        text += "\n\n" + gate_table(gates)
     for t, v in verdicts.items():
         if v["met"] is not None:
             text += (f"\n{t} at {top} streams: {v['delta_p50_ttft_ms']:+.2f} ms P50, "

@@ -72,6 +72,9 @@ def summary_table(doc: dict[str, Any]) -> str:
                 f"  {r['request_rate']:g}/s tenant {name}: asked {t['request_rate']:.2f}/s, "
                 f"served {t['request_throughput']:.2f}/s, TTFT p50 "
                 f"{_ms(t.get('median_ttft_ms'))} ms, p99 {_ms(t.get('p99_ttft_ms'))} ms"
+                + (f", {t['output_throughput']:.0f} tok/s" if t.get("output_throughput") else "")
+                + (f", engine time {t['engine_time_share']:.0%}"
+                   if t.get("engine_time_share") is not None else "")
                 + (f", errors {t['errors']}" if t.get("errors") else "")
             )
     errors = {

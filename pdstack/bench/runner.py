@@ -20,7 +20,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from pdstack.bench import promscrape
 from pdstack.bench.client import BenchClient, RequestResult, first_model
 from pdstack.bench.stats import cost_per_million_output_tokens, summarize
-from pdstack.bench.tenants import BenchTenant, split_rate
+from pdstack.bench.tenants import BenchTenant, engine_seconds, engine_time, split_rate
 from pdstack.bench.workload import ChatRequest, Workload, WorkloadConfig
 
 SCHEMA_VERSION = 1
@@ -308,6 +308,7 @@ async def _run_tenants(
     """Every tenant open loop at once, each its share of ``rate``, its key and its own
     prompt mix (workload seed + 1000 x its position); results merged and per tenant."""
     rates = split_rate(cfg.tenants, rate)
+    before = await engine_seconds(cfg.target)
     clients = [
         BenchClient(cfg.target, model, endpoint=cfg.endpoint, token_ids=cfg.workload.token_ids,
                     ignore_eos=cfg.ignore_eos, timeout_s=cfg.request_timeout,
@@ -335,11 +336,13 @@ async def _run_tenants(
                       slo_ttft_p99_ms=cfg.slo_ttft_p99_ms)
         per[t.name] = {k: e.get(k) for k in TENANT_KEYS}
         per[t.name]["share"] = t.share
+    for name, spent in engine_time(cfg.tenants, before, await engine_seconds(cfg.target)).items():
+        per[name].update(spent)
     return [x for rs, _, _ in runs for x in rs], start, end, per
 
 
-TENANT_KEYS = ("request_rate", "request_throughput", "completed", "errors",
-               "median_ttft_ms", "p99_ttft_ms")
+TENANT_KEYS = ("request_rate", "request_throughput", "output_throughput", "completed",
+               "errors", "median_ttft_ms", "p99_ttft_ms")
 
 
 async def run_sweep(

@@ -246,6 +246,13 @@ def _proxy(d: DeploymentSpec, f: Features) -> Board:
                 _q("sum(pdstack_proxy_admission_queued)", "queued now"),
                 _q("sum(rate(pdstack_proxy_admission_waited_total[1m]))", "waited /s"),
             ]),
+            Panel("KV admission: held / admitted by reason", "reqps", [
+                _q("sum by (reason) (rate(pdstack_proxy_admission_held_total[5m]))",
+                   "held: {{reason}}"),
+                _q("sum by (reason) (rate(pdstack_proxy_admission_admitted_total[5m]))",
+                   "went: {{reason}}"),
+            ], description="why the gate held requests (kv_full, running_cap, tenant_share, "
+                           "behind_queue) and why it let them go (idle, fits, no_capacity)"),
             Panel("KV admission: rejected (503) by reason", "reqps", [
                 _q("sum by (reason) (rate(pdstack_proxy_admission_rejected_total[5m]))"
                    " or vector(0)", "{{reason}}"),
@@ -270,8 +277,9 @@ def _tenant_panels() -> list[Panel]:
         Panel("Tenants: refused by limit", "reqps", [
             _q("sum by (tenant, limit) (rate(pdstack_proxy_tenant_rejected_total[5m]))"
                " or vector(0)", "{{tenant}} {{limit}}"),
-        ], description="429 (max_concurrency, max_queued, rpm, tpm) and admission's 503 "
-                       "(queue_full, timeout, shed); alert PdstackTenantThrottled"),
+        ], description="429 (max_concurrency, max_queued, rpm, tpm; admission's queue_full "
+                       "and shed, a batch tenant's timeout) and admission's 503 (timeout); "
+                       "alert PdstackTenantThrottled"),
         Panel("Tenants: queue wait P99", "s", [
             _q("histogram_quantile(0.99, sum by (le, tenant) "
                "(rate(pdstack_proxy_tenant_queue_wait_seconds_bucket[5m])))", "{{tenant}}"),
@@ -284,6 +292,13 @@ def _tenant_panels() -> list[Panel]:
             _q("sum by (tenant) (pdstack_proxy_tenant_in_flight)", "{{tenant}} in flight"),
             _q("sum by (tenant) (pdstack_proxy_tenant_queued)", "{{tenant}} queued"),
         ]),
+        Panel("Tenants: share of engine time", "percentunit", [
+            _q("sum by (tenant) (rate(pdstack_proxy_tenant_engine_seconds_total[5m])) / "
+               "ignoring (tenant) group_left sum(rate("
+               "pdstack_proxy_tenant_engine_seconds_total[5m]))", "{{tenant}}"),
+        ], description="engine time (admission to end) of each tenant's requests over all "
+                       "tenants'; while several are active each is held to its weight's share "
+                       "of running requests and prefill tokens (KV admission)"),
     ]
 
 

@@ -9,7 +9,9 @@ rewrite), ``admin`` (auth and the admin API), ``errors``
 (OpenAI error JSON for every reply of the proxy's own, the connection protocol with a
 request-head timeout), ``limits`` (body size / bytes held / read timeouts, input checks,
 request ids, leg budgets, admin auth-failure limiting), ``tenants`` (named keys, per-tenant
-limits; the fair queue is in ``admission``), ``breaker`` (fault
+limits), ``admission`` (KV-aware admission: when a request waits), ``kv_gate`` (the KV
+projection per engine, the engines' /metrics), ``fair_queue`` (the queue of held requests,
+fair across tenants), ``shares`` (what each tenant's requests occupy), ``breaker`` (fault
 classification, circuit breaker), ``config``
 (settings, secrets from env), ``cli`` (``pdstack proxy``), ``lmcache_pd`` (LMCache's
 ProxyNotif listener and disagg_spec).

@@ -94,14 +94,15 @@ class Proxy(AdminAPI, EngineRoutes, Flows):
             self.config.admission,
             lambda: self.registry.backends.values(),
             self._auth_headers,
-            # its requests wait in vLLM's queue while their KV arrives: not a full engine
-            ignores_waiting=lambda b: self.registry.receives_over_nixl(b),
         )
         if self.config.admission.enabled:
             self.metrics.watch_admission(self.admission)
-        self.tenants = TenantTable(cfg.tenants, cfg.tenant_keys, cfg.tenant_window_s)
+        self.tenants = TenantTable(
+            cfg.tenants, cfg.tenant_keys, cfg.tenant_window_s, plain_keys=cfg.api_keys
+        )
         if self.tenants.configured:
-            self.metrics.watch_tenants(self.tenants)
+            ledger = self.admission.ledger if self.config.admission.enabled else None
+            self.metrics.watch_tenants(self.tenants, ledger)
             self.admission.on_wait = lambda t, s: self.metrics.tenant_waited(t, s)
         self._health_task: asyncio.Task[None] | None = None
         self._probing: set[str] = set()
@@ -379,6 +380,7 @@ class Proxy(AdminAPI, EngineRoutes, Flows):
                 session=affinity.session_key(request.headers, body),
             )
             ctx.text = prompt_text(body)
+            self.admission.expect(rid, max_tokens_of(body))  # its expected KV growth
             ctx.budget_s = self.leg_budget.for_chars(len(ctx.text))
             ctx.upstream_headers = {
                 "Content-Type": "application/json",

@@ -33,163 +33,98 @@ import contextlib
 import json
 import logging
 import signal
-import typing
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from pdstack import kvmodes
-from pdstack.proxy.admission import AdmissionConfig
+from pdstack.proxy.admission_flags import add_admission_flags, admission_from_args
 from pdstack.proxy.config import MIB, ProxyConfig, load_secrets
+from pdstack.proxy.flags import Flag, add_fields, dest
 
 DEFAULT_ENV_FILE = "/etc/pdstack/secrets.env"
 KV_MODE_CHOICES = kvmodes.NAMES
 
 
-class _Flag(NamedTuple):
-    """A flag for one config field: ``--FIELD`` (dashed, without ``_s``) unless ``flag``
-    names it; its type and default are the dataclass field's."""
-
-    field: str
-    help: str | None = None
-    flag: str | None = None
-    metavar: str | None = None
-
-    def name(self, prefix: str = "") -> str:
-        return self.flag or "--" + prefix + self.field.removesuffix("_s").replace("_", "-")
-
-
 _SERVER = (
-    _Flag("host", "bind address (default %(default)s)"),
-    _Flag("port", "port (default %(default)s)"),
+    Flag("host", "bind address (default %(default)s)"),
+    Flag("port", "port (default %(default)s)"),
 )
 _TUNING = (
-    _Flag("max_concurrency", "requests in flight before 429 (default %(default)s)"),
-    _Flag("prefix_chars", "leading prompt characters hashed for prefill affinity"),
-    _Flag("load_factor", "bounded-load factor, >= 1 (default %(default)s)"),
-    _Flag(
+    Flag("max_concurrency", "requests in flight before 429 (default %(default)s)"),
+    Flag("prefix_chars", "leading prompt characters hashed for prefill affinity"),
+    Flag("load_factor", "bounded-load factor, >= 1 (default %(default)s)"),
+    Flag(
         "skip_prefill_threshold_tokens",
         "skip prefill when the uncached prompt part is below this many tokens "
         "(shared-l1 modes; default: the backend table's value; 0 = off)",
         flag="--skip-prefill-threshold",
         metavar="TOKENS",
     ),
-    _Flag("chars_per_token"),
-    _Flag("health_interval_s"),
-    _Flag("health_timeout_s"),
-    _Flag("eject_after", "consecutive failures before a backend is ejected"),
-    _Flag("readmit_after", "consecutive passing health checks before re-admission"),
-    _Flag(
-        "close_after", "successful legs before a re-admitted (half-open) backend is closed again"
-    ),
-    _Flag(
+    Flag("chars_per_token"),
+    Flag("health_interval_s"),
+    Flag("health_timeout_s"),
+    Flag("eject_after", "consecutive failures before a backend is ejected"),
+    Flag("readmit_after", "consecutive passing health checks before re-admission"),
+    Flag("close_after", "successful legs before a re-admitted (half-open) backend is closed again"),
+    Flag(
         "wedge_after_s",
         "a leg waiting this long with no answer from its backend since makes it a wedge "
         "suspect, confirmed by a 1-token generation; 0 = off (default %(default)s)",
     ),
-    _Flag(
+    Flag(
         "wedge_probe_timeout_s",
         "deadline of that generation; past it the backend is wedged (default %(default)s)",
     ),
-    _Flag("max_retries"),
-    _Flag("connect_timeout_s"),
-    _Flag(
+    Flag("max_retries"),
+    Flag("connect_timeout_s"),
+    Flag(
         "leg_budget_base_s",
         "seconds a leg may wait for the prefill answer / first decode byte, plus "
         "--leg-budget-per-1k-tokens per 1000 prompt tokens (default %(default)s)",
     ),
-    _Flag("leg_budget_per_1k_tokens_s"),
-    _Flag("prefill_timeout_s", "a fixed prefill-leg timeout instead of the budget"),
-    _Flag(
-        "decode_first_byte_timeout_s", "a fixed decoder first-byte timeout instead of the budget"
-    ),
-    _Flag("stream_idle_timeout_s"),
-    _Flag("request_timeout_s", "whole non-streaming decode leg"),
+    Flag("leg_budget_per_1k_tokens_s"),
+    Flag("prefill_timeout_s", "a fixed prefill-leg timeout instead of the budget"),
+    Flag("decode_first_byte_timeout_s", "a fixed decoder first-byte timeout instead of the budget"),
+    Flag("stream_idle_timeout_s"),
+    Flag("request_timeout_s", "whole non-streaming decode leg"),
 )
 _LMCACHE_PD = (
-    _Flag(
+    Flag(
         "lmcache_pd_notify_port",
         "ZMQ PULL port for the prefillers' ProxyNotif (default: the backend table's)",
     ),
-    _Flag(
+    Flag(
         "lmcache_pd_notify_host",
         "address the ProxyNotif socket binds (default: the table's, else --host)",
     ),
-    _Flag(
+    Flag(
         "lmcache_pd_notify_timeout_s",
         "seconds the decode leg waits for ProxyNotif; then it goes anyway and the "
         "decoder recomputes (default %(default)s)",
     ),
 )
 _CLIENT_TIMEOUTS = (
-    _Flag("header_timeout_s"),
-    _Flag("body_timeout_s"),
-    _Flag("idle_timeout_s", "close a connection without a request this long (default %(default)s)"),
+    Flag("header_timeout_s"),
+    Flag("body_timeout_s"),
+    Flag("idle_timeout_s", "close a connection without a request this long (default %(default)s)"),
 )
 _CONFIG_FLAGS = _SERVER + _TUNING + _LMCACHE_PD + _CLIENT_TIMEOUTS
-# AdmissionConfig fields, as --admission-FIELD
-_ADMISSION = (
-    _Flag(
-        "kv_high",
-        "KV usage watermark, reservations included (default %(default)s)",
-        metavar="RATIO",
-    ),
-    _Flag("max_waiting", "requests an engine may queue itself (default %(default)s)", metavar="N"),
-    _Flag(
-        "max_running",
-        "the proxy's requests active on one engine at most; 0 = no cap (default %(default)s)",
-        metavar="N",
-    ),
-    _Flag(
-        "scrape_interval_s", "engine /metrics scrape interval (default %(default)s)", metavar="S"
-    ),
-    _Flag(
-        "queue_max",
-        "requests the proxy holds at most; more: 503 (default %(default)s)",
-        metavar="N",
-    ),
-    _Flag(
-        "queue_timeout_s", "longest wait in the queue; then 503 (default %(default)s)", metavar="S"
-    ),
-)
-# float flags that must lie in [lo, hi]; int flags that must be >= 0
-_ADMISSION_RANGES = {
-    "kv_high": (0.05, 1.0),
-    "scrape_interval_s": (0.01, 10.0),
-    "queue_timeout_s": (0.0, 3600.0),
-}
-_ADMISSION_NONNEGATIVE = ("max_waiting", "max_running", "queue_max")
-
-
-def _dest(flag: str) -> str:
-    return flag.removeprefix("--").replace("-", "_")
-
-
-def _add_fields(group: Any, config: Any, flags: tuple[_Flag, ...], prefix: str = "") -> None:
-    """Add ``flags`` to ``group``, each typed and defaulted by ``config``'s field."""
-    hints = typing.get_type_hints(type(config))
-    for f in flags:
-        hint = hints[f.field]  # ``float | None`` -> float
-        kind = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
-        extra = {"metavar": f.metavar} if f.metavar else {}
-        group.add_argument(
-            f.name(prefix), type=kind, default=getattr(config, f.field), help=f.help, **extra
-        )
 
 
 def register(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentParser:
     p = subparsers.add_parser(name, help=help_text, description=__doc__.splitlines()[0])
     d = ProxyConfig()
     _add_backend_flags(p)
-    _add_fields(p.add_argument_group("kv_mode lmcache-pd"), d, _LMCACHE_PD)
-    _add_fields(p, d, _SERVER)
+    add_fields(p.add_argument_group("kv_mode lmcache-pd"), d, _LMCACHE_PD)
+    add_fields(p, d, _SERVER)
     p.add_argument(
         "--env-file",
         default=None,
         help=f"KEY=VALUE file with secrets (default {DEFAULT_ENV_FILE} if present)",
     )
-    _add_fields(p, d, _TUNING)
+    add_fields(p, d, _TUNING)
     _add_limit_flags(p, d)
-    _add_admission_flags(p, d.admission)
+    add_admission_flags(p, d.admission)
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run)
     return p
@@ -227,29 +162,7 @@ def _add_limit_flags(p: argparse.ArgumentParser, d: ProxyConfig) -> None:
         default=d.max_body_bytes_held / MIB,
         help="request-body bytes held at once, MiB (503 + Retry-After above; default %(default)s)",
     )
-    _add_fields(lim, d, _CLIENT_TIMEOUTS)
-
-
-def _add_admission_flags(p: argparse.ArgumentParser, a: AdmissionConfig) -> None:
-    adm = p.add_argument_group(
-        "KV-aware admission",
-        "hold requests in the proxy while every decoder / colocated engine is near its KV "
-        "limit (read from the engines' own /metrics), instead of pushing them into preemption",
-    )
-    adm.add_argument(
-        "--admission",
-        choices=("off", "kv"),
-        default="kv" if a.enabled else "off",
-        help="off (default) or kv",
-    )
-    _add_fields(adm, a, _ADMISSION, prefix="admission-")
-    adm.add_argument(
-        "--admission-fairness",
-        choices=("on", "off"),
-        default="on" if a.fairness else "off",
-        help="on (default): the queue is fair across tenants (weights, priority classes); "
-        "off: one FIFO in arrival order",
-    )
+    add_fields(lim, d, _CLIENT_TIMEOUTS)
 
 
 def backend_table_from_args(args: argparse.Namespace) -> Any:
@@ -321,28 +234,12 @@ def _adhoc_lmcache_pd(table: Any, args: argparse.Namespace) -> Any:
     return table.model_copy(update={"backends": backends, "lmcache_pd_notify": notify})
 
 
-def admission_from_args(args: argparse.Namespace) -> AdmissionConfig:
-    flags = {f.field: f.name("admission-") for f in _ADMISSION}
-    values = {field: getattr(args, _dest(flag)) for field, flag in flags.items()}
-    for field, (lo, hi) in _ADMISSION_RANGES.items():
-        if not lo <= values[field] <= hi:
-            raise SystemExit(
-                f"pdstack proxy: {flags[field]} must be within [{lo:g}, {hi:g}], "
-                f"got {values[field]}"
-            )
-    for field in _ADMISSION_NONNEGATIVE:
-        if values[field] < 0:
-            raise SystemExit(f"pdstack proxy: {flags[field]} must be >= 0, got {values[field]}")
-    fair = getattr(args, "admission_fairness", "on") == "on"
-    return AdmissionConfig(enabled=args.admission == "kv", fairness=fair, **values)
-
-
 def config_from_args(args: argparse.Namespace, table: Any = None) -> ProxyConfig:
     """The proxy's settings from its flags, the tenants of ``table`` (a BackendTable) and
     the secrets (ValueError: named keys that do not fit the tenants)."""
     from pdstack.proxy.tenants import TenantPolicy
 
-    values = {f.field: getattr(args, _dest(f.name())) for f in _CONFIG_FLAGS}
+    values = {f.field: getattr(args, dest(f.name())) for f in _CONFIG_FLAGS}
     values["load_factor"] = max(1.0, values["load_factor"])
     tenants = getattr(table, "tenants", None) or {}
     config = ProxyConfig(

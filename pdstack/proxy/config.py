@@ -7,7 +7,7 @@ environment, which an env file (``KEY=VALUE`` lines, ``#`` comments) may fill in
   ``Authorization: Bearer <key>``.
 - ``PDSTACK_TENANT_KEYS``: named client keys, ``TENANT:KEY`` comma-separated (see
   :mod:`pdstack.proxy.tenants`); when set, ``/v1/*`` needs one of them (or of
-  ``PDSTACK_API_KEYS``, whose keys belong to the tenant ``default``).
+  ``PDSTACK_API_KEYS``, each of whose keys is its own tenant, ``key-<sha256 prefix>``).
 - ``VLLM_API_KEY``: the engines' key. vLLM reads it from the environment (the node's
   secrets file is every service's ``env_file``), so with it set there every engine refuses
   requests without it, and the proxy sends it to the engines (both legs, ``/v1/models``)

@@ -383,9 +383,9 @@ class Flows(Legs):
         except AdmissionRejected as exc:
             ctx.outcome = "rejected"
             self.metrics.admission_rejected.labels(exc.reason).inc()
-            if exc.reason == "max_queued" and tenant is not None:
+            if exc.tenant_fault and tenant is not None:  # over its share, or batch: 429
                 return self.tenant_limited(
-                    ctx, RateLimited(tenant.name, "max_queued", str(exc), self.config.retry_after_s)
+                    ctx, RateLimited(tenant.name, exc.reason, str(exc), self.config.retry_after_s)
                 )
             if tenant is not None:
                 self.metrics.tenant_rejected(tenant.label, exc.reason)

@@ -20,19 +20,31 @@ Metric names (all prefixed ``pdstack_proxy_``):
   gauge {backend, role, node, generation}: 1 until it generates again.
 - ``decode_fallback_total`` counter: requests a decoder served whole because no prefiller
   was usable (route ``decode_fallback`` in ``ttft_seconds``).
-- KV-aware admission (``--admission kv``): ``admission_rejected_total`` counter {reason}
+- KV-aware admission (``--admission kv``): ``admission_admitted_total`` counter {reason}
+  (why a request went: ``idle`` engine, ``fits`` under the KV watermark, ``no_capacity``
+  known), ``admission_held_total`` counter {reason} (why one waited: ``kv_full``,
+  ``running_cap``, ``behind_queue``); ``admission_rejected_total`` counter {reason}
   (``queue_full``, ``timeout``: answered 503); ``admission_waited_total`` counter (requests
   that waited in the proxy's queue) and ``admission_wait_seconds_total``;
-  ``admission_queued`` gauge; ``engine_kv_usage`` / ``engine_reserved_tokens`` gauges
-  {backend}: what the gate last read from each gated engine and what it reserved there.
-- Tenants (only when ``pdstack_tenants`` or named keys are configured; label ``tenant`` =
-  a configured tenant's name, ``default``, or ``other`` past the first 64: bounded):
-  ``tenant_requests_total`` {tenant, outcome} (the outcomes above), ``tenant_rejected_total``
-  {tenant, limit} (``max_concurrency``, ``max_queued``, ``rpm``, ``tpm``: 429; admission's
-  ``queue_full``, ``timeout``, ``shed``: 503), ``tenant_tokens_total`` {tenant, kind}
+  ``admission_queued`` gauge; per gated engine {backend}: ``engine_kv_usage``,
+  ``engine_requests_waiting``, ``engine_requests_running``, ``engine_preemptions`` (what the
+  gate last read from it), ``engine_kv_capacity_tokens``, ``engine_projected_tokens`` (the
+  gate's projection: the KV the engine will hold for what it has now) and
+  ``engine_proxy_requests`` (the proxy's requests there).
+- Tenants (only when ``pdstack_tenants`` or client keys are configured; label ``tenant`` =
+  a configured tenant's name, a plain key's ``key-...``, ``default``, or ``other`` past
+  the first 64: bounded): ``tenant_requests_total`` {tenant, outcome} (the outcomes
+  above), ``tenant_rejected_total`` {tenant, limit} (``max_concurrency``, ``max_queued``,
+  ``rpm``, ``tpm``, admission's ``queue_full`` and ``shed``, a batch tenant's ``timeout``:
+  429; an interactive tenant's ``timeout``: 503), ``tenant_tokens_total`` {tenant, kind}
   (``prompt``, ``completion``: the real usage where the answer carried it),
   ``tenant_queue_wait_seconds`` histogram {tenant} (time in KV admission's queue),
-  ``tenant_in_flight`` / ``tenant_queued`` gauges {tenant}.
+  ``tenant_in_flight`` / ``tenant_queued`` gauges {tenant}; with KV admission also
+  ``tenant_engine_seconds_total`` {tenant} (engine time of its ended requests, admission
+  to end: each tenant's share of engine time is its rate over the sum of all),
+  ``tenant_running`` and ``tenant_prefill_tokens`` gauges {tenant} (requests on the
+  engines, prompt tokens admitted with no first byte yet) and ``tenant_engine_share``
+  gauge {tenant} (its weight's share of the engines while several tenants are active).
 - ``pairs_total`` counter {prefill, decode, prefill_generation, decode_generation}: which
   prefiller/decoder pairs served requests (proves generations never mix).
 - kv_mode ``lmcache-pd``: ``lmcache_pd_notify_total`` counter {outcome}: ``received`` (the
@@ -46,6 +58,7 @@ Metric names (all prefixed ``pdstack_proxy_``):
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -153,6 +166,20 @@ class ProxyMetrics:
             ["prefill", "decode", "prefill_generation", "decode_generation"],
             registry=r,
         )
+        self._mode_metrics(r)
+        r.register(_BackendCollector(backends, in_flight))
+        # pre-bound children: label lookups off the hot path
+        self.outcome = {o: self.requests.labels(o) for o in OUTCOMES}
+        self.ttft_route = {k: self.ttft.labels(k) for k in ROUTES}
+        self.leg_prefill = self.leg.labels("prefill")
+        self.leg_decode_first = self.leg.labels("decode_first_byte")
+        self.leg_decode = self.leg.labels("decode")
+        self._pair_children: dict[tuple[str, str, str, str], Any] = {}
+        self._lookups = 0
+        self._hits = 0
+
+    def _mode_metrics(self, r: CollectorRegistry) -> None:
+        """The series of one KV mode (lmcache-pd) or of KV-aware admission."""
         self.lmcache_pd_notify = Counter(
             "pdstack_proxy_lmcache_pd_notify",
             "lmcache-pd ProxyNotif waits and messages by outcome",
@@ -167,20 +194,10 @@ class ProxyMetrics:
         )
         self.admission_rejected = Counter(
             "pdstack_proxy_admission_rejected",
-            "requests answered 503 by KV-aware admission",
+            "requests refused by KV-aware admission (503; 429 for a tenant's own share)",
             ["reason"],
             registry=r,
         )
-        r.register(_BackendCollector(backends, in_flight))
-        # pre-bound children: label lookups off the hot path
-        self.outcome = {o: self.requests.labels(o) for o in OUTCOMES}
-        self.ttft_route = {k: self.ttft.labels(k) for k in ROUTES}
-        self.leg_prefill = self.leg.labels("prefill")
-        self.leg_decode_first = self.leg.labels("decode_first_byte")
-        self.leg_decode = self.leg.labels("decode")
-        self._pair_children: dict[tuple[str, str, str, str], Any] = {}
-        self._lookups = 0
-        self._hits = 0
 
     def pair(self, prefill: BackendState, decode: BackendState) -> Any:
         key = (prefill.name, decode.name, prefill.generation, decode.generation)
@@ -202,8 +219,9 @@ class ProxyMetrics:
         self.registry.register(_AdmissionCollector(admission))
 
     # ------------------------------------------------------------------ tenants
-    def watch_tenants(self, tenants: Any) -> None:
-        """Per-tenant series (``tenants``: a :class:`pdstack.proxy.tenants.TenantTable`)."""
+    def watch_tenants(self, tenants: Any, ledger: Any = None) -> None:
+        """Per-tenant series (``tenants``: a :class:`pdstack.proxy.tenants.TenantTable`;
+        ``ledger``: admission's :class:`pdstack.proxy.shares.TenantLedger`, or None)."""
         r = self.registry
         self._tenant_requests = Counter(
             "pdstack_proxy_tenant_requests", "client requests by tenant and outcome",
@@ -222,6 +240,8 @@ class ProxyMetrics:
             ["tenant"], buckets=QUEUE_BUCKETS, registry=r,
         )  # fmt: skip
         r.register(_TenantCollector(tenants))
+        if ledger is not None:
+            r.register(_ShareCollector(tenants, ledger))
         self._tenant_children: dict[tuple[str, ...], Any] = {}
 
     def _tenant_child(self, metric: Any, *labels: str) -> Any:
@@ -268,18 +288,48 @@ class _AdmissionCollector(Collector):
             "pdstack_proxy_admission_wait_seconds", "seconds requests waited for KV headroom"
         )
         wait_s.add_metric([], a.wait_seconds_sum)
-        usage = GaugeMetricFamily(
-            "pdstack_proxy_engine_kv_usage", "KV usage the gate last read", labels=["backend"]
+        admitted = CounterMetricFamily(
+            "pdstack_proxy_admission_admitted", "requests the gate let go, by why",
+            labels=["reason"],
+        )  # fmt: skip
+        held = CounterMetricFamily(
+            "pdstack_proxy_admission_held", "requests the gate held, by why", labels=["reason"]
         )
-        reserved = GaugeMetricFamily(
-            "pdstack_proxy_engine_reserved_tokens",
-            "prompt tokens reserved by requests not yet in the engine's KV usage",
-            labels=["backend"],
-        )
-        for name, load in a.loads.items():
-            usage.add_metric([name], load.kv_usage)
-            reserved.add_metric([name], load.reserved_tokens())
-        yield from (queued, waited, wait_s, usage, reserved)
+        for family, counts in ((admitted, a.admitted), (held, a.held)):
+            for reason, n in sorted(counts.items()):
+                family.add_metric([reason], n)
+        yield from (queued, waited, wait_s, admitted, held)
+        yield from _engine_gauges(a)
+
+
+_ENGINE_GAUGES = (
+    ("kv_usage", "KV usage the gate last read from the engine (0..1)"),
+    ("requests_waiting", "requests waiting in the engine, as the gate last read"),
+    ("requests_running", "requests running in the engine, as the gate last read"),
+    ("preemptions", "the engine's preemptions so far, as the gate last read"),
+    ("kv_capacity_tokens", "the engine's KV capacity in tokens"),
+    ("projected_tokens", "KV tokens the gate projects the engine will hold for what it has"),
+    ("proxy_requests", "the proxy's requests on the engine (sent or held for it)"),
+)
+
+
+def _engine_gauges(a: Any) -> Iterator[Any]:
+    now = time.monotonic()
+    families = {
+        key: GaugeMetricFamily(f"pdstack_proxy_engine_{key}", text, labels=["backend"])
+        for key, text in _ENGINE_GAUGES
+    }
+    for name, load in a.loads.items():
+        fresh = now - load.scraped_at <= a.config.stale_after_s
+        values = {
+            "kv_usage": load.kv_usage, "requests_waiting": load.waiting,
+            "requests_running": load.running, "preemptions": load.preemptions,
+            "kv_capacity_tokens": load.capacity_tokens,
+            "projected_tokens": load.projected(fresh), "proxy_requests": load.active,
+        }  # fmt: skip
+        for key, family in families.items():
+            family.add_metric([name], values[key])
+    yield from families.values()
 
 
 class _TenantCollector(Collector):
@@ -304,3 +354,52 @@ class _TenantCollector(Collector):
             in_flight.add_metric([label], active[label])
             queued.add_metric([label], waiting[label])
         yield from (in_flight, queued)
+
+
+class _ShareCollector(Collector):
+    """What each tenant holds of the engines (KV admission's ledger), by metrics label."""
+
+    def __init__(self, tenants: Any, ledger: Any) -> None:
+        self._tenants = tenants
+        self._ledger = ledger
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily
+
+        ledger = self._ledger
+        seconds = CounterMetricFamily(
+            "pdstack_proxy_tenant_engine_seconds", "engine time of the tenant's ended "
+            "requests (admission to end)", labels=["tenant"],
+        )  # fmt: skip
+        families = {
+            "running": GaugeMetricFamily(
+                "pdstack_proxy_tenant_running", "the tenant's requests on the engines",
+                labels=["tenant"],
+            ),
+            "prefill": GaugeMetricFamily(
+                "pdstack_proxy_tenant_prefill_tokens",
+                "the tenant's prompt tokens admitted with no first byte yet", labels=["tenant"],
+            ),
+            "share": GaugeMetricFamily(
+                "pdstack_proxy_tenant_engine_share", "the tenant's share of the engines while "
+                "several tenants are active (1 alone)", labels=["tenant"],
+            ),
+        }  # fmt: skip
+        sources = {
+            "seconds": ledger.engine_seconds, "running": ledger.count,
+            "prefill": ledger.prefill, "share": ledger.shares(),
+        }  # fmt: skip
+        totals: dict[str, dict[str, float]] = {k: {} for k in sources}
+        states = self._tenants.states
+        for kind, values in sources.items():
+            for name, value in values.items():
+                state = states.get(name)
+                label = state.label if state is not None else name
+                totals[kind][label] = totals[kind].get(label, 0.0) + value
+        for label, value in sorted(totals.pop("seconds").items()):
+            seconds.add_metric([label], value)
+        yield seconds
+        for kind, family in families.items():
+            for label, value in sorted(totals[kind].items()):
+                family.add_metric([label], value)
+            yield family

@@ -130,7 +130,8 @@ class RelayProtocol(asyncio.Protocol):
         else:
             self._mode = "close"
             self.keep_alive = False
-        self.head_done.set_result(None)
+        if not self.head_done.done():  # cancelled: its leg was given up while it waited
+            self.head_done.set_result(None)
         if self._mode == "length" and self._remaining == 0:
             self._finish()
         return head[end + 4 :]

@@ -1,10 +1,13 @@
 """Tenants: who a request belongs to, and what that tenant may cost the proxy.
 
-Identity: named client keys. ``PDSTACK_TENANT_KEYS`` (in the node's 0600 secrets file,
+Identity: client keys. ``PDSTACK_TENANT_KEYS`` (in the node's 0600 secrets file,
 never argv or logs) lists ``TENANT:KEY`` entries, comma-separated; each tenant named
 there must be one of the backend table's ``tenants`` (``pdstack_tenants`` in the
-inventory). A key of the older flat ``PDSTACK_API_KEYS``, and a request without a key
-when no key is required, belong to the tenant ``default``. The proxy keeps only the
+inventory). Fair out of the box: every key of the flat ``PDSTACK_API_KEYS`` that is not
+a named key is its own tenant, ``key-`` + the first 10 hex digits of the key's SHA-256
+(:func:`key_tenant_name`), with the ``default`` tenant's policy (weight 1, interactive,
+no limits unless ``pdstack_tenants.default`` sets them); a request without a key, when
+none is required, belongs to the tenant ``default``. The proxy keeps only the
 SHA-256 of each key (a dict lookup of the presented key's digest: constant work per
 request, whatever the number of keys). The OpenAI ``user`` field stays session affinity
 only: nothing a client sends in the body changes its tenant or its limits.
@@ -31,7 +34,7 @@ import math
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
@@ -51,6 +54,11 @@ _USAGE = re.compile(rb'"(prompt|completion)_tokens"\s*:\s*(\d+)')
 
 def digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+def key_tenant_name(key_digest: str) -> str:
+    """The tenant of a plain ``PDSTACK_API_KEYS`` key, from its SHA-256 (never the key)."""
+    return "key-" + key_digest[:10]
 
 
 def parse_tenant_keys(text: str, tenants: Iterable[str]) -> tuple[dict[str, str], list[str]]:
@@ -226,11 +234,23 @@ class TenantTable:
     policies: Mapping[str, TenantPolicy] = field(default_factory=dict)
     keys: Mapping[str, str] = field(default_factory=dict)  # sha256(key) -> tenant
     window_s: float = 60.0
+    # PDSTACK_API_KEYS: each its own tenant unless named (never printed)
+    plain_keys: Iterable[str] = field(default=(), repr=False)
     states: dict[str, TenantState] = field(init=False)
+    _configured: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         policies = dict(self.policies)
+        keys = dict(self.keys)
+        self._configured = bool(policies or keys or self.plain_keys)
         policies.setdefault(DEFAULT_TENANT, TenantPolicy(DEFAULT_TENANT))
+        for key in self.plain_keys:
+            h = digest(key)
+            if h not in keys:
+                name = keys[h] = key_tenant_name(h)
+                policies.setdefault(name, replace(policies[DEFAULT_TENANT], name=name))
+        self.keys = keys
+        self.policies = policies
         names = sorted(policies, key=lambda n: (n != DEFAULT_TENANT, n))
         self.states = {
             name: TenantState(
@@ -241,8 +261,8 @@ class TenantTable:
 
     @property
     def configured(self) -> bool:
-        """Tenants or named keys given: the proxy tracks tenants at all."""
-        return bool(self.policies or self.keys)
+        """Tenants or keys given: the proxy tracks tenants at all."""
+        return self._configured
 
     def labels(self) -> list[str]:
         return sorted({s.label for s in self.states.values()})

@@ -767,6 +767,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default=None, help="engine name (default fake-<port>)")
     parser.add_argument("--no-record", action="store_true", help="do not keep seen requests")
     parser.add_argument(
+        "--kv-capacity-tokens", type=int, default=None,
+        help="export the KV gauges KV-aware admission reads, for this capacity",
+    )  # fmt: skip
+    parser.add_argument(
         "--lmcache-pd-notify",
         metavar="HOST:PORT",
         default=None,
@@ -792,6 +796,7 @@ def main(argv: list[str] | None = None) -> int:
         lmcache_pd_notify=args.lmcache_pd_notify,
         lmcache_pd_notify_delay_ms=args.lmcache_pd_notify_delay_ms,
         api_key=os.environ.get(args.api_key_env) if args.api_key_env else None,
+        kv_capacity_tokens=args.kv_capacity_tokens,
     )
     try:
         import uvloop  # type: ignore[import-not-found]

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,6 +176,22 @@ async def stream_completion(
     text = raw.decode()
     events = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
     return StreamResult(status, hdrs, events, text)
+
+
+async def open_loop(
+    rate: float, seconds: float, one: Callable[[int], Coroutine[Any, Any, None]]
+) -> None:
+    """``one(n)`` started ``rate`` times a second for ``seconds`` (open loop: on time,
+    whatever the earlier ones are doing); returns once every one has finished."""
+    tasks: list[asyncio.Task[None]] = []
+    t0 = time.perf_counter()
+    i = 0
+    while (now := time.perf_counter() - t0) < seconds:
+        if i / rate > now:
+            await asyncio.sleep(i / rate - now)
+        tasks.append(asyncio.create_task(one(i)))
+        i += 1
+    await asyncio.gather(*tasks)
 
 
 def p99(values: list[float]) -> float:

@@ -38,3 +38,26 @@ def test_script_writes_ratio_table(tmp_path: Path) -> None:
     assert set(doc["target"]) == {"pdstack", "pdstack-gc"}
     assert "loadavg_before" in doc["load_conditions"]
     assert "dP50" in proc.stdout and (tmp_path / "po.txt").read_text().startswith("streams")
+
+
+def test_script_writes_the_gate_table(tmp_path: Path) -> None:
+    """Target pdstack-gate (--admission kv) beside pdstack (admission off): the gate-vs-off
+    table and its JSON rows are written (the numbers come from real runs)."""
+    out = tmp_path / "gate.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/proxy_overhead.py", "--streams", "1,2",
+         "--targets", "direct,pdstack,pdstack-gate", "--duration", "1", "--rounds", "1",
+         "--warmup", "0.5", "--prefill-ttft-ms", "20", "--decode-ttft-ms", "5",
+         "--itl-ms", "5", "--output-tokens", "4", "--nice", "0", "--no-uvloop",
+         "--output", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    gates = {g["streams"]: g for g in doc["gate_vs_off"]}
+    assert set(gates) == {1, 2}
+    for g in gates.values():
+        assert g["gate_failed"] == 0
+        assert g["gate_minus_off_p50_ms"] == g["gate_p50_ttft_ms"] - g["off_p50_ttft_ms"]
+    text = (tmp_path / "gate.txt").read_text()
+    assert "KV gate (--admission kv) against admission off" in text and "gate-off" in text

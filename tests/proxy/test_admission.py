@@ -5,11 +5,13 @@ admission reads when built with ``kv_capacity_tokens``; a test fills an engine's
 ``kv_held_tokens`` (KV "held by other requests") and keeps the engine busy with one request
 that hangs after its first token (``Faults(hang_after_chunks=1)``), so the engine is not
 idle in the proxy's eyes (an idle engine is always open). No timing is asserted beyond
-"before / after" orderings of events the test itself causes.
+"before / after" orderings of events the test itself causes, and "no scrape happened in
+between" (the scrape interval set to an hour after the first).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import time
@@ -25,9 +27,9 @@ from pdstack.proxy.admission import (
     AdmissionConfig,
     EngineLoad,
     KvAdmission,
-    parse_engine_metrics,
 )
 from pdstack.proxy.backends import BackendState
+from pdstack.proxy.kv_gate import parse_engine_metrics
 from pdstack.proxy.routing import stable_hash
 from pdstack.testing import proxy_harness as ph
 from pdstack.testing.fake_engine import FakeEngine, Faults
@@ -78,12 +80,11 @@ def load_of(rp: ph.RunningProxy, name: str) -> Any:
 
 
 async def full(rp: ph.RunningProxy, engine: FakeEngine, name: str) -> None:
-    """Fill ``engine``'s KV past 90 % and wait until the proxy has scraped it."""
+    """Fill ``engine``'s KV past 90 % and wait until the proxy has scraped it (after the
+    hanging request's first byte: that request is in the scrape's base)."""
     engine.kv_held_tokens = CAPACITY - 64
     await ph.until(
-        lambda: (
-            (load := load_of(rp, name)) is not None and load.kv_usage >= 0.9 and not load.reserved
-        ),
+        lambda: (load := load_of(rp, name)) is not None and load.kv_usage >= 0.9 and load.base,
         f"the proxy to see {name} full",
     )
 
@@ -153,6 +154,91 @@ async def test_request_waits_while_kv_is_full_and_goes_when_it_drops() -> None:
     assert ph.metric_value(metrics, "pdstack_proxy_admission_waited_total") == 1
 
 
+# ------------------------------------------------------------------ (b2) issue 36: only what hurts
+
+HOUR = 3600.0  # scrape interval after the first scrape: no scrape happens in a test
+
+
+async def test_a_request_that_fits_goes_at_once_whatever_the_engine_queues() -> None:
+    """The engine is busy, its waiting gauge reads 12 (the old gate held at > 2) and its KV
+    is a third full: a request that fits goes straight through, never queued."""
+    async with ph.engines("e0", kv_capacity_tokens=CAPACITY, output_tokens=4) as e:
+        eng = e["e0"]
+        eng.num_waiting = 12
+        eng.kv_held_tokens = CAPACITY // 3
+        async with ph.running_proxy(colocated("e0", e=e), admission=admission()) as rp:
+            async with hanging(rp, eng, "a"):
+                await ph.until(lambda: load_of(rp, "e0").waiting == 12, "the gauge read")
+                status, _, data = await post(rp, words(50, "b"))
+            metrics = await rp.metrics()
+    assert status == 200, data
+    gate = rp.proxy.admission
+    assert gate.held == {} and gate.admitted_after_wait == 0
+    assert gate.admitted == {"idle": 1, "fits": 1}
+    assert ph.metric_value(metrics, "pdstack_proxy_admission_admitted_total", reason="fits") == 1
+    assert ph.metric_value(metrics, "pdstack_proxy_engine_requests_waiting", backend="e0") == 12
+
+
+async def test_a_request_that_would_overfill_kv_waits_for_an_end_not_a_scrape() -> None:
+    """Running: 500 prompt tokens + 4 expected; a 400-token request would pass the 0.8
+    watermark of 1,024 tokens: it waits (reason ``kv_full``), and goes the moment the
+    running one ends, with no scrape in between."""
+    async with ph.engines("e0", kv_capacity_tokens=CAPACITY, output_tokens=4) as e:
+        eng = e["e0"]
+        config = admission(scrape_interval_s=HOUR)
+        async with ph.running_proxy(colocated("e0", e=e), admission=config) as rp:
+            gate = rp.proxy.admission
+            seen = len(eng.seen())
+            eng.faults = Faults(hang_after_chunks=1, times=1)
+            big = asyncio.create_task(
+                ph.stream_completion(rp.session, rp.url, words(500, "a"), max_tokens=4)
+            )
+            await ph.until(lambda: len(eng.seen()) > seen and eng.running > 0, "the big one")
+            scraped_at = load_of(rp, "e0").scraped_at
+            waiter = asyncio.create_task(post(rp, words(400, "b")))
+            await ph.until(lambda: gate.queued == 1, "the request to queue")
+            assert gate.held == {"kv_full": 1}
+            assert len(eng.seen()) == seen + 1 and not waiter.done()
+            ended_at = time.time()
+            big.cancel()
+            with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                await big
+            status, _, data = await asyncio.wait_for(waiter, 20)
+            assert load_of(rp, "e0").scraped_at == scraped_at, "a scrape happened"
+    assert status == 200, data
+    assert eng.seen()[-1].received_at >= ended_at
+    assert gate.admitted_after_wait == 1
+
+
+async def test_a_burst_never_waits_for_a_scrape() -> None:
+    """30 requests at once on a busy engine, no scrape after the first: every one that
+    fits goes at once (the proxy counts each at admission), the rest go as earlier ones
+    end; none waits for a scrape (there is none)."""
+    async with ph.engines("e0", kv_capacity_tokens=CAPACITY, output_tokens=2) as e:
+        eng = e["e0"]
+        config = admission(scrape_interval_s=HOUR)
+        async with ph.running_proxy(colocated("e0", e=e), admission=config) as rp:
+            gate = rp.proxy.admission
+            async with hanging(rp, eng, "a"):
+                scraped_at = load_of(rp, "e0").scraped_at
+                # <= 15 prompt + 2 expected each: 30 x 17 + 14 < 0.8 x 1,024
+                results = await asyncio.wait_for(
+                    asyncio.gather(*(post(rp, words(10, f"b{i}"), max_tokens=2)
+                                     for i in range(30))),
+                    60,
+                )  # fmt: skip
+                assert gate.held == {} and gate.queued == 0
+                # past the watermark: 40 x 17 more; the ones over it wait for ends only
+                results += await asyncio.wait_for(
+                    asyncio.gather(*(post(rp, words(10, f"c{i}"), max_tokens=2)
+                                     for i in range(40))),
+                    60,
+                )  # fmt: skip
+                assert load_of(rp, "e0").scraped_at == scraped_at, "a scrape happened"
+    assert [r[0] for r in results] == [200] * 70
+    assert gate.admitted.get("fits", 0) >= 30
+
+
 # ------------------------------------------------------------------ (c) 503s
 
 
@@ -207,7 +293,7 @@ async def test_colocated_requests_go_to_the_engine_with_headroom() -> None:
             async with hanging(rp, e["e1"], "x"):
                 reg.backends["e0"].drained = False
                 await full(rp, e["e0"], "e0")
-                await ph.until(lambda: not load_of(rp, "e1").reserved, "e1 scraped")
+                await ph.until(lambda: load_of(rp, "e1").base, "e1 scraped")
                 prompts = [words(20, chr(ord("c") + i)) for i in range(8)]
                 ring = rp.proxy._ring_for("colocated")
                 prefer_e0 = [p for p in prompts if next(ring.walk(stable_hash(p[:1024]))) == "e0"]
@@ -267,6 +353,7 @@ def test_parse_engine_metrics_vllm_026() -> None:
         "waiting": 4.0,  # not the by-reason family
         "kv_usage": 0.8731,
         "capacity_tokens": 6032 * 64.0,
+        "preemptions": 3.0,  # read for the metrics (why the gate holds), not for decisions
     }
 
 
@@ -294,40 +381,70 @@ def test_parse_engine_metrics_data_parallel_and_garbage() -> None:
     assert parse_engine_metrics("") == {}
 
 
-def _gate() -> tuple[KvAdmission, BackendState]:
+def _gate(**kw: Any) -> tuple[KvAdmission, BackendState]:
     engine = BackendState(
         name="d0", role="decode", node="n1", url="http://127.0.0.1:9", healthy=True
     )
-    gate = KvAdmission(admission(kv_high=0.85, max_waiting=0, stale_after_s=2.0), lambda: [engine])
-    return gate, engine
+    config = admission(**{"kv_high": 0.85, "stale_after_s": 2.0, "output_tokens": 50, **kw})
+    return KvAdmission(config, lambda: [engine]), engine
 
 
-def test_is_open_rules() -> None:
-    gate, engine = _gate()
-    assert gate.is_open(engine, 10)  # never scraped
+def _scraped(gate: KvAdmission, usage: float, capacity: int = 1000) -> EngineLoad:
+    """A scrape of d0 that began now and read ``usage``."""
     load = gate.loads.setdefault("d0", EngineLoad())
-    load.kv_usage, load.capacity_tokens, load.scraped_at = 0.9, 1000, time.monotonic()
-    assert gate.is_open(engine, 10), "an idle engine is always open"
+    load.rebase(usage, capacity, time.monotonic())
+    return load
+
+
+def test_kv_gate_rules() -> None:
+    """Prompt + expected output on top of the projection, against the watermark; the
+    projection is the proxy's own count, corrected by the scrape."""
+    gate, engine = _gate()
+    assert gate.check(engine, 10, 50) == (True, "idle")  # never scraped
+    load = _scraped(gate, 0.9)
+    assert gate.check(engine, 10, 50) == (True, "idle"), "an idle engine is always open"
     engine.in_flight = 1
-    assert not gate.is_open(engine, 10)
-    load.kv_usage = 0.5
-    assert gate.is_open(engine, 300)  # 0.5 + 0.3 <= 0.85
-    gate.reserve(engine, "r1", 300)
-    assert not gate.is_open(engine, 100)  # 0.5 + (300 + 100) / 1000 > 0.85
+    assert gate.check(engine, 10, 50) == (False, "kv_full")  # 900 + 60 > 850
+    load = _scraped(gate, 0.5)
+    assert gate.check(engine, 300, 50) == (True, "fits")  # 500 + 350 <= 850
+    gate.expect("r1", 0)  # no max_tokens: output_tokens (50)
+    gate.reserve(engine, "r1", 250)  # sent since the scrape: 300 more
+    assert load.projected(True) == 800
+    assert gate.check(engine, 10, 30) == (True, "fits")  # 800 + 40 <= 850
+    assert gate.check(engine, 10, 50) == (False, "kv_full")  # 800 + 60 > 850
     gate.release(engine, "r1")
-    assert gate.is_open(engine, 100)
-    load.waiting = 1  # max_waiting 0: the engine queues already
-    assert not gate.is_open(engine, 1)
-    load.waiting = 0
+    assert gate.check(engine, 300, 50) == (True, "fits")
+    # the engine's waiting and running gauges never hold a request
+    load.waiting, load.running = 40, 500
+    assert gate.check(engine, 10, 10)[0]
     # prefillers are never gated (reserve is a no-op for them)
     pre = BackendState(name="p0", role="prefill", node="n1", url="http://x", healthy=True)
     gate.reserve(pre, "r2", 10_000)
     assert "p0" not in gate.loads
     # disabled: always open
     off = KvAdmission(AdmissionConfig(enabled=False), lambda: [engine])
-    off.loads["d0"] = load
-    load.kv_usage = 1.0
-    assert off.is_open(engine, 10)
+    off.loads["d0"] = _scraped(gate, 1.0)
+    assert off.check(engine, 10, 10)[0]
+
+
+def test_scrape_corrects_the_count_with_prefix_reuse() -> None:
+    """Requests whose first byte came before a scrape began are in its KV usage (with
+    whatever prefix they share); one of them ending frees its share of that usage, not its
+    whole prompt; a request sent since counts in full until the next scrape."""
+    gate, engine = _gate(output_tokens=0)
+    engine.in_flight = 1
+    load = _scraped(gate, 0.0)
+    for rid in ("a", "b"):
+        gate.reserve(engine, rid, 400)  # one 300-token prefix shared: 500 tokens in KV
+        gate.landed(engine, rid)
+    assert load.projected(True) == 800, "before a scrape: the proxy's own count"
+    load.rebase(0.5, 0, time.monotonic() + 1e-3)  # after both first bytes
+    assert load.projected(True) == 500, "the engine's usage replaces the count"
+    gate.reserve(engine, "c", 100)
+    assert load.projected(True) == 600
+    gate.release(engine, "a")
+    assert load.projected(True) == 350, "a frees half of the 500 (its share)"
+    assert load.projected(False) == 500, "a stale scrape: the proxy's count alone"
 
 
 def test_running_cap_counts_the_proxys_active_requests() -> None:
@@ -336,44 +453,25 @@ def test_running_cap_counts_the_proxys_active_requests() -> None:
     slot."""
     engine = BackendState(name="d0", role="decode", node="n1", url="http://x", healthy=True)
     other = BackendState(name="d1", role="decode", node="n1", url="http://y", healthy=True)
-    gate = KvAdmission(admission(max_running=2, stale_after_s=2.0), lambda: [engine, other])
+    gate = KvAdmission(
+        admission(max_running=2, stale_after_s=2.0, output_tokens=0), lambda: [engine, other]
+    )
     gate.reserve(engine, "r1", 10)
     assert gate.is_open(engine, 10), "one of two slots taken"
     gate.reserve(engine, "r2", 10)
-    assert not gate.is_open(engine, 10), "two active of max_running 2: closed"
-    # a scrape that lands both (their tokens are in kv_usage now) keeps them active
-    load = gate.loads["d0"]
-    load.reserved.clear()
-    load.kv_usage, load.capacity_tokens, load.scraped_at = 0.1, 1000, time.monotonic()
+    assert gate.check(engine, 10, 0) == (False, "running_cap")
+    # a scrape after both landed (their tokens are in kv_usage now) keeps them active
+    gate.landed(engine, "r1")
+    gate.landed(engine, "r2")
+    _scraped(gate, 0.1).rebase(0.1, 1000, time.monotonic() + 1e-3)
     assert not gate.is_open(engine, 10), "landed requests still run there"
     assert gate.is_open(other, 10)
     gate.reserve(other, "r2", 10)  # r2 retried on d1: its slot on d0 is free again
     assert gate.is_open(engine, 10)
-    assert gate.loads["d1"].active == {"r2"}
+    assert set(gate.loads["d1"].requests) == {"r2"}
     gate.release(engine, "r1")
     gate.forget("r2")
-    assert gate.loads["d0"].active == set() and gate.loads["d1"].active == set()
-
-
-def test_waiting_gauge_not_read_on_engines_that_wait_for_kv() -> None:
-    """A NIXL decoder's waiting queue holds requests whose KV is still arriving: the gate
-    ignores it there (``ignores_waiting``) and reads it everywhere else."""
-    nixl_d = BackendState(name="d0", role="decode", node="n1", url="http://x", healthy=True)
-    colo = BackendState(name="c0", role="colocated", node="n1", url="http://y", healthy=True)
-    gate = KvAdmission(
-        admission(kv_high=0.85, stale_after_s=2.0),
-        lambda: [nixl_d, colo],
-        ignores_waiting=lambda b: b.name == "d0",
-    )
-    for b in (nixl_d, colo):
-        load = gate.loads.setdefault(b.name, EngineLoad())
-        load.kv_usage, load.capacity_tokens, load.scraped_at = 0.2, 1000, time.monotonic()
-        load.waiting = 5
-        b.in_flight = 1
-    assert gate.is_open(nixl_d, 10)
-    assert not gate.is_open(colo, 10)
-    gate.loads["d0"].kv_usage = 0.9  # the KV watermark still holds on the NIXL decoder
-    assert not gate.is_open(nixl_d, 10)
+    assert gate.loads["d0"].requests == {} and gate.loads["d1"].requests == {}
 
 
 async def test_running_cap_holds_the_next_request_until_one_ends() -> None:
@@ -394,17 +492,17 @@ async def test_running_cap_holds_the_next_request_until_one_ends() -> None:
     assert eng.seen()[1].received_at >= ended_at, "sent while the first still ran"
 
 
-def test_stale_scrape_never_blocks() -> None:
+def test_stale_scrape_falls_back_to_the_proxys_count() -> None:
     gate, engine = _gate()
     engine.in_flight = 3
-    load = gate.loads.setdefault("d0", EngineLoad())
-    load.kv_usage, load.capacity_tokens, load.scraped_at = 0.99, 1000, time.monotonic()
+    load = _scraped(gate, 0.99)
     assert not gate.is_open(engine, 10)
     load.scraped_at -= 2.5  # older than stale_after_s: not trusted
-    assert gate.is_open(engine, 10)
-    load.scraped_at = time.monotonic()
+    assert gate.is_open(engine, 10), "the proxy has nothing there: open"
+    gate.reserve(engine, "big", 900)
+    assert not gate.is_open(engine, 10), "the proxy's own count still holds"
     load.capacity_tokens = 0  # capacity unknown: cannot judge
-    assert gate.is_open(engine, 10)
+    assert gate.check(engine, 10, 50) == (True, "no_capacity")
 
 
 async def test_failed_scrape_never_blocks() -> None:
@@ -465,7 +563,7 @@ async def test_pd_burst_holds_decoder_headroom_during_prefill() -> None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
                         await task
-            await ph.until(lambda: not load_of(rp, "d0").reserved, "every hold released")
+            await ph.until(lambda: not load_of(rp, "d0").requests, "every hold released")
     assert len(e["p0"].seen()) == 5 and len(e["d0"].seen()) == 3
 
 
@@ -482,7 +580,8 @@ async def _burst_checks(
     )
     await asyncio.sleep(0.3)
     assert len(e["p0"].seen()) == 2, "the burst overran the decoder's headroom"
-    assert load_of(rp, "d0").reserved_tokens() == 2 * (len(words(300, "a")) // 4)
+    # prompt (estimated from characters) + expected output (max_tokens 4), each
+    assert load_of(rp, "d0").total == 2 * (len(words(300, "a")) // 4 + 4)
     # the two in prefill are cancelled by their clients: their holds come back
     # and the three held go (the prefiller answers again)
     e["p0"].faults = Faults()
@@ -494,20 +593,20 @@ async def _burst_checks(
     assert [r[0] for r in results] == [200, 200, 200], results
 
 
-@pytest.mark.parametrize(("kv_mode", "want"), [("nixl", True), ("shared-l1", False)])
-async def test_the_proxy_skips_the_waiting_gauge_only_on_nixl_fed_decoders(
-    kv_mode: str, want: bool
-) -> None:
-    """The app wires ``ignores_waiting`` from its registry's pairings: a decoder some
-    prefiller hands KV to over NIXL (its waiting queue is KV in flight), not a shared-L1
-    decoder and never a prefiller."""
-    async with ph.engines("p0", "d0", kv_capacity_tokens=CAPACITY) as e:
-        t = ph.table(
-            kv_mode, [ph.backend("p0", "prefill", e["p0"]), ph.backend("d0", "decode", e["d0"])]
-        )
-        async with ph.running_proxy(t, admission=admission()) as rp:
-            reg = rp.registry
-            assert reg.pairings == {"p0": {"d0": kv_mode}}
-            gate = rp.proxy.admission
-            assert gate._ignores_waiting(reg.backends["d0"]) is want
-            assert gate._ignores_waiting(reg.backends["p0"]) is False
+def test_admission_flags_new_and_removed() -> None:
+    """``--admission-output-tokens`` is a flag; ``--admission-max-waiting`` (the waiting
+    gauge the gate no longer reads) is one clear error, not silently ignored."""
+    from pdstack.proxy import cli
+
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers(), "proxy", "the proxy")
+    args = parser.parse_args(["proxy", "--admission", "kv", "--admission-output-tokens", "64"])
+    config = cli.admission_from_args(args)
+    assert config.enabled and config.output_tokens == 64 and config.kv_high == 0.9
+    args = parser.parse_args(["proxy", "--admission-max-waiting", "2"])
+    with pytest.raises(SystemExit, match="--admission-max-waiting was removed"):
+        cli.admission_from_args(args)
+    args = parser.parse_args(["proxy", "--admission-output-tokens", "-1"])
+    with pytest.raises(SystemExit, match="--admission-output-tokens must be >= 0"):
+        cli.admission_from_args(args)
+

@@ -42,6 +42,17 @@ async def test_chunked_parse_any_split(step: int) -> None:
     assert proto.reusable
 
 
+async def test_a_head_after_its_leg_was_given_up_is_no_fatal_error() -> None:
+    """The leg awaiting the head was cancelled (its client left, a deadline passed): the
+    head arriving afterwards is parsed without raising in data_received (asyncio logged
+    that as a fatal protocol error and closed the transport)."""
+    proto = RelayProtocol(asyncio.get_running_loop())
+    proto.connection_made(FakeTransport())  # type: ignore[arg-type]
+    proto.head_done.cancel()
+    proto.data_received(CHUNKED)
+    assert proto.status == 200 and proto.done.done()
+
+
 async def test_content_length_and_sink() -> None:
     proto = RelayProtocol(asyncio.get_running_loop())
     proto.connection_made(FakeTransport())  # type: ignore[arg-type]

@@ -22,7 +22,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from pdstack.proxy.admission import AdmissionConfig, FairQueue, _Waiter
+from pdstack.proxy.admission import AdmissionConfig
+from pdstack.proxy.fair_queue import FairQueue, Waiter
 from pdstack.proxy.tenants import (
     Bucket,
     TenantPolicy,
@@ -30,6 +31,7 @@ from pdstack.proxy.tenants import (
     TenantTable,
     UsageMeter,
     digest,
+    key_tenant_name,
     parse_tenant_keys,
 )
 from pdstack.testing import proxy_harness as ph
@@ -92,10 +94,10 @@ def test_usage_meter_reads_usage_or_counts_events() -> None:
     assert m.used(prompt_estimate=10) == 10
 
 
-def waiter(state: TenantState | None, tokens: int = 100) -> _Waiter:
+def waiter(state: TenantState | None, tokens: int = 100) -> Waiter:
     loop = asyncio.new_event_loop()
     try:
-        return _Waiter(lambda: [], tokens, loop.create_future(), state)
+        return Waiter(lambda: [], tokens, loop.create_future(), tenant=state)
     finally:
         loop.close()
 
@@ -266,21 +268,36 @@ async def test_max_queued_exact_and_keys_required() -> None:
             assert [r[0] for r in results] == [200] * 3
 
 
-async def test_plain_keys_belong_to_the_default_tenant_and_user_changes_nothing() -> None:
+async def test_plain_keys_are_their_own_tenants_and_user_changes_nothing() -> None:
+    """A key of PDSTACK_API_KEYS is its own tenant (``key-`` + its SHA-256 prefix) with the
+    ``default`` tenant's policy; the ``user`` field never picks a tenant."""
     async with ph.engines("e0") as e:
         cfg = {"tenants": {"alpha": TenantPolicy("alpha"),
                            "default": TenantPolicy("default", rpm=1)},
-               "tenant_keys": keyed("alpha"), "api_keys": frozenset({"plain-key"})}
+               "tenant_keys": keyed("alpha"), "api_keys": frozenset({"plain-key", "other"})}
         async with ph.running_proxy(table(e["e0"]), **cfg) as rp:
-            hdr = {"Authorization": "Bearer plain-key"}
             body = {"model": "fake", "prompt": "x", "max_tokens": 2, "user": "alpha"}
             statuses = []
-            for _ in range(2):
+            for key in ("plain-key", "plain-key", "other"):
                 async with rp.session.post(f"{rp.url}/v1/completions", json=body,
-                                           headers=hdr) as r:
+                                           headers={"Authorization": f"Bearer {key}"}) as r:
                     statuses.append(r.status)
-            assert statuses == [200, 429]  # `user` never picks the tenant
-            assert rp.proxy.tenants.states["alpha"].served == 0
+            assert statuses == [200, 429, 200]  # rpm 1 each: its own bucket per key
+            states = rp.proxy.tenants.states
+            assert states["alpha"].served == 0
+            assert states[key_tenant_name(digest("plain-key"))].served == 1
+            assert states[key_tenant_name(digest("other"))].served == 1
+
+
+def test_plain_keys_tenants_never_show_a_key() -> None:
+    t = TenantTable({"alpha": TenantPolicy("alpha")}, keyed("alpha"),
+                    plain_keys=["sk-plain-secret", KEYS["alpha"]])
+    name = key_tenant_name(digest("sk-plain-secret"))
+    assert set(t.states) == {"default", "alpha", name}, "a named key stays its tenant's"
+    assert t.configured and t.lookup("sk-plain-secret") is t.states[name]
+    assert t.states[name].policy == TenantPolicy(name)  # weight 1, interactive, no limits
+    assert "sk-plain-secret" not in repr(t) and "sk-plain-secret" not in name
+    assert not TenantTable().configured  # no keys, no tenants: one anonymous tenant
 
 
 # ------------------------------------------------------------------ noisy neighbour
@@ -315,16 +332,7 @@ async def _drive(rp: ph.RunningProxy, tenant: str, rate: float, seconds: float,
                     retry_after.append(r.headers["Retry-After"])
             statuses.append(r.status)
 
-    tasks = []
-    t0 = time.perf_counter()
-    i = 0
-    while (now := time.perf_counter() - t0) < seconds:
-        due = i / rate
-        if due > now:
-            await asyncio.sleep(due - now)
-        tasks.append(asyncio.create_task(one(i)))
-        i += 1
-    await asyncio.gather(*tasks)
+    await ph.open_loop(rate, seconds, one)
 
 
 async def _noisy_neighbour(fairness: bool) -> dict[str, Any]:

@@ -299,15 +299,7 @@ async def _tenant_drive(rp: ph.RunningProxy, tenant: str, rate: float, seconds: 
             if r.status == 200:
                 out["e2e"].append(time.perf_counter() - t0)
 
-    tasks = []
-    start = time.perf_counter()
-    i = 0
-    while (now := time.perf_counter() - start) < seconds:
-        if i / rate > now:
-            await asyncio.sleep(i / rate - now)
-        tasks.append(asyncio.create_task(one(i)))
-        i += 1
-    await asyncio.gather(*tasks)
+    await ph.open_loop(rate, seconds, one)
     return out
 
 

@@ -1,0 +1,106 @@
+"""``pdstack proxy``'s KV-aware admission flags (:class:`AdmissionConfig` fields as
+``--admission-FIELD``), their checks, and the flags that are gone (one clear error each)."""
+
+from __future__ import annotations
+
+import argparse
+
+from pdstack.proxy.admission import AdmissionConfig
+from pdstack.proxy.flags import Flag, add_fields, dest
+
+# AdmissionConfig fields, as --admission-FIELD
+_ADMISSION = (
+    Flag(
+        "kv_high",
+        "watermark on an engine's projected KV, prompt + expected output of each request "
+        "counted, over its capacity (default %(default)s)",
+        metavar="RATIO",
+    ),
+    Flag(
+        "output_tokens",
+        "a request's expected output, at most its max_tokens (default %(default)s)",
+        metavar="N",
+    ),
+    Flag(
+        "max_running",
+        "the proxy's requests active on one engine at most; 0 = no cap (default %(default)s)",
+        metavar="N",
+    ),
+    Flag(
+        "prefill_tokens",
+        "prompt tokens in prefill at once per engine, shared by weight among active "
+        "tenants; 0 = no prefill share (default %(default)s)",
+        metavar="N",
+    ),
+    Flag(
+        "scrape_interval_s",
+        "engine /metrics read interval: a correction, not the gate (default %(default)s)",
+        metavar="S",
+    ),
+    Flag(
+        "queue_max",
+        "requests the proxy holds at most; more: the tenant holding the most gets 429 "
+        "(no tenants: 503; default %(default)s)",
+        metavar="N",
+    ),
+    Flag(
+        "queue_timeout_s",
+        "longest wait in the queue; then 503 (429 to a batch tenant; default %(default)s)",
+        metavar="S",
+    ),
+)
+# float flags that must lie in [lo, hi]; int flags that must be >= 0
+_ADMISSION_RANGES = {
+    "kv_high": (0.05, 1.0),
+    "scrape_interval_s": (0.01, 10.0),
+    "queue_timeout_s": (0.0, 3600.0),
+}
+_ADMISSION_NONNEGATIVE = ("output_tokens", "max_running", "prefill_tokens", "queue_max")
+# flags that are gone, and why (each is one clear error, not silently ignored)
+_ADMISSION_REMOVED = {
+    "--admission-max-waiting": "the gate no longer reads the engine's waiting gauge; it holds "
+    "only what would overfill KV or pass the running cap: drop the flag",
+}
+
+
+def add_admission_flags(p: argparse.ArgumentParser, a: AdmissionConfig) -> None:
+    adm = p.add_argument_group(
+        "KV-aware admission",
+        "hold requests in the proxy while every decoder / colocated engine is near its KV "
+        "limit (read from the engines' own /metrics), instead of pushing them into preemption",
+    )
+    adm.add_argument(
+        "--admission",
+        choices=("off", "kv"),
+        default="kv" if a.enabled else "off",
+        help="off (default) or kv",
+    )
+    add_fields(adm, a, _ADMISSION, prefix="admission-")
+    adm.add_argument(
+        "--admission-fairness",
+        choices=("on", "off"),
+        default="on" if a.fairness else "off",
+        help="on (default): the queue is fair across tenants (weights, priority classes); "
+        "off: one FIFO in arrival order",
+    )
+    for flag in _ADMISSION_REMOVED:
+        adm.add_argument(flag, default=None, help=argparse.SUPPRESS)
+
+
+def admission_from_args(args: argparse.Namespace) -> AdmissionConfig:
+    for flag, why in _ADMISSION_REMOVED.items():
+        if getattr(args, dest(flag), None) is not None:
+            raise SystemExit(f"pdstack proxy: {flag} was removed: {why}")
+    flags = {f.field: f.name("admission-") for f in _ADMISSION}
+    values = {field: getattr(args, dest(flag)) for field, flag in flags.items()}
+    for field, (lo, hi) in _ADMISSION_RANGES.items():
+        if not lo <= values[field] <= hi:
+            raise SystemExit(
+                f"pdstack proxy: {flags[field]} must be within [{lo:g}, {hi:g}], "
+                f"got {values[field]}"
+            )
+    for field in _ADMISSION_NONNEGATIVE:
+        if values[field] < 0:
+            raise SystemExit(f"pdstack proxy: {flags[field]} must be >= 0, got {values[field]}")
+    fair = getattr(args, "admission_fairness", "on") == "on"
+    return AdmissionConfig(enabled=args.admission == "kv", fairness=fair, **values)

@@ -1,0 +1,168 @@
+"""The tenants' shares: what each tenant's requests occupy on the engines.
+
+Per tenant, over the requests admission let through and that have not ended: how many run,
+and how long each held the engines (engine seconds, from admission to the request's end).
+The fair queue (:mod:`pdstack.proxy.fair_queue`) charges a waiter its tenant's recent
+average engine seconds and settles with the measured time when the request ends: prompt
+tokens alone undercharged a flood of short prompts with long answers (a tenant with long
+prompts waited for ~9 of the flood's requests each time; issue 24). The totals (engine
+seconds per tenant) are the proxy's per-tenant share of engine time.
+
+Shares of the engine (issue 37): while several tenants are active (a request of theirs
+in flight, or one arrived within ``ACTIVE_WINDOW_S``: a tenant at 4 req/s stays active
+between its requests), each may hold at most its weight's share of the engine:
+- running requests: ``share x running capacity`` (the engines' running cap), at least 1;
+- prompt tokens being prefilled (admitted, no first byte yet, for at most
+  ``PREFILL_MAX_S``: a non-streaming answer's first byte is its last):
+  ``share x prefill budget``; a tenant with nothing in prefill may always send one
+  request, however long.
+So a flooding tenant's long prefills cannot fill every engine step, and its running
+batch cannot fill the engine, while another tenant is active. Work-conserving toward a
+tenant alone: alone it gets the whole engine. Priority classes act in the queue
+(``interactive`` waiters first, :mod:`pdstack.proxy.fair_queue`): an interactive tenant's
+request goes first, up to its share; batch tenants take the rest.
+
+Memory: one small record per tenant with requests in flight or a cost average (the tenant
+set is the configured one), one per request in flight.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+COST_EWMA = 0.2  # weight of the newest request in a tenant's average engine seconds
+ACTIVE_WINDOW_S = 5.0  # a tenant with a request this recent counts as active
+PREFILL_MAX_S = 2.0  # a request admitted longer ago counts as prefilled, first byte or not
+
+
+def ewma(average: float | None, value: float) -> float:
+    """``average`` moved toward ``value`` by COST_EWMA (``value`` itself when there is none)."""
+    return value if average is None else average + COST_EWMA * (value - average)
+
+
+@dataclass(slots=True)
+class Running:
+    tenant: str
+    admitted: float  # monotonic
+    charged: float  # what the fair queue charged (0: it never waited)
+    prompt: int
+    prefilling: bool = True  # no first byte yet
+
+
+class TenantLedger:
+    """Who runs what: per request and per tenant (single-threaded, asyncio)."""
+
+    def __init__(self, settle: Callable[[str, float], None]) -> None:
+        self._settle = settle  # the fair queue's: (tenant, measured - charged)
+        self._running: dict[str, Running] = {}
+        self.count: dict[str, int] = {}  # tenant -> its requests running
+        self.prompt: dict[str, int] = {}  # tenant -> their prompt tokens
+        self._cost: dict[str, float] = {}
+        self._cost_all = 0.0
+        self.engine_seconds: dict[str, float] = {}  # tenant -> total, of ended requests
+        self.prefill: dict[str, int] = {}  # tenant -> prompt tokens admitted, no first byte
+        self._prefilling: dict[str, deque[Running]] = {}  # tenant -> in admission order
+        self._seen: dict[str, tuple[float, float]] = {}  # tenant -> (weight, last arrival)
+
+    def cost_of(self, tenant: str) -> float:
+        """What a request of ``tenant`` is charged in the fair queue before it has run:
+        its tenant's average engine seconds, else every tenant's, else 1 s."""
+        return self._cost.get(tenant) or self._cost_all or 1.0
+
+    def start(self, request_id: str, tenant: str, charged: float, prompt: int = 0) -> None:
+        """An admitted request: measured from now until :meth:`end`."""
+        if not request_id:
+            return
+        if request_id in self._running:
+            return
+        self.count[tenant] = self.count.get(tenant, 0) + 1
+        self.prompt[tenant] = self.prompt.get(tenant, 0) + prompt
+        self.prefill[tenant] = self.prefill.get(tenant, 0) + prompt
+        r = self._running[request_id] = Running(tenant, time.monotonic(), charged, prompt)
+        self._prefilling.setdefault(tenant, deque()).append(r)
+
+    def landed(self, request_id: str) -> bool:
+        """The request's first byte came: its prompt is prefilled (True: it was counted)."""
+        r = self._running.get(request_id)
+        if r is None or not r.prefilling:
+            return False
+        self._prefilled(r)
+        return True
+
+    def _prefilled(self, r: Running) -> None:
+        r.prefilling = False
+        self.prefill[r.tenant] = self.prefill.get(r.tenant, 0) - r.prompt
+
+    def _expire(self, tenant: str) -> int:
+        """``tenant``'s prompt tokens in prefill now: its oldest requests (admitted over
+        PREFILL_MAX_S ago, landed or ended) leave the count (amortised O(1))."""
+        queue = self._prefilling.get(tenant)
+        cutoff = time.monotonic() - PREFILL_MAX_S
+        while queue and (not queue[0].prefilling or queue[0].admitted < cutoff):
+            r = queue.popleft()
+            if r.prefilling:
+                self._prefilled(r)
+        if queue is not None and not queue:
+            del self._prefilling[tenant]
+        return self.prefill.get(tenant, 0)
+
+    def end(self, request_id: str) -> bool:
+        """The request ended: its measured engine time updates its tenant's average and
+        corrects what its queueing charged. False when it was not running."""
+        r = self._running.pop(request_id, None)
+        if r is None:
+            return False
+        name = r.tenant
+        if r.prefilling:
+            self._prefilled(r)
+        left = self.count.get(name, 1) - 1
+        if left > 0:
+            self.count[name] = left
+            self.prompt[name] = self.prompt.get(name, 0) - r.prompt
+        else:
+            self.count.pop(name, None)
+            self.prompt.pop(name, None)
+            self.prefill.pop(name, None)
+            self._prefilling.pop(name, None)
+        seconds = max(time.monotonic() - r.admitted, 1e-3)
+        self.engine_seconds[name] = self.engine_seconds.get(name, 0.0) + seconds
+        self._cost[name] = ewma(self._cost.get(name), seconds)
+        self._cost_all = ewma(self._cost_all or None, seconds)
+        if r.charged:
+            self._settle(name, seconds - r.charged)
+        return True
+
+    def running(self, tenant: str) -> int:
+        return self.count.get(tenant, 0)
+
+    # ------------------------------------------------------------ shares
+    def seen(self, tenant: str, weight: float) -> None:
+        """A request of ``tenant`` arrived (it is active for ACTIVE_WINDOW_S from now)."""
+        self._seen[tenant] = (weight, time.monotonic())
+
+    def shares(self) -> dict[str, float]:
+        """Each active tenant's share of the engine (weights over the active ones)."""
+        cutoff = time.monotonic() - ACTIVE_WINDOW_S
+        weights = {}
+        for name, (weight, last) in list(self._seen.items()):
+            if last >= cutoff or self.count.get(name):
+                weights[name] = weight
+            else:
+                del self._seen[name]  # bounded: only active tenants are kept
+        total = sum(weights.values())
+        return {name: w / total for name, w in weights.items()} if total else {}
+
+    def over_share(self, tenant: str, prompt: int, running_cap: int, prefill_cap: int) -> bool:
+        """Would one more request of ``tenant`` (``prompt`` tokens) take it past its share
+        of the running capacity or the prefill budget? Never while it is alone."""
+        shares = self.shares()
+        share = shares.get(tenant)
+        if share is None or len(shares) < 2:
+            return False
+        if running_cap and self.count.get(tenant, 0) + 1 > max(1.0, share * running_cap):
+            return True
+        in_prefill = self._expire(tenant) if prefill_cap else 0
+        return bool(prefill_cap) and in_prefill > 0 and in_prefill + prompt > share * prefill_cap

@@ -1,0 +1,229 @@
+"""Tenants' shares of the engines (pdstack.proxy.shares, issue 37) against the FakeEngine
+test double (pdstack/testing/fake_engine.py, no model), and the units behind them.
+
+Fair out of the box: with no ``pdstack_tenants`` and two keys in ``PDSTACK_API_KEYS``, one
+key floods and the other's TTFT P99 stays within 1.5x of its own alone, never a 503.
+Timing budgets are ratios of whole service times (800 ms per request), far above a loaded
+2-core machine's scheduling noise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+
+from pdstack.proxy import shares
+from pdstack.proxy.admission import AdmissionConfig
+from pdstack.proxy.fair_queue import FairQueue, Waiter
+from pdstack.proxy.shares import TenantLedger
+from pdstack.proxy.tenants import TenantPolicy, TenantState, digest
+from pdstack.testing import proxy_harness as ph
+from pdstack.testing.fake_engine import Faults
+
+TTFT_MS = 800.0
+CAPACITY = 16  # requests the fake engine serves at once (and the proxy's running cap)
+CAPACITY_RPS = CAPACITY / (TTFT_MS / 1000)  # 20 req/s of one-token answers
+QUIET, LOUD = "sk-quiet-key", "sk-loud-key"
+
+
+def table(engine: Any) -> dict[str, Any]:
+    return ph.table("colocated", [ph.backend("n1/engine-0", "colocated", engine)])
+
+
+# ------------------------------------------------------------------ units
+def test_shares_bind_only_while_another_tenant_is_active() -> None:
+    ledger = TenantLedger(lambda tenant, delta: None)
+    ledger.seen("a", 1.0)
+    for i in range(8):
+        ledger.start(f"a{i}", "a", 0.0, 1000)
+    assert not ledger.over_share("a", 1000, running_cap=8, prefill_cap=4000), "alone: all"
+    ledger.seen("b", 3.0)  # b active, weight 3: a's share is 1/4
+    assert ledger.shares() == {"a": 0.25, "b": 0.75}
+    assert ledger.over_share("a", 1000, running_cap=8, prefill_cap=0)  # 9 > 2 running
+    assert not ledger.over_share("b", 1000, running_cap=8, prefill_cap=4000)
+    # prefill: a has 8,000 tokens with no first byte, its share of 4,000 is 1,000
+    assert ledger.over_share("a", 10, running_cap=0, prefill_cap=4000)
+    for i in range(8):
+        assert ledger.landed(f"a{i}")
+    assert ledger.prefill["a"] == 0 and not ledger.landed("a0")  # counted once
+    assert not ledger.over_share("a", 10, running_cap=0, prefill_cap=4000)
+    # one long prompt may always go when the tenant has nothing in prefill
+    assert not ledger.over_share("a", 50_000, running_cap=0, prefill_cap=4000)
+    for i in range(8):
+        assert ledger.end(f"a{i}")
+    assert ledger.count == {} and ledger.prefill == {} and ledger.engine_seconds["a"] > 0
+
+
+def test_shares_forget_tenants_gone_quiet(monkeypatch: pytest.MonkeyPatch) -> None:
+    ledger = TenantLedger(lambda tenant, delta: None)
+    ledger.seen("a", 1.0)
+    ledger.seen("b", 1.0)
+    ledger.start("a1", "a", 0.0, 10)
+    monkeypatch.setattr(shares, "ACTIVE_WINDOW_S", 0.0)
+    time.sleep(0.01)
+    assert ledger.shares() == {"a": 1.0}, "b went quiet; a still runs a request"
+
+
+def test_a_prompt_without_first_byte_counts_as_prefilled_after_a_while(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A non-streaming answer's first byte is its last: its prompt leaves the prefill
+    count after PREFILL_MAX_S, so a batch tenant's unary requests still use their share."""
+    ledger = TenantLedger(lambda tenant, delta: None)
+    ledger.seen("a", 1.0)
+    ledger.seen("b", 1.0)
+    ledger.start("a1", "a", 0.0, 3000)
+    assert ledger.over_share("a", 2000, running_cap=0, prefill_cap=8000)  # 5000 > 4000
+    monkeypatch.setattr(shares, "PREFILL_MAX_S", 0.0)
+    time.sleep(0.01)
+    assert not ledger.over_share("a", 2000, running_cap=0, prefill_cap=8000)
+    assert ledger.prefill["a"] == 0 and ledger.count["a"] == 1
+    assert ledger.end("a1") and ledger.count == {}
+
+
+def _waiter(state: TenantState) -> Waiter:
+    loop = asyncio.new_event_loop()
+    try:
+        return Waiter(lambda: [], 10, loop.create_future(), tenant=state)
+    finally:
+        loop.close()
+
+
+def test_a_full_queue_sheds_the_heaviest_tenant() -> None:
+    loud = TenantState(TenantPolicy("loud"), "loud", 60.0)
+    quiet = TenantState(TenantPolicy("quiet"), "quiet", 60.0)
+    q = FairQueue(fair=True)
+    flood = [_waiter(loud) for _ in range(5)]
+    for w in flood:
+        q.push(w)
+    assert q.victim_for("quiet", 0, 1.0) is flood[-1], "the flood's newest makes room"
+    assert q.victim_for("loud", 0, 1.0) is None, "the flood itself is refused"
+    q.push(_waiter(quiet))
+    heavy = TenantPolicy("quiet", weight=10.0)  # 2 waiters / 10 < 5 / 1
+    assert q.victim_for("quiet", heavy.rank, heavy.weight) is flood[-1]
+
+
+# ------------------------------------------------------------------ fair out of the box
+async def _drive(rp: ph.RunningProxy, key: str, rate: float, seconds: float,
+                 ttfts: list[float], statuses: list[int], retry: list[str]) -> None:
+    """Open loop of one-token streamed requests with ``key``; TTFT of the 200s."""
+
+    async def one(n: int) -> None:
+        started = time.perf_counter()
+        body = {"model": "fake", "prompt": f"{key[3:7]} {n}", "max_tokens": 1, "stream": True}
+        async with rp.session.post(f"{rp.url}/v1/completions", json=body,
+                                   headers={"Authorization": f"Bearer {key}"}) as r:
+            if r.status == 200:
+                await r.content.readany()
+                ttfts.append(time.perf_counter() - started)
+            elif "Retry-After" in r.headers:
+                retry.append(r.headers["Retry-After"])
+            await r.read()
+            statuses.append(r.status)
+
+    await ph.open_loop(rate, seconds, one)
+
+
+async def test_two_plain_keys_one_floods_the_other_keeps_its_ttft() -> None:
+    """No pdstack_tenants: each key of PDSTACK_API_KEYS is its own tenant. The loud key
+    floods at 10x capacity; the quiet key's P99 stays within 1.5x of alone, never a 503;
+    the loud key gets 429 + Retry-After once the queue is full (its newest is shed)."""
+    async with ph.engines("e0", ttft_ms=TTFT_MS, output_tokens=1, max_running=CAPACITY) as e:
+        cfg = {
+            "api_keys": frozenset({QUIET, LOUD}),
+            "admission": AdmissionConfig(enabled=True, max_running=CAPACITY, queue_max=64),
+        }
+        async with ph.running_proxy(table(e["e0"]), **cfg) as rp:
+            alone: list[float] = []
+            q_status: list[int] = []
+            await _drive(rp, QUIET, 4.0, 2.5, alone, q_status, [])
+            l_status: list[int] = []
+            l_retry: list[str] = []
+            flood = asyncio.create_task(
+                _drive(rp, LOUD, 10 * CAPACITY_RPS, 4.0, [], l_status, l_retry)
+            )
+            await asyncio.sleep(1.0 + TTFT_MS / 1000)  # the flood holds its share + a queue
+            crowded: list[float] = []
+            await _drive(rp, QUIET, 4.0, 2.5, crowded, q_status, [])
+            await flood
+            metrics = await rp.metrics()
+    p_alone, p_crowded = ph.p99(alone), ph.p99(crowded)
+    print(f"plain keys: quiet P99 alone {p_alone * 1000:.0f} ms, loud flooding "
+          f"{p_crowded * 1000:.0f} ms ({p_crowded / p_alone:.2f}x); loud 429s "
+          f"{l_status.count(429)}/{len(l_status)}")
+    assert set(q_status) == {200}, "a quiet request was refused"
+    assert p_crowded <= 1.5 * p_alone
+    assert l_status.count(429) > len(l_status) / 2 and 503 not in l_status
+    assert len(l_retry) == l_status.count(429)
+    loud = "key-" + digest(LOUD)[:10]
+    assert ph.metric_value(metrics, "pdstack_proxy_tenant_engine_seconds_total", tenant=loud) > 0
+
+
+# ------------------------------------------------------------------ shares of the engine
+async def test_a_flood_runs_at_its_share_while_another_is_active_and_alone_takes_all(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Running cap 8, two tenants of weight 1: while the quiet one has a request running
+    the flood runs at most 4; once the quiet one has gone quiet, the flood takes all 8."""
+    monkeypatch.setattr(shares, "ACTIVE_WINDOW_S", 0.5)
+    async with ph.engines("e0", output_tokens=4) as e:
+        eng = e["e0"]
+        cfg = {"api_keys": frozenset({QUIET, LOUD}),
+               "admission": AdmissionConfig(enabled=True, max_running=8)}
+        async with ph.running_proxy(table(eng), **cfg) as rp:
+            eng.faults = Faults(hang_after_chunks=1, times=20)
+            quiet = asyncio.create_task(_one(rp, QUIET))
+            await ph.until(lambda: eng.running == 1, "the quiet request running")
+            flood = [asyncio.create_task(_one(rp, LOUD)) for _ in range(12)]
+            try:
+                await ph.until(lambda: eng.running == 5 and rp.proxy.admission.queued == 8,
+                               "4 of the flood running, 8 held")
+                await asyncio.sleep(0.3)
+                assert eng.running == 5, "the flood ran past its share"
+                held = rp.proxy.admission.held  # the first at its share, the rest behind it
+                assert held.get("tenant_share") and sum(held.values()) == 8, held
+                quiet.cancel()  # the quiet tenant goes quiet: the flood is alone
+                with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                    await quiet
+                await ph.until(lambda: eng.running == 8, "the flood takes the engine",
+                               timeout=10)
+            finally:
+                for task in flood:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                        await task
+
+
+async def _one(rp: ph.RunningProxy, key: str, **headers: str) -> tuple[int, Any]:
+    body = {"model": "fake", "prompt": "hello there", "max_tokens": 4, "stream": True}
+    async with rp.session.post(f"{rp.url}/v1/completions", json=body,
+                               headers={"Authorization": f"Bearer {key}", **headers}) as r:
+        return r.status, r.headers.copy() if r.status != 200 else await r.read()
+
+
+async def test_a_batch_tenant_that_waits_too_long_gets_429_never_5xx() -> None:
+    """Running cap 1, two requests of other tenants hang on the engine: a batch tenant's
+    request waits its queue timeout out and is answered 429 with Retry-After."""
+    async with ph.engines("e0", output_tokens=4) as e:
+        eng = e["e0"]
+        cfg = {"tenants": {"nightly": TenantPolicy("nightly", priority="batch")},
+               "tenant_keys": {digest("sk-nightly"): "nightly"},
+               "api_keys": frozenset({QUIET, LOUD}),
+               "admission": AdmissionConfig(enabled=True, max_running=1, queue_timeout_s=0.5)}
+        async with ph.running_proxy(table(eng), **cfg) as rp:
+            eng.faults = Faults(hang_after_chunks=1, times=2)
+            hung = [asyncio.create_task(_one(rp, k)) for k in (QUIET, LOUD)]
+            try:
+                await ph.until(lambda: eng.running == 2, "two requests running")
+                status, headers = await _one(rp, "sk-nightly")
+            finally:
+                for task in hung:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                        await task
+    assert status == 429 and int(headers["Retry-After"]) >= 1
