@@ -22,8 +22,9 @@ its whole life (decoders, colocated engines); prefillers hand their KV off.
 Held requests wait in a bounded queue with a deadline (``queue_max``, ``queue_timeout_s``;
 past either: 503, OpenAI JSON, ``Retry-After``); a tenant's ``max_queued`` bounds its own
 share (429), a full queue sheds the newest waiter of the tenant holding the most of it
-(429: the flood pays), and a batch tenant is refused with 429, never a 5xx. Every decision is counted with its reason (``admitted`` / ``held`` by reason
-in the proxy's metrics), beside what the gate last read from each engine.
+(429: the flood pays), and a batch tenant is refused with 429, never a 5xx. Every
+decision is counted with its reason (``admitted`` / ``held`` by reason in the proxy's
+metrics), beside what the gate last read from each engine.
 """
 
 from __future__ import annotations
