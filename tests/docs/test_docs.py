@@ -215,7 +215,7 @@ def test_the_pages_have_commands_to_check() -> None:
 
 
 def test_slugs_follow_github() -> None:
-    assert slug("Measured on 1×H200 (`results/h200x1-tiers/`): the default") == (
+    assert slug("Measured on 1\u00d7H200 (`results/h200x1-tiers/`): the default") == (
         "measured-on-1h200-resultsh200x1-tiers-the-default")
     assert slug("Self-healing: what a fault costs") == "self-healing-what-a-fault-costs"
     assert slug("[KV modes](kv-modes.md) & tiers") == "kv-modes--tiers"
