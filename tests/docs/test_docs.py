@@ -56,6 +56,17 @@ def _split(text: str) -> tuple[list[tuple[str, list[str]]], list[str]]:
     return blocks, prose
 
 
+def _paragraphs(prose: list[str]) -> Iterator[str]:
+    """Prose joined into paragraphs (a link or a code span may wrap onto the next line)."""
+    para: list[str] = []
+    for line in [*prose, ""]:
+        if line.strip():
+            para.append(line.strip())
+        elif para:
+            yield " ".join(para)
+            para = []
+
+
 def slug(heading: str) -> str:
     """GitHub's anchor for a heading: the rendered text lowercased, every character but
     letters, digits, spaces, hyphens and underscores dropped, spaces to hyphens."""
@@ -84,8 +95,8 @@ def anchors(page: Path) -> frozenset[str]:
 
 def _links(page: Path) -> Iterator[str]:
     _, prose = _split(page.read_text())
-    for line in prose:
-        for m in LINK.finditer(INLINE_CODE.sub("", line)):
+    for para in _paragraphs(prose):
+        for m in LINK.finditer(INLINE_CODE.sub("", para)):
             yield m.group(1)
 
 
@@ -116,8 +127,8 @@ def command_lines(page: Path) -> Iterator[tuple[str, bool]]:
             line = line.strip().removeprefix("$ ")
             if line.startswith("pdstack "):
                 yield line, True
-    for line in prose:
-        for m in INLINE_CODE.finditer(line):
+    for para in _paragraphs(prose):
+        for m in INLINE_CODE.finditer(para):
             code = m.group(2).strip()
             if code.startswith("pdstack "):
                 yield code, False
