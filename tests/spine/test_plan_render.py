@@ -95,6 +95,24 @@ def test_compose_gpu_is_the_measured_default_one_gpu_stack():
     assert proxy[proxy.index("--admission") + 1] == "kv"
 
 
+def test_one_gpu_keeps_the_topology_measured_as_the_default():
+    """inventory/one-gpu (compose/gpu) is inventory/h200x1's measured shape with a real model:
+    the same services, KV connector (tier size included) and proxy flags."""
+    def shape(name: str) -> list[tuple]:
+        plan = plan_of(name)
+        (node,) = plan.nodes
+        out = []
+        for s in plan.nodes[node].services:
+            cmd = s.command
+            proxy_flags = [a for i, a in enumerate(cmd) if a.startswith("--admission")
+                           or (i and cmd[i - 1].startswith("--admission"))]
+            out.append((s.kind, s.role, json.dumps(s.kv_transfer_config, sort_keys=True),
+                        proxy_flags))
+        return out
+
+    assert shape("one-gpu") == shape("h200x1")
+
+
 def test_a100x3_is_one_lmcache_one_prefiller_two_decoders_one_proxy():
     plan = plan_of("a100x3")
     (node,) = plan.nodes
