@@ -2,7 +2,7 @@
 # The `pdstack` command, installed the way Python CLIs are: pipx puts this checkout
 # (editable: a `git pull` needs no reinstall) with its dependencies and the `bench` extra
 # into its own virtual environment, and links `pdstack` onto PATH. The one-line install
-# the README documents is the pipx line below; this script adds pipx itself (Debian's
+# docs/getting-started.md documents is the pipx line below; this script adds pipx itself (Debian's
 # package) and, as root, installs for every user (PIPX_HOME=/opt/pipx,
 # PIPX_BIN_DIR=/usr/local/bin). Idempotent: reinstalls only when pyproject.toml changed.
 #   bash scripts/install-cli.sh         (./quickstart runs it)

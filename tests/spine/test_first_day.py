@@ -1,4 +1,4 @@
-"""A newcomer's first day, the light parts: the README's one-line CLI install from a fresh
+"""A newcomer's first day, the light parts: the documented one-line CLI install from a fresh
 clone puts `pdstack` on PATH (and its commands work from there, tables uncut when piped),
 and the quickstart's stack checks: a second stack renders beside the first, and a taken
 port is named with the process that holds it."""
@@ -28,10 +28,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _install_line() -> str:
-    """The README's documented install command (the one line with `pipx install`)."""
-    lines = [ln.split("#")[0].strip() for ln in (ROOT / "README.md").read_text().splitlines()
+    """The documented install command (the one line with `pipx install`, in the getting-started
+    page the README links to)."""
+    doc = ROOT / "docs" / "getting-started.md"
+    lines = [ln.split("#")[0].strip() for ln in doc.read_text().splitlines()
              if ln.strip().startswith("pipx install")]
-    assert len(lines) == 1, f"README should document one pipx install line, has {lines}"
+    assert len(lines) == 1, f"{doc.name} should document one pipx install line, has {lines}"
     return lines[0]
 
 

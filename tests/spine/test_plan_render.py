@@ -61,11 +61,56 @@ def test_render_every_inventory_and_compose_accepts_it(tmp_path, name):
         assert "0.0.0.0" not in text, f"{f} binds a wildcard address"
 
 
+# the committed stacks and the inventory each is rendered from: compose/gpu is the measured
+# default one-node GPU stack (colocated engine, native KV tier, the proxy's KV admission)
+COMMITTED_STACKS = (("local-cpu", "cpu"), ("one-gpu", "gpu"))
+
+
+@pytest.mark.docker  # `docker compose config` (the Compose CLI from .ci/install.sh)
+@pytest.mark.parametrize(("inv", "stack"), COMMITTED_STACKS)
+def test_compose_accepts_the_committed_stacks(inv, stack):
+    d = REPO / "compose" / stack
+    r = subprocess.run([*_compose_bin(), "--project-directory", str(d), "-f",
+                        str(d / "compose.yaml"), "config", "-q"], capture_output=True, text=True)
+    assert r.returncode == 0, f"compose/{stack}: {r.stderr}"
+
+
 def test_committed_stacks_equal_a_fresh_render():
-    for inv, stack in (("local-cpu", "cpu"), ("a100x3", "gpu")):
+    for inv, stack in COMMITTED_STACKS:
         assert main(["render", "-i", str(REPO / "inventory" / inv),
                      "-o", str(REPO / "compose" / stack), "--check"]) == 0, (
             f"compose/{stack} is stale: pdstack render -i inventory/{inv} -o compose/{stack}")
+
+
+def test_compose_gpu_is_the_measured_default_one_gpu_stack():
+    """compose/gpu: one colocated engine on vLLM's native CPU tier, the proxy's KV admission,
+    no LMCache (results/h200x1-tiers' default), not the runbook's 1P2D shared-L1 stack."""
+    services = yaml.safe_load((REPO / "compose" / "gpu" / "compose.yaml").read_text())["services"]
+    running = {n for n, s in services.items() if "profiles" not in s}
+    assert running == {"engine-0", "proxy"}
+    cmd = services["engine-0"]["command"]
+    kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector"] == "OffloadingConnector"
+    proxy = services["proxy"]["command"]
+    assert proxy[proxy.index("--admission") + 1] == "kv"
+
+
+def test_one_gpu_keeps_the_topology_measured_as_the_default():
+    """inventory/one-gpu (compose/gpu) is inventory/h200x1's measured shape with a real model:
+    the same services, KV connector (tier size included) and proxy flags."""
+    def shape(name: str) -> list[tuple]:
+        plan = plan_of(name)
+        (node,) = plan.nodes
+        out = []
+        for s in plan.nodes[node].services:
+            cmd = s.command
+            proxy_flags = [a for i, a in enumerate(cmd) if a.startswith("--admission")
+                           or (i and cmd[i - 1].startswith("--admission"))]
+            out.append((s.kind, s.role, json.dumps(s.kv_transfer_config, sort_keys=True),
+                        proxy_flags))
+        return out
+
+    assert shape("one-gpu") == shape("h200x1")
 
 
 def test_a100x3_is_one_lmcache_one_prefiller_two_decoders_one_proxy():

@@ -15,18 +15,31 @@ import pytest
 import yaml
 
 from pdstack import sidecars
+from pdstack.plan import make_plan
+from pdstack.render import render_all
 from pdstack.testing.fake_engine import FakeEngine, Faults
 from pdstack.testing.ports import free_port as _free_port
+from pdstack.topology import load_topology
 
 REPO = Path(__file__).resolve().parents[2]
 SECRETS = "/etc/pdstack/secrets.env"
 
 
-def _services(stack: str) -> dict[str, dict]:
-    return yaml.safe_load((REPO / "compose" / stack / "compose.yaml").read_text())["services"]
+# a CPU and a GPU stack that run an LMCache server (compose/gpu, the measured default, runs none)
+STACKS = ["local-cpu", "a100x3"]
 
 
-@pytest.mark.parametrize("stack", ["cpu", "gpu"])
+def _rendered(inventory: str) -> dict[str, str]:
+    topo = load_topology(REPO / "inventory" / inventory)
+    (files,) = render_all(topo, make_plan(topo)).values()
+    return files
+
+
+def _services(inventory: str) -> dict[str, dict]:
+    return yaml.safe_load(_rendered(inventory)["compose.yaml"])["services"]
+
+
+@pytest.mark.parametrize("stack", STACKS)
 def test_engines_and_lmcache_restart_and_only_engines_and_proxy_get_secrets(stack: str) -> None:
     services = _services(stack)
     engines = [n for n in services if n.startswith(("prefill-", "decode-", "engine-"))]
@@ -42,7 +55,7 @@ def test_engines_and_lmcache_restart_and_only_engines_and_proxy_get_secrets(stac
         assert test[:3] == ["CMD", "python3", "-c"] and test[3] == sidecars.ENGINE_WATCHDOG
 
 
-@pytest.mark.parametrize("stack", ["cpu", "gpu"])
+@pytest.mark.parametrize("stack", STACKS)
 def test_lmcache_api_on_loopback_and_its_metrics_gate_on_the_private_address(stack: str) -> None:
     services = _services(stack)
     cmd = services["lmcache"]["command"]
@@ -54,9 +67,7 @@ def test_lmcache_api_on_loopback_and_its_metrics_gate_on_the_private_address(sta
     host, port, upstream = gate[3:]
     assert host == zmq_host  # the node's private address: Prometheus scrapes it
     assert port != api_port and upstream == f"http://127.0.0.1:{api_port}"
-    prom = REPO / "compose" / stack / "monitoring" / "prometheus.yml"
-    if prom.is_file():
-        assert f"{host}:{port}" in prom.read_text()
+    assert f"{host}:{port}" in _rendered(stack)["monitoring/prometheus.yml"]
 
 
 async def _run(*args: str) -> tuple[int, str]:
