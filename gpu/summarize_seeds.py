@@ -97,5 +97,28 @@ def main(root: Path) -> None:
               f"{' | '.join(cells)} | {failed} |")
 
 
+def fault(root: Path) -> None:
+    """nixl-2p2d-fault.json: the prefiller killed under load (run 2), from its bench JSONs and
+    the launcher's lines."""
+    during = json.loads((root / "run2/nixl-2p2d-fault-bench.json").read_text())["results"][0]
+    after = json.loads((root / "run2/nixl-2p2d-after-bench.json").read_text())["results"][0]
+    text = (root / "run2/nixl-2p2d-fault-restart.txt").read_text()
+    back_s = float(text.split("healthy again ")[1].split(" s")[0])
+    served_after = [float(line.rsplit(" ", 1)[1]) for line in text.split("--")[1].splitlines()
+                    if 'finished_reason="length"' in line]
+    out = {
+        "inventory": "inventory/h200x1-seed-nixl-2p2d", "killed": "prefill-0 (SIGKILL, +12 s)",
+        "during": {k: during[k] for k in ("request_rate", "completed", "failed", "errors",
+                                           "p50_ttft_ms", "p99_ttft_ms", "max_ttft_ms")},
+        "healthy_again_s": back_s,
+        "after": {k: after[k] for k in ("request_rate", "completed", "failed", "p99_ttft_ms")},
+        "killed_prefiller_requests_after_restart": served_after[0] if served_after else None,
+        "sources": ["run2/nixl-2p2d-fault-bench.json", "run2/nixl-2p2d-after-bench.json",
+                    "run2/nixl-2p2d-fault-restart.txt"],
+    }
+    (root / "nixl-2p2d-fault.json").write_text(json.dumps(out, indent=1) + "\n")
+
+
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    fault(Path(sys.argv[1]))
