@@ -103,6 +103,22 @@ class ProxyMetrics:
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self._add_latency(r)
+        self._add_routing(r)
+        self._add_faults(r)
+        r.register(_BackendCollector(backends, in_flight))
+        # pre-bound children: label lookups off the hot path
+        self.outcome = {o: self.requests.labels(o) for o in OUTCOMES}
+        self.ttft_route = {k: self.ttft.labels(k) for k in ROUTES}
+        self.leg_prefill = self.leg.labels("prefill")
+        self.leg_decode_first = self.leg.labels("decode_first_byte")
+        self.leg_decode = self.leg.labels("decode")
+        self._pair_children: dict[tuple[str, str, str, str], Any] = {}
+        self._lookups = 0
+        self._hits = 0
+
+    def _add_latency(self, r: CollectorRegistry) -> None:
+        """Time to first byte and per-leg latency."""
         self.ttft = Histogram(
             "pdstack_proxy_ttft_seconds",
             "proxy-observed time to first byte",
@@ -117,6 +133,9 @@ class ProxyMetrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
+
+    def _add_routing(self, r: CollectorRegistry) -> None:
+        """Requests by outcome, skip-prefill, the prefix index."""
         self.requests = Counter(
             "pdstack_proxy_requests", "client requests by outcome", ["outcome"], registry=r
         )
@@ -132,6 +151,10 @@ class ProxyMetrics:
         self.index_hit_ratio = Gauge(
             "pdstack_proxy_prefix_index_hit_ratio", "prefix index hits / lookups", registry=r
         )
+
+    def _add_faults(self, r: CollectorRegistry) -> None:
+        """Retries, ejections, wedged backends, decode fallbacks, pairs, lmcache-pd
+        notifications, admission rejections (registered in this order after the others)."""
         self.retries = Counter("pdstack_proxy_retries", "retried legs", ["leg"], registry=r)
         self.ejections = Counter(
             "pdstack_proxy_ejections", "backends ejected", ["backend"], registry=r
@@ -171,16 +194,6 @@ class ProxyMetrics:
             ["reason"],
             registry=r,
         )
-        r.register(_BackendCollector(backends, in_flight))
-        # pre-bound children: label lookups off the hot path
-        self.outcome = {o: self.requests.labels(o) for o in OUTCOMES}
-        self.ttft_route = {k: self.ttft.labels(k) for k in ROUTES}
-        self.leg_prefill = self.leg.labels("prefill")
-        self.leg_decode_first = self.leg.labels("decode_first_byte")
-        self.leg_decode = self.leg.labels("decode")
-        self._pair_children: dict[tuple[str, str, str, str], Any] = {}
-        self._lookups = 0
-        self._hits = 0
 
     def pair(self, prefill: BackendState, decode: BackendState) -> Any:
         key = (prefill.name, decode.name, prefill.generation, decode.generation)
