@@ -1,10 +1,14 @@
-"""Test support: waiting for a server that a test (or a benchmark) started to answer."""
+"""Test support: waiting for a server that a test (or a benchmark) started to answer, and
+posting JSON to it."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
+import urllib.error
 import urllib.request
+from typing import Any
 
 
 def wait_http(url: str, timeout: float = 20.0,
@@ -24,3 +28,14 @@ def wait_http(url: str, timeout: float = 20.0,
         if time.monotonic() > deadline:
             raise TimeoutError(f"{url} not ready after {timeout} s")
         time.sleep(0.1)
+
+
+def post_json(url: str, body: dict[str, Any], timeout: float = 20.0) -> tuple[int, Any]:
+    """POST ``body`` as JSON: (status, the JSON answer), error answers included."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
