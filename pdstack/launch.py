@@ -52,7 +52,8 @@ from urllib.parse import urlparse
 from pdstack import sidecars
 from pdstack.argtypes import seconds
 from pdstack.commands import load_or_exit
-from pdstack.plan import SECRETS_ENV_FILE, NodePlan, Plan, Service, make_plan
+from pdstack.plan import NodePlan, Plan, Service, make_plan
+from pdstack.secrets import NODE_SECRETS_FILE as SECRETS_ENV_FILE
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
 BACKENDS_IN_COMPOSE = "/etc/pdstack/backends.json"

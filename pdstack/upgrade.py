@@ -59,7 +59,7 @@ except ImportError:  # standalone on a node: the engine_upgrade role puts both f
 
 ADMIN_TOKEN_ENV = "PDSTACK_ADMIN_TOKEN"
 ENGINE_KEY_ENV = "VLLM_API_KEY"
-# the node's secrets file (pdstack.plan.SECRETS_ENV_FILE; not imported: the engine_upgrade
+# the node's secrets file (pdstack.secrets.NODE_SECRETS_FILE; not imported: the engine_upgrade
 # role runs this file on the node without the planner's dependencies)
 SECRETS_ENV_FILE = "/etc/pdstack/secrets.env"
 STANDIN_TAG = "-standin-"

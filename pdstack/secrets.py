@@ -1,0 +1,65 @@
+"""Which secret each service reads: the one home of that fact (issue 38).
+
+The operator keeps every secret of a node in one file, :data:`NODE_SECRETS_FILE` (mode
+0600, ``KEY=value`` lines; Ansible sets ``stack_secrets`` there). No service reads it.
+Each service kind reads its own file, :func:`service_file` (``/etc/pdstack/secrets/<kind>.env``,
+0600), which holds only the names :data:`SERVICE_SECRETS` gives that kind, copied line by line
+from the node's file (Ansible's stack role, :func:`split_lines`; ``pdstack launch`` does the
+same in memory with :func:`for_kind`). So an engine's environment never holds the admin token
+or the client keys, the proxy's never the model token, and the LMCache server, its metrics
+gate, Prometheus and the engine watchdog hold none.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+NODE_SECRETS_FILE = "/etc/pdstack/secrets.env"
+SERVICE_SECRETS_DIR = "/etc/pdstack/secrets"
+
+HF_TOKEN_ENV = "HF_TOKEN"  # gated Hugging Face models (vLLM / huggingface_hub read it)
+ENGINE_API_KEY_ENV = "VLLM_API_KEY"  # vLLM refuses requests without it; the proxy sends it
+LEGACY_ENGINE_API_KEY_ENV = "PDSTACK_ENGINE_API_KEY"  # the proxy's older name for it
+ADMIN_TOKEN_ENV = "PDSTACK_ADMIN_TOKEN"  # the proxy's admin API
+API_KEYS_ENV = "PDSTACK_API_KEYS"  # client keys (tenant "default")
+TENANT_KEYS_ENV = "PDSTACK_TENANT_KEYS"  # named client keys, TENANT:KEY,...
+GRAFANA_PASSWORD_ENV = "GF_SECURITY_ADMIN_PASSWORD"
+
+# service kind -> the secrets it reads; a kind not here reads none (and gets no file)
+SERVICE_SECRETS: dict[str, tuple[str, ...]] = {
+    "engine": (HF_TOKEN_ENV, ENGINE_API_KEY_ENV),
+    "proxy": (ADMIN_TOKEN_ENV, API_KEYS_ENV, TENANT_KEYS_ENV, ENGINE_API_KEY_ENV,
+              LEGACY_ENGINE_API_KEY_ENV),
+    "grafana": (GRAFANA_PASSWORD_ENV,),
+}
+ALL_SECRETS: tuple[str, ...] = tuple(dict.fromkeys(
+    name for names in SERVICE_SECRETS.values() for name in names))
+
+
+def names_for(kind: str) -> tuple[str, ...]:
+    """The secrets a service of ``kind`` reads (``()``: none)."""
+    return SERVICE_SECRETS.get(kind, ())
+
+
+def service_file(kind: str) -> str | None:
+    """The env file a service of ``kind`` reads its secrets from (None: it reads none)."""
+    return f"{SERVICE_SECRETS_DIR}/{kind}.env" if names_for(kind) else None
+
+
+def for_kind(kind: str, secrets: Mapping[str, str]) -> dict[str, str]:
+    """The part of ``secrets`` (the node's, parsed) a service of ``kind`` is given."""
+    wanted = names_for(kind)
+    return {k: v for k, v in secrets.items() if k in wanted}
+
+
+_KEY = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)\s*=")
+
+
+def split_lines(text: str, kind: str) -> str:
+    """The lines of a node secrets file (``text``) that a service of ``kind`` reads, verbatim
+    (quoting as the operator wrote it, which Compose's env_file then reads the same way)."""
+    wanted = names_for(kind)
+    out = [line for line in text.splitlines()
+           if (m := _KEY.match(line)) and m.group(1) in wanted]
+    return "".join(f"{line}\n" for line in out)
