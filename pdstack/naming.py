@@ -2,7 +2,7 @@
 service, an engine's generation, and the order a rolling upgrade takes a node's engines.
 
 Stdlib only (like :mod:`pdstack.kvmodes`): the engine_upgrade role runs
-``pdstack/upgrade.py`` on a node with this file beside it, without the planner's
+the ``pdstack.upgrade`` package on a node with this file beside it, without the planner's
 dependencies. The planner (``generation``), the renderer (``env_prefix``) and the upgrade
 (all three) read it; nothing else derives these."""
 

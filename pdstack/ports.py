@@ -1,17 +1,13 @@
 """Ports and engine names: the one place a node's ports are numbered and its engines
 named (from the topology alone, so validation can check collisions before planning).
 
-Imports :mod:`pdstack.topology` for types only: the topology's checks import this module,
-the planner reads it, and neither imports the other for it."""
+Its types come from :mod:`pdstack.specs`: the topology's checks import this module, the
+planner reads it, and this module imports neither."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pdstack import kvmodes
-
-if TYPE_CHECKING:
-    from pdstack.topology import DeploymentSpec, EngineSpec, NodeSpec, Topology
+from pdstack.specs import DeploymentSpec, EngineSpec, NodeSpec, Topology
 
 ROLE_SHORT = {"prefill": "prefill", "decode": "decode", "colocated": "engine"}
 

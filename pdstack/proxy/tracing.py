@@ -26,10 +26,9 @@ import os
 import time
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from pdstack.proxy.app import RequestContext
     from pdstack.proxy.backends import BackendState
 
 _tracer: Any = None
@@ -37,6 +36,19 @@ _propagator: Any = None
 _provider: Any = None
 _NULL = contextlib.nullcontext()
 ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+
+
+class TracedRequest(Protocol):
+    """What tracing reads and writes of a request: the fields of the proxy's
+    ``pdstack.proxy.legs.RequestContext`` it uses (a protocol, so that this module, which
+    the request's code imports, imports none of it)."""
+
+    request_id: str
+    path: str
+    route: str
+    outcome: str
+    upstream_headers: dict[str, str]
+    trace: Any  # the RequestTrace while traced, else None
 
 
 class TracingUnavailable(RuntimeError):
@@ -101,7 +113,7 @@ class RequestTrace:
     kv_waited: bool = False
 
 
-def _backend_attrs(ctx: RequestContext, backend: BackendState) -> dict[str, str]:
+def _backend_attrs(ctx: TracedRequest, backend: BackendState) -> dict[str, str]:
     return {
         "pdstack.request_id": ctx.request_id,
         "pdstack.backend": backend.name,
@@ -120,7 +132,7 @@ def _fail(span: Any, exc: BaseException) -> None:
 
 
 @contextlib.contextmanager
-def _request(ctx: RequestContext, headers: Mapping[str, str], tenant: str) -> Iterator[None]:
+def _request(ctx: TracedRequest, headers: Mapping[str, str], tenant: str) -> Iterator[None]:
     from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
 
     parent = _propagator.extract(headers)
@@ -149,14 +161,14 @@ def _request(ctx: RequestContext, headers: Mapping[str, str], tenant: str) -> It
 
 
 def request(
-    ctx: RequestContext, headers: Mapping[str, str], tenant: str = ""
+    ctx: TracedRequest, headers: Mapping[str, str], tenant: str = ""
 ) -> contextlib.AbstractContextManager:
     """The request's root span (a ``traceparent`` from the client becomes its parent),
     tagged ``pdstack.tenant`` when tenants are configured."""
     return _NULL if _tracer is None else _request(ctx, headers, tenant)
 
 
-def _routing(t: RequestTrace, ctx: RequestContext, backend: BackendState) -> None:
+def _routing(t: RequestTrace, ctx: TracedRequest, backend: BackendState) -> None:
     if t.routed:
         return
     t.routed = True
@@ -169,7 +181,7 @@ def _routing(t: RequestTrace, ctx: RequestContext, backend: BackendState) -> Non
 
 
 @contextlib.contextmanager
-def _leg(ctx: RequestContext, backend: BackendState) -> Iterator[None]:
+def _leg(ctx: TracedRequest, backend: BackendState) -> Iterator[None]:
     from opentelemetry.trace import SpanKind, set_span_in_context
 
     t: RequestTrace = ctx.trace
@@ -192,13 +204,13 @@ def _leg(ctx: RequestContext, backend: BackendState) -> Iterator[None]:
         span.end()
 
 
-def leg(ctx: RequestContext, backend: BackendState) -> contextlib.AbstractContextManager:
+def leg(ctx: TracedRequest, backend: BackendState) -> contextlib.AbstractContextManager:
     """One try of a leg on ``backend`` (its ``traceparent`` goes upstream)."""
     return _NULL if ctx.trace is None else _leg(ctx, backend)
 
 
 @contextlib.contextmanager
-def _kv_wait(ctx: RequestContext) -> Iterator[None]:
+def _kv_wait(ctx: TracedRequest) -> Iterator[None]:
     t: RequestTrace = ctx.trace
     t.kv_waited = True
     span = _tracer.start_span(
@@ -211,12 +223,12 @@ def _kv_wait(ctx: RequestContext) -> Iterator[None]:
         span.end()
 
 
-def kv_wait(ctx: RequestContext) -> contextlib.AbstractContextManager:
+def kv_wait(ctx: TracedRequest) -> contextlib.AbstractContextManager:
     """lmcache-pd: the wait for the prefiller's ProxyNotif."""
     return _NULL if ctx.trace is None else _kv_wait(ctx)
 
 
-def first_byte(ctx: RequestContext) -> None:
+def first_byte(ctx: TracedRequest) -> None:
     """The final leg's first byte: in the P/D route without a ProxyNotif wait, the span
     from the decode leg's start to here is the KV wait."""
     t: RequestTrace | None = ctx.trace

@@ -251,6 +251,8 @@ for port in ports:
             out['%d%s' % (port, path)] = u.urlopen(req, timeout=5).status
         except u.HTTPError as exc:
             out['%d%s' % (port, path)] = exc.code
+        except u.URLError as exc:
+            out['%d%s' % (port, path)] = type(exc.reason).__name__
         except OSError as exc:
             out['%d%s' % (port, path)] = type(exc).__name__
 try:

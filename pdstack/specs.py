@@ -1,0 +1,193 @@
+"""The topology's types: what an inventory says, as frozen pydantic models, and the
+problems found in it.  Read by :mod:`pdstack.topology` (which loads and checks them) and by
+:mod:`pdstack.ports` (which numbers a node's ports from them); both import this module
+and neither the other for its types."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pdstack import kvmodes
+
+KvMode = Literal[
+    "colocated", "colocated+l1", "lmcache-pd", "nixl", "nixl+l1", "shared-l1", "shared-l1+nixl"
+]
+KvTier = Literal["none", "native", "lmcache"]
+Role = Literal["prefill", "decode", "colocated"]
+Profile = Literal["gpu", "cpu"]
+NODE_GROUP = "pdstack_nodes"
+
+
+@dataclass(frozen=True)
+class Problem:
+    file: str
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.field}: {self.message}"
+
+
+class TopologyError(Exception):
+    """One or more problems in an inventory; ``str()`` lists one per line."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("\n".join(str(p) for p in problems))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    """What every engine serves."""
+
+    name: str = Field(description="local path (in the engine container) or Hugging Face id")
+    revision: str = "main"
+    served_name: str
+    dtype: str = "auto"
+    quantization: str | None = None
+    max_model_len: int = Field(gt=0)
+    load_format: str = "auto"
+    skip_tokenizer_init: bool = False
+    trust_remote_code: bool = False
+    kv_bytes_per_token: int | None = Field(
+        default=None, gt=0, description="KV size of one token (all layers); sizes receive buffers"
+    )
+    extra_args: list[str] = Field(default_factory=list)
+
+
+class EngineSpec(_Strict):
+    role: Role
+    gpus: list[int] = Field(default_factory=list)
+    cpu_threads_bind: str = "nobind"
+    kv_cache_bytes: int | None = Field(default=None, gt=0)
+    # several engines on one GPU (measurement rigs with one GPU): each must fix its KV size
+    share_gpu: bool = False
+    # this engine's native KV tier in GiB of host RAM (overrides pdstack_kv_tier_size_gb)
+    kv_tier_size_gb: float | None = Field(default=None, gt=0)
+    extra_args: list[str] = Field(default_factory=list)
+
+
+class SshSpec(_Strict):
+    host: str
+    user: str = "root"
+    port: int = 22
+    key_file: str | None = None
+    common_args: str | None = None
+    connection: Literal["ssh", "paramiko", "local"] = "ssh"  # ansible_connection
+    python: str | None = None  # ansible_python_interpreter (a path; "auto*" = find one)
+
+
+class NodeSpec(_Strict):
+    name: str
+    private_address: str
+    gpu_count: int = Field(ge=0)
+    gpu_model: str | None = None
+    mtu: int = Field(default=1500, ge=576, le=9216)
+    rdma: bool = False
+    proxy: bool = False
+    host_memory_gb: int | None = Field(default=None, gt=0)
+    engines: list[EngineSpec] = Field(default_factory=list)
+    ssh: SshSpec
+
+
+class PortSpec(_Strict):
+    proxy: int = Field(default=8000, ge=1, le=65535)
+    proxy_metrics_path: str = "/metrics"
+    engine_http_base: int = Field(default=8100, ge=1, le=65535)
+    nixl_side_channel_base: int = Field(default=5600, ge=1, le=65535)
+    lmcache_zmq: int = Field(default=6000, ge=1, le=65535)
+    lmcache_http: int = Field(default=6001, ge=1, le=65535)
+    lmcache_pd_base: int = Field(default=7300, ge=1, le=65535)
+
+
+class LmcacheSpec(_Strict):
+    image: str | None = None
+    l1_size_gb: int = Field(default=20, gt=0)
+    chunk_size: int = Field(default=256, gt=0)
+    eviction_policy: str = "LRU"
+    pd_buffer_size_gb: float = Field(default=4.0, gt=0, description="lmcache-pd receive buffer")
+
+
+class ObservabilitySpec(_Strict):
+    """``pdstack_observability``: the monitoring stack (Compose profile ``monitoring`` on the
+    proxy's node, started by Ansible when ``pdstack_monitoring: true``) and tracing."""
+
+    prometheus_port: int = Field(default=9090, ge=1, le=65535)
+    grafana_port: int = Field(default=3000, ge=1, le=65535)
+    prometheus_image: str = "prom/prometheus:v2.42.0"
+    grafana_image: str = "grafana/grafana-oss:11.6.0"
+    scrape_interval_s: int = Field(default=15, ge=1, le=300)
+    retention: str = Field(default="15d", pattern=r"^[0-9]+[smhdwy]$")
+    ttft_p50_slo_ms: float = Field(default=2000.0, gt=0)
+    ttft_p99_slo_ms: float = Field(default=3500.0, gt=0)
+    # OTLP/HTTP traces endpoint (http://collector:4318/v1/traces); None = no tracing. The
+    # proxy exports its spans there and every engine gets ``--otlp-traces-endpoint``.
+    otlp_traces_endpoint: str | None = Field(default=None, pattern=r"^https?://[^\s/]+(/\S*)?$")
+
+
+class DeploymentSpec(_Strict):
+    name: str
+    profile: Profile = "gpu"
+    kv_mode: KvMode
+    model: ModelSpec
+    engine_image: str
+    proxy_image: str = "pdstack/proxy:dev"
+    tensor_parallel: dict[Role, int] = Field(default_factory=dict)
+    ports: PortSpec = PortSpec()
+    lmcache: LmcacheSpec = LmcacheSpec()
+    skip_prefill_threshold_tokens: int = Field(default=0, ge=0)
+    proxy_bind_address: str | None = None
+    shm_size: str = "16g"
+    # the proxy's KV-aware admission (pdstack.proxy.admission); unset: ``kv`` on GPUs, where
+    # it kept every measured mode off the preemption / eager-step cliff (results/h200x1),
+    # ``off`` on CPU
+    proxy_admission: Literal["off", "kv"] | None = None
+    # where engines keep reusable KV in host RAM (kvmodes.resolve_tier); unset: the measured
+    # default of the mode and profile. kv_tier_size_gb: each native-tier engine's GiB (unset:
+    # TIER_HOST_FRACTION of its node's pdstack_host_memory_gb, split over the node's engines)
+    kv_tier: KvTier | None = None
+    kv_tier_size_gb: float | None = Field(default=None, gt=0)
+    monitoring: bool = False
+    observability: ObservabilitySpec = ObservabilitySpec()
+
+    @property
+    def admission(self) -> Literal["off", "kv"]:
+        """``pdstack_proxy_admission``, or its profile's default when unset."""
+        if self.proxy_admission is not None:
+            return self.proxy_admission
+        return "kv" if self.profile == "gpu" else "off"
+
+    @property
+    def tier(self) -> str:
+        """The KV tier: ``pdstack_kv_tier`` checked against the mode, or its default
+        (a validated topology never raises here)."""
+        return kvmodes.resolve_tier(kvmodes.get(self.kv_mode), self.kv_tier, self.profile)
+
+
+class TenantSpec(_Strict):
+    """``pdstack_tenants.<name>``: one tenant's share and limits at the proxy
+    (:mod:`pdstack.proxy.tenants`); a limit left out is no limit. Its keys are in the
+    node's secrets file (``PDSTACK_TENANT_KEYS``), never here."""
+
+    weight: float = Field(default=1.0, gt=0, strict=True)
+    priority: Literal["interactive", "batch"] = "interactive"
+    max_concurrency: int | None = Field(default=None, gt=0, strict=True)
+    max_queued: int | None = Field(default=None, gt=0, strict=True)
+    rpm: int | None = Field(default=None, gt=0, strict=True)
+    tpm: int | None = Field(default=None, gt=0, strict=True)
+
+
+class Topology(_Strict):
+    source: str
+    deployment: DeploymentSpec
+    nodes: list[NodeSpec]
+    tenants: dict[str, TenantSpec] = Field(default_factory=dict)  # pdstack_tenants
+
+    def node(self, name: str) -> NodeSpec:
+        return next(n for n in self.nodes if n.name == name)
