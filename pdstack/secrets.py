@@ -3,17 +3,25 @@
 The operator keeps every secret of a node in one file, :data:`NODE_SECRETS_FILE` (mode
 0600, ``KEY=value`` lines; Ansible sets ``stack_secrets`` there). No service reads it.
 Each service kind reads its own file, :func:`service_file` (``/etc/pdstack/secrets/<kind>.env``,
-0600), which holds only the names :data:`SERVICE_SECRETS` gives that kind, copied line by line
-from the node's file (Ansible's stack role, :func:`split_lines`; ``pdstack launch`` does the
-same in memory with :func:`for_kind`). So an engine's environment never holds the admin token
-or the client keys, the proxy's never the model token, and the LMCache server, its metrics
-gate, Prometheus and the engine watchdog hold none.
+0600), which holds only the names :data:`SERVICE_SECRETS` gives that kind, copied line by
+line from the node's file: by Ansible's stack role (its template selects lines by the same
+rule as :func:`split_lines`, the names from the plan's ``NodePlan.secret_files``), by
+``pdstack secrets split`` where there is no Ansible (``./quickstart`` runs it), and in memory
+by ``pdstack launch`` (:func:`for_kind`). So an engine's environment never holds the admin
+token or the client keys, the proxy's never the model token, and the LMCache server, its
+metrics gate and Prometheus hold none. (The engine watchdog runs in the engine's container
+and uses its ``VLLM_API_KEY``.)
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import re
+import sys
 from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
 NODE_SECRETS_FILE = "/etc/pdstack/secrets.env"
 SERVICE_SECRETS_DIR = "/etc/pdstack/secrets"
@@ -63,3 +71,51 @@ def split_lines(text: str, kind: str) -> str:
     out = [line for line in text.splitlines()
            if (m := _KEY.match(line)) and m.group(1) in wanted]
     return "".join(f"{line}\n" for line in out)
+
+
+def split_file(node_file: Path, out_dir: Path) -> list[tuple[Path, list[str]]]:
+    """Write each service kind's own file into ``out_dir`` (folder 0700, files 0600, each
+    replaced whole) from the node's secrets file; returns (file, the names set in it). The
+    stack role does the same on a node with Ansible; this is for a stack without it
+    (``./quickstart``, a hand-run ``docker compose up``)."""
+    text = node_file.read_text()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.chmod(0o700)
+    written = []
+    for kind in SERVICE_SECRETS:
+        target = out_dir / f"{kind}.env"
+        lines = split_lines(text, kind)
+        tmp = target.with_name(f".{target.name}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(lines)
+        os.replace(tmp, target)
+        names = [m.group(1) for line in lines.splitlines() if (m := _KEY.match(line))]
+        written.append((target, names))
+    return written
+
+
+def register(subparsers: Any, name: str, help_text: str) -> None:
+    p = subparsers.add_parser(name, help=help_text, description=__doc__.splitlines()[0])
+    p.add_argument("action", choices=["split"],
+                   help="split: write each service's own secrets file from the node's")
+    p.add_argument("--node-file", type=Path, default=Path(NODE_SECRETS_FILE),
+                   help="the node's secrets file (default %(default)s)")
+    p.add_argument("--dir", type=Path, default=Path(SERVICE_SECRETS_DIR),
+                   help="where the services' files go (default %(default)s)")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    if not args.node_file.is_file():
+        print(f"{args.node_file}: no such file; no secrets to split (the services run "
+              "without any)")
+        return 0
+    try:
+        written = split_file(args.node_file, args.dir)
+    except OSError as exc:
+        print(f"pdstack secrets split: {exc}", file=sys.stderr)
+        return 1
+    for path, names in written:  # names only, never a value
+        print(f"{path}: {', '.join(names) or '(none set)'}")
+    return 0

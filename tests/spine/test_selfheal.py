@@ -65,6 +65,35 @@ def test_each_kind_gets_only_the_secrets_it_reads() -> None:
     assert secrets.for_kind("lmcache", parsed) == {}
 
 
+def test_secrets_split_writes_each_kinds_file_private(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pdstack.cli import main
+
+    node = tmp_path / "secrets.env"
+    node.write_text("HF_TOKEN=hf-1\nPDSTACK_API_KEYS=k1,k2\nVLLM_API_KEY=e\nX=1\n")
+    out = tmp_path / "d" / "secrets"
+    (out.parent).mkdir()
+    assert main(["secrets", "split", "--node-file", str(node), "--dir", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["engine.env", "grafana.env", "proxy.env"]
+    assert oct(out.stat().st_mode & 0o777) == "0o700"
+    for p in out.iterdir():
+        assert oct(p.stat().st_mode & 0o777) == "0o600", p
+    assert (out / "engine.env").read_text() == "HF_TOKEN=hf-1\nVLLM_API_KEY=e\n"
+    assert (out / "proxy.env").read_text() == "PDSTACK_API_KEYS=k1,k2\nVLLM_API_KEY=e\n"
+    assert (out / "grafana.env").read_text() == ""
+    printed = capsys.readouterr().out
+    assert "hf-1" not in printed and "k1" not in printed and "engine.env: HF_TOKEN" in printed
+    # a secret removed from the node's file goes from the service's file too
+    node.write_text("VLLM_API_KEY=e\n")
+    assert main(["secrets", "split", "--node-file", str(node), "--dir", str(out)]) == 0
+    assert (out / "engine.env").read_text() == "VLLM_API_KEY=e\n"
+    # no node file: nothing to do, nothing written
+    assert main(["secrets", "split", "--node-file", str(tmp_path / "none"),
+                 "--dir", str(tmp_path / "none.d")]) == 0
+    assert not (tmp_path / "none.d").exists()
+
+
 @pytest.mark.parametrize("stack", ["cpu", "gpu"])
 def test_lmcache_api_on_a_socket_only_its_metrics_gate_shares(stack: str) -> None:
     services = _services(stack)
