@@ -5,15 +5,9 @@
 # is never started (policy-rc.d): the test starts its own Prometheus on 127.0.0.1.
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
-if ! dpkg-query -W -f='${Status}' prometheus 2>/dev/null | grep -q "install ok installed"; then
-  echo "[install-prometheus] apt-get install prometheus"
-  policy=/usr/sbin/policy-rc.d; had_policy=0
-  [ -e "$policy" ] && had_policy=1
-  [ $had_policy = 1 ] || { printf '#!/bin/sh\nexit 101\n' > "$policy"; chmod +x "$policy"; }
-  trap '[ $had_policy = 1 ] || rm -f "$policy"' EXIT
-  flock "${CI_APT_LOCK:-/var/tmp/ci-apt.lock}" apt-get -o DPkg::Lock::Timeout=600 -o Acquire::Retries=3 -q update
-  flock "${CI_APT_LOCK:-/var/tmp/ci-apt.lock}" apt-get -o DPkg::Lock::Timeout=600 -o Acquire::Retries=3 -q install -y --no-install-recommends prometheus
-fi
+# shellcheck source=.ci/apt.sh
+source "$(dirname "$0")/apt.sh"
+apt_install_missing install-prometheus prometheus
 for t in prometheus promtool; do
   command -v "$t" >/dev/null || { echo "[install-prometheus] $t still missing" >&2; exit 1; }
 done

@@ -44,7 +44,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +55,7 @@ from pdstack.bench.client import BenchClient  # noqa: E402
 from pdstack.bench.runner import quiet_gc, run_closed_loop  # noqa: E402
 from pdstack.bench.stats import summarize  # noqa: E402
 from pdstack.bench.workload import Distribution, Workload, WorkloadConfig  # noqa: E402
+from pdstack.testing.http import wait_http  # noqa: E402
 
 TARGET_P50_MS = 1.0
 TARGET_P99_MS = 5.0
@@ -66,22 +66,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process for {url} exited with {proc.returncode}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} not ready after {timeout} s")
-        time.sleep(0.1)
 
 
 def process_tree(pid: int) -> list[int]:

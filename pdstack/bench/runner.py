@@ -347,20 +347,7 @@ async def run_sweep(
 ) -> dict[str, Any]:
     """The whole benchmark: one entry per asked rate, in the JSON document's shape."""
     model = cfg.model or await first_model(cfg.target)
-    doc: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION,
-        "tool": "pdstack bench",
-        "label": cfg.label,
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "target": cfg.target,
-        "model_id": model,
-        "backend": "openai-chat" if cfg.endpoint == "chat" and not cfg.workload.token_ids
-        else "openai",
-        "config": cfg.to_json(),
-        "slo": {"ttft_p50_ms": cfg.slo_ttft_p50_ms, "ttft_p99_ms": cfg.slo_ttft_p99_ms},
-        "load_before": machine_load(),
-        "results": [],
-    }
+    doc = _sweep_doc(cfg, model)
     workload = Workload(cfg.workload)
     client = BenchClient(
         cfg.target,
@@ -378,55 +365,83 @@ async def run_sweep(
             for i, rate in enumerate(cfg.rates):
                 if i and cfg.cooldown > 0:
                     await asyncio.sleep(cfg.cooldown)
-                scrapes: dict[str, Any] = {}
-                sampler = promscrape.GaugeSampler(cfg.metrics_urls, cfg.gauge_interval)
-
-                async def scrape_before(
-                    box: dict[str, Any] = scrapes, sampler: promscrape.GaugeSampler = sampler
-                ) -> None:
-                    stop_at = time.perf_counter() + cfg.duration
-                    box["gauges"] = asyncio.create_task(sampler.run(stop_at))
-                    box["before"] = await promscrape.snapshot(cfg.metrics_urls)
-
-                hook = scrape_before if cfg.metrics_urls else None
-                if cfg.tenants:
-                    results, start, end, by_tenant = await _run_tenants(
-                        cfg, model, rate, progress, hook
-                    )
-                else:
-                    by_tenant = {}
-                    results, start, end = await run_open_loop(
-                        client,
-                        workload,
-                        rate,
-                        duration=cfg.duration,
-                        warmup=cfg.warmup,
-                        drain_timeout=cfg.drain_timeout,
-                        max_concurrency=cfg.max_concurrency,
-                        seed=cfg.workload.seed,
-                        progress=progress,
-                        on_window_start=hook,
-                    )
-                entry = summarize(
-                    results,
-                    window_start=start,
-                    window_end=end,
-                    asked_rate=rate,
-                    max_concurrency=cfg.max_concurrency,
-                    slo_ttft_p50_ms=cfg.slo_ttft_p50_ms,
-                    slo_ttft_p99_ms=cfg.slo_ttft_p99_ms,
-                )
-                if by_tenant:
-                    entry["tenants"] = by_tenant
-                if cfg.metrics_urls:
-                    await _add_prometheus(entry, cfg.metrics_urls, scrapes, sampler)
-                if cfg.gpu_hour_price is not None and cfg.gpus:
-                    entry["cost_per_1m_output_tokens"] = cost_per_million_output_tokens(
-                        entry["output_throughput"], cfg.gpu_hour_price, cfg.gpus
-                    )
-                entry["error_samples"] = sorted(
-                    {f"{r.error}: {r.error_detail}"[:200] for r in results if r.error}
-                )[:5]
+                entry = await _run_rate(cfg, client, workload, model, rate, progress)
                 doc["results"].append(entry)
     doc["load_after"] = machine_load()
     return doc
+
+
+def _sweep_doc(cfg: BenchConfig, model: str) -> dict[str, Any]:
+    """The JSON document's head, before any rate ran (``results`` empty)."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "tool": "pdstack bench",
+        "label": cfg.label,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "target": cfg.target,
+        "model_id": model,
+        "backend": "openai-chat" if cfg.endpoint == "chat" and not cfg.workload.token_ids
+        else "openai",
+        "config": cfg.to_json(),
+        "slo": {"ttft_p50_ms": cfg.slo_ttft_p50_ms, "ttft_p99_ms": cfg.slo_ttft_p99_ms},
+        "load_before": machine_load(),
+        "results": [],
+    }
+
+
+async def _run_rate(
+    cfg: BenchConfig, client: BenchClient, workload: Workload, model: str, rate: float,
+    progress: Progress,
+) -> dict[str, Any]:
+    """One asked rate: its open-loop run (per tenant, with tenants), summarized, with the
+    Prometheus deltas, cost and a few error samples."""
+    scrapes: dict[str, Any] = {}
+    sampler = promscrape.GaugeSampler(cfg.metrics_urls, cfg.gauge_interval)
+
+    async def scrape_before(
+        box: dict[str, Any] = scrapes, sampler: promscrape.GaugeSampler = sampler
+    ) -> None:
+        stop_at = time.perf_counter() + cfg.duration
+        box["gauges"] = asyncio.create_task(sampler.run(stop_at))
+        box["before"] = await promscrape.snapshot(cfg.metrics_urls)
+
+    hook = scrape_before if cfg.metrics_urls else None
+    if cfg.tenants:
+        results, start, end, by_tenant = await _run_tenants(
+            cfg, model, rate, progress, hook
+        )
+    else:
+        by_tenant = {}
+        results, start, end = await run_open_loop(
+            client,
+            workload,
+            rate,
+            duration=cfg.duration,
+            warmup=cfg.warmup,
+            drain_timeout=cfg.drain_timeout,
+            max_concurrency=cfg.max_concurrency,
+            seed=cfg.workload.seed,
+            progress=progress,
+            on_window_start=hook,
+        )
+    entry = summarize(
+        results,
+        window_start=start,
+        window_end=end,
+        asked_rate=rate,
+        max_concurrency=cfg.max_concurrency,
+        slo_ttft_p50_ms=cfg.slo_ttft_p50_ms,
+        slo_ttft_p99_ms=cfg.slo_ttft_p99_ms,
+    )
+    if by_tenant:
+        entry["tenants"] = by_tenant
+    if cfg.metrics_urls:
+        await _add_prometheus(entry, cfg.metrics_urls, scrapes, sampler)
+    if cfg.gpu_hour_price is not None and cfg.gpus:
+        entry["cost_per_1m_output_tokens"] = cost_per_million_output_tokens(
+            entry["output_throughput"], cfg.gpu_hour_price, cfg.gpus
+        )
+    entry["error_samples"] = sorted(
+        {f"{r.error}: {r.error_detail}"[:200] for r in results if r.error}
+    )[:5]
+    return entry

@@ -49,6 +49,17 @@ def _q(expr: str, legend: str) -> Query:
     return Query(expr, legend)
 
 
+def _rate(by: str, counter: str, legend: str) -> Query:
+    """The per-second rate of ``counter`` over 1 minute, summed by the labels ``by``."""
+    return _q(f"sum by ({by}) (rate({counter}[1m]))", legend)
+
+
+def _quantile(q: float, by: str, histogram: str, legend: str) -> Query:
+    """Quantile ``q`` of ``histogram`` over 5 minutes, per the labels ``by``."""
+    return _q(f"histogram_quantile({q:g}, sum by (le, {by}) (rate({histogram}_bucket[5m])))",
+              legend)
+
+
 def boards(d: DeploymentSpec, f: Features) -> list[Board]:
     return [_overview(d), _kv(d, f), _engines(d), _proxy(d, f)]
 
@@ -99,8 +110,8 @@ def _overview(d: DeploymentSpec) -> Board:
 def _kv(d: DeploymentSpec, f: Features) -> Board:
     kv_panels = [
         Panel("Prompt tokens by source, per engine", "short", [
-            _q("sum by (service, source) (rate(vllm:prompt_tokens_by_source_total[1m]))",
-               "{{service}} {{source}}"),
+            _rate("service, source", "vllm:prompt_tokens_by_source_total",
+                  "{{service}} {{source}}"),
         ], description="local_compute = computed here; local_cache_hit = GPU prefix cache; "
                        "external_kv_transfer = from LMCache / NIXL"),
         Panel("GPU prefix-cache hit ratio", "percentunit", [
@@ -115,12 +126,10 @@ def _kv(d: DeploymentSpec, f: Features) -> Board:
     if f.nixl:
         kv_panels += [
             Panel("NIXL transfers", "ops", [
-                _q("sum by (service) (rate(vllm:nixl_xfer_time_seconds_count[1m]))",
-                   "{{service}}"),
+                _rate("service", "vllm:nixl_xfer_time_seconds_count", "{{service}}"),
             ]),
             Panel("NIXL transfer time P99", "s", [
-                _q("histogram_quantile(0.99, sum by (le, service) "
-                   "(rate(vllm:nixl_xfer_time_seconds_bucket[5m])))", "{{service}}"),
+                _quantile(0.99, "service", "vllm:nixl_xfer_time_seconds", "{{service}}"),
             ]),
         ]
     if f.native_tier:
@@ -128,16 +137,12 @@ def _kv(d: DeploymentSpec, f: Features) -> Board:
             # the names vLLM 0.26 exports once the tier moved a block (results/h200x1-tiers
             # JSONs, "kv_offload"); stores = GPU -> CPU, loads = prefix hits from host RAM
             Panel("Native KV tier: bytes stored (GPU -> CPU) / loaded (CPU -> GPU)", "Bps", [
-                _q("sum by (service) (rate(vllm:kv_offload_store_bytes_total[1m]))",
-                   "{{service}} stored"),
-                _q("sum by (service) (rate(vllm:kv_offload_load_bytes_total[1m]))",
-                   "{{service}} loaded"),
+                _rate("service", "vllm:kv_offload_store_bytes_total", "{{service}} stored"),
+                _rate("service", "vllm:kv_offload_load_bytes_total", "{{service}} loaded"),
             ], description="vLLM's OffloadingConnector (pdstack_kv_tier: native)"),
             Panel("Native KV tier: copy time per second", "s", [
-                _q("sum by (service) (rate(vllm:kv_offload_store_time_total[1m]))",
-                   "{{service}} store"),
-                _q("sum by (service) (rate(vllm:kv_offload_load_time_total[1m]))",
-                   "{{service}} load"),
+                _rate("service", "vllm:kv_offload_store_time_total", "{{service}} store"),
+                _rate("service", "vllm:kv_offload_load_time_total", "{{service}} load"),
             ], description="seconds spent copying per second; near 1 = the copies are the "
                            "bottleneck"),
         ]
@@ -147,22 +152,17 @@ def _kv(d: DeploymentSpec, f: Features) -> Board:
                 _q("pdstack:lmcache_l1_usage_ratio", "{{node}}"),
             ]),
             Panel("LMCache lookups: hit tokens / asked tokens", "short", [
-                _q("sum by (node) (rate(lmcache_mp_lookup_hit_tokens_total[1m]))",
-                   "{{node}} hit"),
-                _q("sum by (node) (rate(lmcache_mp_lookup_requested_tokens_total[1m]))",
-                   "{{node}} asked"),
+                _rate("node", "lmcache_mp_lookup_hit_tokens_total", "{{node}} hit"),
+                _rate("node", "lmcache_mp_lookup_requested_tokens_total", "{{node}} asked"),
             ]),
             Panel("LMCache L1 chunks written / read", "short", [
-                _q("sum by (node) (rate(lmcache_mp_l1_write_chunks_total[1m]))",
-                   "{{node}} written"),
-                _q("sum by (node) (rate(lmcache_mp_l1_read_chunks_total[1m]))",
-                   "{{node}} read"),
+                _rate("node", "lmcache_mp_l1_write_chunks_total", "{{node}} written"),
+                _rate("node", "lmcache_mp_l1_read_chunks_total", "{{node}} read"),
             ]),
         ]
     if f.lmcache_pd:
         kv_panels.append(Panel("lmcache-pd ProxyNotif by outcome", "ops", [
-            _q("sum by (outcome) (rate(pdstack_proxy_lmcache_pd_notify_total[1m]))",
-               "{{outcome}}"),
+            _rate("outcome", "pdstack_proxy_lmcache_pd_notify_total", "{{outcome}}"),
         ]))
     return Board("pdstack-kv", f"pdstack KV ({d.name})", [("KV cache", kv_panels)])
 
@@ -185,12 +185,10 @@ def _engines(d: DeploymentSpec) -> Board:
                     _q("pdstack:kv_cache_usage:max", "{{service}} ({{role}})"),
                 ]),
                 Panel("Engine TTFT P99", "s", [
-                    _q("histogram_quantile(0.99, sum by (le, service) "
-                       "(rate(vllm:time_to_first_token_seconds_bucket[5m])))", "{{service}}"),
+                    _quantile(0.99, "service", "vllm:time_to_first_token_seconds", "{{service}}"),
                 ]),
                 Panel("Generated tokens", "short", [
-                    _q("sum by (service) (rate(vllm:generation_tokens_total[1m]))",
-                       "{{service}}"),
+                    _rate("service", "vllm:generation_tokens_total", "{{service}}"),
                 ]),
                 Panel("Engine up", "none", [
                     _q('up{job="pdstack-engine"}', "{{service}} ({{generation}})"),
@@ -203,10 +201,8 @@ def _engines(d: DeploymentSpec) -> Board:
 def _proxy(d: DeploymentSpec, f: Features) -> Board:
     proxy_panels = [
         Panel("Leg latency P50 / P99", "s", [
-            _q("histogram_quantile(0.5, sum by (le, leg) "
-               "(rate(pdstack_proxy_leg_seconds_bucket[5m])))", "{{leg}} P50"),
-            _q("histogram_quantile(0.99, sum by (le, leg) "
-               "(rate(pdstack_proxy_leg_seconds_bucket[5m])))", "{{leg}} P99"),
+            _quantile(0.5, "leg", "pdstack_proxy_leg_seconds", "{{leg}} P50"),
+            _quantile(0.99, "leg", "pdstack_proxy_leg_seconds", "{{leg}} P99"),
         ]),
         Panel("In flight per backend", "none", [
             _q("sum by (backend) (pdstack_proxy_backend_in_flight)", "{{backend}}"),
@@ -223,13 +219,12 @@ def _proxy(d: DeploymentSpec, f: Features) -> Board:
             _q("sum by (backend) (pdstack_proxy_backend_drained)", "{{backend}} drained"),
         ]),
         Panel("Outcomes", "reqps", [
-            _q("sum by (outcome) (rate(pdstack_proxy_requests_total[1m]))", "{{outcome}}"),
+            _rate("outcome", "pdstack_proxy_requests_total", "{{outcome}}"),
         ]),
     ]
     if f.pd:
         proxy_panels.append(Panel("Requests per prefiller/decoder pair", "reqps", [
-            _q("sum by (prefill, decode) (rate(pdstack_proxy_pairs_total[1m]))",
-               "{{prefill}} -> {{decode}}"),
+            _rate("prefill, decode", "pdstack_proxy_pairs_total", "{{prefill}} -> {{decode}}"),
         ]))
     if f.skip_prefill:
         proxy_panels += [
@@ -273,12 +268,10 @@ def _tenant_panels() -> list[Panel]:
         ], description="429 (max_concurrency, max_queued, rpm, tpm) and admission's 503 "
                        "(queue_full, timeout, shed); alert PdstackTenantThrottled"),
         Panel("Tenants: queue wait P99", "s", [
-            _q("histogram_quantile(0.99, sum by (le, tenant) "
-               "(rate(pdstack_proxy_tenant_queue_wait_seconds_bucket[5m])))", "{{tenant}}"),
+            _quantile(0.99, "tenant", "pdstack_proxy_tenant_queue_wait_seconds", "{{tenant}}"),
         ], description="time in KV admission's queue (fair queuing releases by weight)"),
         Panel("Tenants: tokens per second", "short", [
-            _q("sum by (tenant, kind) (rate(pdstack_proxy_tenant_tokens_total[1m]))",
-               "{{tenant}} {{kind}}"),
+            _rate("tenant, kind", "pdstack_proxy_tenant_tokens_total", "{{tenant}} {{kind}}"),
         ]),
         Panel("Tenants: in flight / queued", "none", [
             _q("sum by (tenant) (pdstack_proxy_tenant_in_flight)", "{{tenant}} in flight"),

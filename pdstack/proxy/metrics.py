@@ -97,79 +97,51 @@ class _BackendCollector(Collector):
         yield from (in_flight, healthy, drained, wedged, total)
 
 
+def _counter(r: CollectorRegistry, name: str, doc: str, *labels: str) -> Counter:
+    return Counter(f"pdstack_proxy_{name}", doc, labels, registry=r)
+
+
+def _histogram(r: CollectorRegistry, name: str, doc: str, *labels: str) -> Histogram:
+    return Histogram(f"pdstack_proxy_{name}", doc, labels, buckets=TTFT_BUCKETS, registry=r)
+
+
 class ProxyMetrics:
     def __init__(
         self, backends: Callable[[], BackendRegistry], in_flight: Callable[[], int]
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram(
-            "pdstack_proxy_ttft_seconds",
-            "proxy-observed time to first byte",
-            ["route"],
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        )
-        self.leg = Histogram(
-            "pdstack_proxy_leg_seconds",
-            "per-leg latency",
-            ["leg"],
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        )
-        self.requests = Counter(
-            "pdstack_proxy_requests", "client requests by outcome", ["outcome"], registry=r
-        )
-        self.skip_prefill = Counter(
-            "pdstack_proxy_skip_prefill", "requests sent straight to a decoder", registry=r
-        )
-        self.index_lookups = Counter(
-            "pdstack_proxy_prefix_index_lookups", "prefix index lookups", registry=r
-        )
-        self.index_hits = Counter(
-            "pdstack_proxy_prefix_index_hits", "lookups that found a cached prefix", registry=r
-        )
+        self.ttft = _histogram(r, "ttft_seconds", "proxy-observed time to first byte", "route")
+        self.leg = _histogram(r, "leg_seconds", "per-leg latency", "leg")
+        self.requests = _counter(r, "requests", "client requests by outcome", "outcome")
+        self.skip_prefill = _counter(r, "skip_prefill", "requests sent straight to a decoder")
+        self.index_lookups = _counter(r, "prefix_index_lookups", "prefix index lookups")
+        self.index_hits = _counter(r, "prefix_index_hits", "lookups that found a cached prefix")
         self.index_hit_ratio = Gauge(
             "pdstack_proxy_prefix_index_hit_ratio", "prefix index hits / lookups", registry=r
         )
-        self.retries = Counter("pdstack_proxy_retries", "retried legs", ["leg"], registry=r)
-        self.ejections = Counter(
-            "pdstack_proxy_ejections", "backends ejected", ["backend"], registry=r
+        self.retries = _counter(r, "retries", "retried legs", "leg")
+        self.ejections = _counter(r, "ejections", "backends ejected", "backend")
+        self.wedged = _counter(
+            r, "wedged", "backends found wedged (accepting requests, no progress)", "backend"
         )
-        self.wedged = Counter(
-            "pdstack_proxy_wedged",
-            "backends found wedged (accepting requests, no progress)",
-            ["backend"],
-            registry=r,
+        self.decode_fallback = _counter(
+            r, "decode_fallback", "requests served whole by a decoder: no usable prefiller"
         )
-        self.decode_fallback = Counter(
-            "pdstack_proxy_decode_fallback",
-            "requests served whole by a decoder: no usable prefiller",
-            registry=r,
+        self.pairs = _counter(
+            r, "pairs", "requests per prefiller/decoder pair",
+            "prefill", "decode", "prefill_generation", "decode_generation",
         )
-        self.pairs = Counter(
-            "pdstack_proxy_pairs",
-            "requests per prefiller/decoder pair",
-            ["prefill", "decode", "prefill_generation", "decode_generation"],
-            registry=r,
+        self.lmcache_pd_notify = _counter(
+            r, "lmcache_pd_notify", "lmcache-pd ProxyNotif waits and messages by outcome",
+            "outcome",
         )
-        self.lmcache_pd_notify = Counter(
-            "pdstack_proxy_lmcache_pd_notify",
-            "lmcache-pd ProxyNotif waits and messages by outcome",
-            ["outcome"],
-            registry=r,
-        )
-        self.lmcache_pd_notify_wait = Histogram(
-            "pdstack_proxy_lmcache_pd_notify_wait_seconds",
+        self.lmcache_pd_notify_wait = _histogram(
+            r, "lmcache_pd_notify_wait_seconds",
             "lmcache-pd: wait for ProxyNotif after the prefill leg answered",
-            buckets=TTFT_BUCKETS,
-            registry=r,
         )
-        self.admission_rejected = Counter(
-            "pdstack_proxy_admission_rejected",
-            "requests answered 503 by KV-aware admission",
-            ["reason"],
-            registry=r,
+        self.admission_rejected = _counter(
+            r, "admission_rejected", "requests answered 503 by KV-aware admission", "reason"
         )
         r.register(_BackendCollector(backends, in_flight))
         # pre-bound children: label lookups off the hot path

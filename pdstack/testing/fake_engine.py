@@ -278,17 +278,21 @@ class FakeEngine:
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_post("/v1/completions", self._handle_generate)
-        app.router.add_post("/v1/chat/completions", self._handle_generate)
-        app.router.add_get("/v1/models", self._handle_models)
-        app.router.add_post("/tokenize", self._handle_tokenize)
-        app.router.add_post("/detokenize", self._handle_detokenize)
-        app.router.add_get("/health", self._handle_health)
-        app.router.add_get("/metrics", self._handle_metrics)
-        app.router.add_get("/fake/requests", self._handle_get_requests)
-        app.router.add_delete("/fake/requests", self._handle_clear_requests)
-        app.router.add_get("/fake/faults", self._handle_get_faults)
-        app.router.add_put("/fake/faults", self._handle_put_faults)
+        app.add_routes([
+            # vLLM's own routes
+            web.post("/v1/completions", self._handle_generate),
+            web.post("/v1/chat/completions", self._handle_generate),
+            web.get("/v1/models", self._handle_models),
+            web.post("/tokenize", self._handle_tokenize),
+            web.post("/detokenize", self._handle_detokenize),
+            web.get("/health", self._handle_health),
+            web.get("/metrics", self._handle_metrics),
+            # the test double's: what it was sent, and the faults it plays
+            web.get("/fake/requests", self._handle_get_requests),
+            web.delete("/fake/requests", self._handle_clear_requests),
+            web.get("/fake/faults", self._handle_get_faults),
+            web.put("/fake/faults", self._handle_put_faults),
+        ])
         return app
 
     async def start(self) -> str:

@@ -21,6 +21,7 @@ from pdstack.compose_up import (
     service_logs,
     service_states,
 )
+from pdstack.testing.http import post_json
 
 from .conftest import (
     CPU_STACK,
@@ -423,16 +424,7 @@ SYSTEM_4KB = " ".join(
 
 
 def _post(url: str, body: dict) -> tuple[int, dict]:
-    import urllib.error
-    import urllib.request
-
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return post_json(url, body, timeout=120)
 
 
 def test_tokenize_and_detokenize_through_the_proxy(cpu_stack: dict[str, float]) -> None:

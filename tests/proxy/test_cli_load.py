@@ -20,25 +20,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from pdstack.testing.http import wait_http
 from pdstack.testing.ports import free_port
 from pdstack.testing.proxy_harness import completion_text, stream_completion
 
 REPO = Path(__file__).resolve().parents[2]
 PDSTACK = [sys.executable, "-m", "pdstack.cli"]
-
-
-def wait_http(url: str, timeout: float = 30.0) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(f"{url} did not come up in {timeout}s")
 
 
 @pytest.fixture
@@ -85,8 +72,8 @@ def stack(tmp_path: Path) -> Iterator[dict[str, str]]:
         log = open(tmp_path / "proxy.log", "w")  # noqa: SIM115
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=log, cwd=REPO, env=env))
         for name in ("p0", "d0", "d1"):
-            wait_http(f"http://127.0.0.1:{ports[name]}/health")
-        wait_http(f"http://127.0.0.1:{ports['proxy']}/health")
+            wait_http(f"http://127.0.0.1:{ports[name]}/health", timeout=30.0)
+        wait_http(f"http://127.0.0.1:{ports['proxy']}/health", timeout=30.0)
         yield {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     finally:
         for proc in procs:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from pdstack.testing.http import post_json
 from pdstack.testing.ports import free_port
 from pdstack.upgrade import AdminClient
 
@@ -40,14 +41,7 @@ def wait_http(url: str, timeout: float = 20.0) -> None:
             time.sleep(0.1)
 
 
-def post(url: str, body: dict[str, Any]) -> tuple[int, Any]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=20) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+post = post_json  # POST JSON: (status, answer), for the tests here
 
 
 def get(url: str) -> Any:
