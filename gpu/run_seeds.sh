@@ -122,7 +122,14 @@ check() {  # key inventory
   [ -f "$W/state/check-$1" ] && return 0
   http_get "$YARDSTICK/health" > /dev/null || { log "no yardstick: no check of $1"; return 0; }
   log "check $1"
-  "$PY" gpu/seeds_check.py --inventory "$2" --yardstick "$YARDSTICK" \
+  # LMCache's API is a socket in each node's launch log folder (node b: the <key>-b launch)
+  local nodes; nodes=$("$PY" -m pdstack.cli plan -i "$2" --json | "$PY" -c \
+    "import json,sys; print(' '.join(json.load(sys.stdin)['nodes']))")
+  local dirs=() n i=0
+  for n in $nodes; do
+    dirs+=(--log-dir "$n=$W/logs/$1$([ $i -gt 0 ] && echo "-$n")"); i=$((i + 1))
+  done
+  "$PY" gpu/seeds_check.py --inventory "$2" --yardstick "$YARDSTICK" "${dirs[@]}" \
     --output "$W/results/$1-check.json" 2>&1 | tee -a "$W/run.log"
   touch "$W/state/check-$1"
 }

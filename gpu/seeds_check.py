@@ -35,8 +35,8 @@ sys.path.insert(0, str(REPO))
 
 from pdstack.bench.promscrape import delta, parse_samples  # noqa: E402
 from pdstack.commands import load_or_exit  # noqa: E402
+from pdstack.launch.prepare import LMCACHE_API_SOCKET  # noqa: E402
 from pdstack.plan import make_plan  # noqa: E402
-from pdstack.ports import lmcache_api_host  # noqa: E402
 
 PROMPT_LENS = (700, 2600, 5200)
 MAX_TOKENS = 64
@@ -72,8 +72,26 @@ def complete(base: str, model: str, prompt: list[int], timeout: float = 120.0) -
     return {"ids": ids[:MAX_TOKENS], "usage": out.get("usage"), "s": s}
 
 
+def _get_unix(path: str, target: str = "/metrics") -> str:
+    """GET over a unix socket (LMCache's API under ``pdstack launch``)."""
+    import http.client
+    import socket
+
+    class Conn(http.client.HTTPConnection):
+        def connect(self) -> None:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.settimeout(10)
+            self.sock.connect(path)
+
+    conn = Conn("lmcache")
+    conn.request("GET", target)
+    return conn.getresponse().read().decode()
+
+
 def metrics(url: str) -> dict[Any, float] | str:
     try:
+        if url.startswith("unix:"):
+            return parse_samples(_get_unix(url.removeprefix("unix:")))
         with urllib.request.urlopen(url, timeout=10) as r:
             return parse_samples(r.read().decode())
     except Exception as e:
@@ -93,8 +111,10 @@ def path_deltas(before: dict[Any, float] | str, after: dict[Any, float] | str) -
     return dict(sorted(out.items()))
 
 
-def endpoints(inventory: str) -> tuple[str, str, dict[str, str]]:
-    """(proxy URL, served model name, {service: metrics URL}) from the inventory's plan."""
+def endpoints(inventory: str, log_dirs: dict[str, str]) -> tuple[str, str, dict[str, str]]:
+    """(proxy URL, served model name, {service: metrics URL}) from the inventory's plan;
+    LMCache's API is a unix socket in its node's launch log folder (``log_dirs``: node ->
+    folder; a node without one is not read)."""
     plan = make_plan(load_or_exit(inventory))
     proxy, urls = "", {}
     for node in plan.nodes.values():
@@ -104,9 +124,8 @@ def endpoints(inventory: str) -> tuple[str, str, dict[str, str]]:
                 proxy = f"http://{host}:{s.ports['http']}"
             elif s.kind == "engine":
                 urls[f"{node.name}/{s.name}"] = f"http://{host}:{s.ports['http']}/metrics"
-            elif s.kind == "lmcache":
-                urls[f"{node.name}/lmcache"] = (
-                    f"http://{lmcache_api_host(host)}:{s.ports['api']}/metrics")
+            elif s.kind == "lmcache" and node.name in log_dirs:
+                urls[f"{node.name}/lmcache"] = f"unix:{log_dirs[node.name]}/{LMCACHE_API_SOCKET}"
     return proxy, plan.backend_table.served_model_name, urls
 
 
@@ -146,12 +165,15 @@ def main() -> int:
     ap.add_argument("--inventory", required=True)
     ap.add_argument("--yardstick", help="the colocated engine's base URL")
     ap.add_argument("--output")
+    ap.add_argument("--log-dir", action="append", default=[], metavar="NODE=DIR",
+                    help="a node's `pdstack launch` log folder (LMCache's API socket is there)")
     ap.add_argument("--urls", action="store_true",
                     help="print the proxy's URL and every --metrics-url flag for pdstack bench")
     args = ap.parse_args()
-    proxy, model, urls = endpoints(args.inventory)
-    if args.urls:
-        print(proxy, *(f"--metrics-url {u}" for u in [f"{proxy}/metrics", *urls.values()]))
+    proxy, model, urls = endpoints(args.inventory, dict(d.split("=", 1) for d in args.log_dir))
+    if args.urls:  # pdstack bench reads HTTP endpoints only
+        print(proxy, *(f"--metrics-url {u}" for u in [f"{proxy}/metrics", *urls.values()]
+                       if u.startswith("http")))
         return 0
     if not (args.yardstick and args.output):
         ap.error("--yardstick and --output are needed for a check")

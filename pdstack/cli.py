@@ -25,6 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("pdstack.launch", "run a node's planned services as plain processes"),
     "upgrade": ("pdstack.upgrade", "rolling upgrade of one node's engines"),
     "advise": ("pdstack.advise", "from bench curves to the topology that meets a target"),
+    "secrets": ("pdstack.secrets", "write each service's own secrets file from the node's"),
 }
 
 

@@ -12,12 +12,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from pdstack import kvmodes, naming
+from pdstack import kvmodes, naming, secrets, sidecars
 from pdstack.ports import (
     engine_names,
     engine_tp,
-    lmcache_api_host,
-    lmcache_api_port,
     lmcache_pd_notify_port,
     lmcache_pd_receiver_ports,
     make_node_ports,
@@ -35,7 +33,6 @@ from pdstack.topology import (
 
 KvPath = Literal["shared-l1", "nixl", "lmcache-pd"]
 ServiceKind = Literal["engine", "lmcache", "proxy"]
-SECRETS_ENV_FILE = "/etc/pdstack/secrets.env"
 # vLLM's NIXL connector on CPU (NixlBaseConnectorWorker.__init__) moves each worker's main
 # thread to the last core of every NUMA node it finds under this directory, so all NIXL
 # engines of a node share that one core whatever their cpu_threads_bind.  A prefiller holding
@@ -76,6 +73,10 @@ class Service(_Model):
     depends_on: list[str] = Field(default_factory=list)
     # container paths mounted as an empty tmpfs (read-only) over what the image sees
     tmpfs: list[str] = Field(default_factory=list)
+    # the secrets it reads (pdstack.secrets.SERVICE_SECRETS) and the env file that holds
+    # them on the node; none: it is given no secret at all
+    secrets: list[str] = Field(default_factory=list)
+    secrets_file: str | None = None
 
 
 class NodePlan(_Model):
@@ -86,6 +87,9 @@ class NodePlan(_Model):
     rdma: bool
     gpu_count: int
     services: list[Service]
+    # every secrets env file of the node's services (Grafana's too, on the proxy's node):
+    # path -> the secrets it holds, which Ansible copies there from the node's secrets file
+    secret_files: dict[str, list[str]] = Field(default_factory=dict)
 
     def service(self, name: str) -> Service:
         return next(s for s in self.services if s.name == name)
@@ -421,15 +425,10 @@ def _engine_service(
 def _lmcache_service(d: DeploymentSpec, node: NodeSpec) -> Service:
     lm = d.lmcache
     mode = kvmodes.get(d.kv_mode)
-    cmd = [
-        "lmcache", "server",
+    server = [
+        "server",
         "--host", node.private_address,
         "--port", str(d.ports.lmcache_zmq),
-        # its HTTP API serves /env, /cache/clear, /reconfigure/* without authentication:
-        # loopback only; the rendered stack's metrics gate serves GET /metrics on
-        # lmcache_http (pdstack.sidecars.METRICS_GATE)
-        "--http-host", lmcache_api_host(node.private_address),
-        "--http-port", str(lmcache_api_port(d)),
         "--l1-size-gb", str(lm.l1_size_gb),
         "--eviction-policy", lm.eviction_policy,
         "--chunk-size", str(lm.chunk_size),
@@ -438,6 +437,10 @@ def _lmcache_service(d: DeploymentSpec, node: NodeSpec) -> Service:
         # (each engine is bound to one worker thread; default 1)
         "--max-gpu-workers", str(max(1, sum(mode.uses_tier(e.role) for e in node.engines))),
     ]
+    # its HTTP API (/run_script, /cache/clear, /env ... unauthenticated) on a unix socket
+    # only the metrics gate shares, never on a port (pdstack.sidecars.LMCACHE_API_ON_SOCKET);
+    # the gate serves GET /metrics of it on lmcache_http
+    cmd = sidecars.lmcache_on_socket_command(sidecars.LMCACHE_API_SOCKET, server)
     return Service(
         name="lmcache",
         kind="lmcache",
@@ -446,11 +449,7 @@ def _lmcache_service(d: DeploymentSpec, node: NodeSpec) -> Service:
         command=cmd,
         # no secrets: it uses none (the rendered service has no env_file either)
         env={"LMCACHE_TRACK_USAGE": "false"},
-        ports={
-            "zmq": d.ports.lmcache_zmq,
-            "metrics": d.ports.lmcache_http,
-            "api": lmcache_api_port(d),
-        },
+        ports={"zmq": d.ports.lmcache_zmq, "metrics": d.ports.lmcache_http},
         # the engines hand it KV over CUDA IPC: it must see every GPU they use
         gpu_ids=sorted({g for eng in node.engines for g in eng.gpus}),
         bind_address=node.private_address,
@@ -552,6 +551,25 @@ def _proxy_service(topo: Topology, node: NodeSpec) -> Service:
     )
 
 
+def _with_secrets(svc: Service) -> Service:
+    """``svc`` with the secrets its kind reads (pdstack.secrets, the one home of that)."""
+    names = list(secrets.names_for(svc.kind))
+    return svc.model_copy(update={"secrets": names,
+                                  "secrets_file": secrets.service_file(svc.kind)})
+
+
+def _secret_files(services: list[Service]) -> dict[str, list[str]]:
+    kinds: list[str] = [s.kind for s in services]
+    if "proxy" in kinds:
+        kinds.append("grafana")  # the monitoring profile lives on the proxy's node
+    out: dict[str, list[str]] = {}
+    for kind in kinds:
+        path = secrets.service_file(kind)
+        if path:
+            out[path] = list(secrets.names_for(kind))
+    return out
+
+
 def make_plan(topo: Topology) -> Plan:
     d = topo.deployment
     proxy_node = next(n for n in topo.nodes if n.proxy)
@@ -582,6 +600,7 @@ def make_plan(topo: Topology) -> Plan:
             )
         if node.proxy:
             services.append(_proxy_service(topo, node))
+        services = [_with_secrets(s) for s in services]
         nodes[node.name] = NodePlan(
             name=node.name,
             private_address=node.private_address,
@@ -590,6 +609,7 @@ def make_plan(topo: Topology) -> Plan:
             rdma=node.rdma,
             gpu_count=node.gpu_count,
             services=services,
+            secret_files=_secret_files(services),
         )
 
     pairings: list[Pairing] = []

@@ -6,8 +6,6 @@ planner reads it, and this module imports neither."""
 
 from __future__ import annotations
 
-import ipaddress
-
 from pdstack import kvmodes
 from pdstack.specs import DeploymentSpec, EngineSpec, NodeSpec, Topology
 
@@ -30,8 +28,8 @@ def make_node_ports(topo: Topology, node: NodeSpec) -> dict[str, int]:
                 ports[f"{name} lmcache-pd alloc{suffix}"] = ap
     if has_lmcache_server(d, node):
         ports["lmcache zmq"] = d.ports.lmcache_zmq
-        ports["lmcache http"] = d.ports.lmcache_http  # the /metrics gate (pdstack.sidecars)
-        ports["lmcache api (loopback)"] = lmcache_api_port(d)
+        # the /metrics gate (pdstack.sidecars); LMCache's own API is on a unix socket
+        ports["lmcache http"] = d.ports.lmcache_http
     if node.proxy:
         ports["proxy http"] = d.ports.proxy
         if lmcache_push(d):
@@ -45,24 +43,6 @@ def make_node_ports(topo: Topology, node: NodeSpec) -> dict[str, int]:
 def engine_tp(d: DeploymentSpec, eng: EngineSpec) -> int:
     """The tensor-parallel size an engine runs with (``--tensor-parallel-size``)."""
     return (len(eng.gpus) or 1) if d.profile == "gpu" else 1
-
-
-def lmcache_api_port(d: DeploymentSpec) -> int:
-    """LMCache's own HTTP API (``/metrics``, and unauthenticated management endpoints):
-    bound to 127.0.0.1 only; ``lmcache_http`` on the private address is the gate in front
-    of it that serves ``GET /metrics`` alone."""
-    return d.ports.lmcache_http + 1
-
-
-def lmcache_api_host(private_address: str) -> str:
-    """The loopback address LMCache's HTTP API binds: the node's own address when that is a
-    loopback one (pretend nodes on one host, 127.0.0.1 and 127.0.0.2: their APIs share the
-    port), else 127.0.0.1."""
-    try:
-        loopback = ipaddress.ip_address(private_address).is_loopback
-    except ValueError:
-        loopback = False
-    return private_address if loopback else "127.0.0.1"
 
 
 def lmcache_pd_notify_port(d: DeploymentSpec) -> int:

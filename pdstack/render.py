@@ -13,9 +13,8 @@ from pathlib import Path
 
 import jinja2
 
-from pdstack import monitoring, naming, sidecars
-from pdstack.plan import SECRETS_ENV_FILE, Plan, Service, model_path
-from pdstack.ports import lmcache_api_host
+from pdstack import monitoring, naming, secrets, sidecars
+from pdstack.plan import Plan, Service, model_path
 from pdstack.topology import Topology
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "compose" / "templates"
@@ -61,7 +60,9 @@ def render_node(topo: Topology, plan: Plan, node_name: str) -> dict[str, str]:
         "plan": plan,
         "node": node,
         "source": f"inventory/{Path(topo.source).name}",
-        "secrets_env_file": SECRETS_ENV_FILE,
+        "node_secrets_file": secrets.NODE_SECRETS_FILE,
+        "secrets_dir": secrets.SERVICE_SECRETS_DIR,
+        "grafana_secrets_file": secrets.service_file("grafana"),
         "engine_image": d.engine_image,
         "proxy_image": d.proxy_image,
         "model_name": model_arg,
@@ -77,8 +78,9 @@ def render_node(topo: Topology, plan: Plan, node_name: str) -> dict[str, str]:
             d.model.served_name,
         ),
         "metrics_gate": lambda svc: sidecars.metrics_gate_command(
-            svc.bind_address, svc.ports["metrics"], f"http://{lmcache_api_host(svc.bind_address)}:{svc.ports['api']}"
+            svc.bind_address, svc.ports["metrics"], f"unix:{sidecars.LMCACHE_API_SOCKET}"
         ),
+        "lmcache_api_dir": os.path.dirname(sidecars.LMCACHE_API_SOCKET),
     }
     has_proxy = any(s.kind == "proxy" for s in node.services)
     # the monitoring profile (Prometheus + Grafana) lives on the proxy's node

@@ -19,11 +19,19 @@ engine image, which has Python): nothing to install, nothing to mount.
   container's /tmp, reset when the container restarts (PID 1's start time).
   Arguments: ``URL WEDGE_S STATE_FILE NAME MODEL [dry]`` (``dry``: report, exit 1, kill
   nothing and write no container log).
-- :data:`METRICS_GATE` serves ``GET /metrics`` of a loopback-only HTTP API on an address
-  others reach, and nothing else (404): LMCache's HTTP server also serves ``/env`` (its
-  environment), ``/cache/clear``, ``/reconfigure/*`` and ``/metrics/reset`` without
-  authentication, so the server binds 127.0.0.1 and Prometheus scrapes it through this.
-  Arguments: ``LISTEN_HOST LISTEN_PORT UPSTREAM_URL``.
+- :data:`LMCACHE_API_ON_SOCKET` runs ``lmcache server ARGS`` with its HTTP API on a unix
+  socket instead of a TCP port (issue 38): that API serves ``POST /run_script`` (runs an
+  uploaded Python script), ``/cache/clear``, ``DELETE /cache/objects``, ``/metrics/reset``,
+  ``/quota``, ``/env`` without authentication, and on 127.0.0.1 with host networking every
+  container and process of the node reached it. The socket's folder (mode 0700) is shared
+  with the metrics gate only (Compose: a volume mounted in those two services); the ZMQ port
+  the engines use is untouched. It replaces the host and port LMCache gives uvicorn
+  (``uvicorn.Config``), which ``lmcache server`` runs its API with
+  (keyword arguments in every LMCache version seen; run with 0.5.6).
+  Arguments: ``SOCKET`` then ``lmcache``'s own (``server ...``).
+- :data:`METRICS_GATE` serves ``GET /metrics`` of that API on an address others reach, and
+  nothing else (404), so Prometheus scrapes LMCache through it. ``UPSTREAM`` is
+  ``unix:SOCKET`` (or an ``http://`` URL). Arguments: ``LISTEN_HOST LISTEN_PORT UPSTREAM``.
 """
 
 from __future__ import annotations
@@ -104,16 +112,51 @@ except Exception as exc:
 save(since=now, held=False)
 """
 
+LMCACHE_API_ON_SOCKET = """\
+import os, sys, uvicorn
+sock = sys.argv[1]
+folder = os.path.dirname(sock)
+os.makedirs(folder, mode=0o700, exist_ok=True)
+os.chmod(folder, 0o700)
+init = uvicorn.Config.__init__
+def on_socket(self, *args, **kw):
+    kw.pop('host', None)
+    kw.pop('port', None)
+    init(self, *args, uds=sock, **kw)
+uvicorn.Config.__init__ = on_socket
+sys.argv = ['lmcache', *sys.argv[2:]]
+from lmcache.cli.main import main
+sys.exit(main())
+"""
+
 METRICS_GATE = """\
-import sys, http.server, urllib.request as u
+import http.client, http.server, socket, sys, urllib.request as u
 host, port, upstream = sys.argv[1], int(sys.argv[2]), sys.argv[3].rstrip('/')
+class OnSocket(http.client.HTTPConnection):
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(upstream[len('unix:'):])
+def scrape():
+    if not upstream.startswith('unix:'):
+        return u.urlopen(upstream + '/metrics', timeout=10).read()
+    conn = OnSocket('localhost', timeout=10)
+    try:
+        conn.request('GET', '/metrics')
+        r = conn.getresponse()
+        body = r.read()
+        if r.status != 200:
+            raise OSError('HTTP %d' % r.status)
+        return body
+    finally:
+        conn.close()
 class Gate(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path.split('?', 1)[0] != '/metrics':
             self.send_error(404, 'only GET /metrics is served here')
             return
         try:
-            body, code = u.urlopen(upstream + '/metrics', timeout=10).read(), 200
+            body, code = scrape(), 200
         except Exception as exc:
             body, code = ('upstream: %s' % exc).encode(), 502
         self.send_response(code)
@@ -125,6 +168,10 @@ class Gate(http.server.BaseHTTPRequestHandler):
         pass
 http.server.ThreadingHTTPServer((host, port), Gate).serve_forever()
 """
+
+# LMCache's HTTP API socket, in the LMCache server's and its metrics gate's containers (a
+# volume only those two mount); `pdstack launch` puts it in its log folder
+LMCACHE_API_SOCKET = "/run/pdstack-lmcache/api.sock"
 
 WATCHDOG_STATE = "/tmp/pdstack-watchdog.json"
 
@@ -160,4 +207,17 @@ def engine_healthcheck(url: str, wedge_s: float, name: str, model: str) -> list[
 
 
 def metrics_gate_command(host: str, port: int, upstream: str) -> list[str]:
+    """The gate's command; ``upstream``: ``unix:SOCKET`` or an ``http://`` URL."""
     return ["python3", "-c", METRICS_GATE, host, str(port), upstream]
+
+
+def lmcache_on_socket_command(socket_path: str, lmcache_args: list[str]) -> list[str]:
+    """``lmcache ARGS`` (``server ...``) with its HTTP API on ``socket_path``."""
+    return ["python3", "-c", LMCACHE_API_ON_SOCKET, socket_path, *lmcache_args]
+
+
+def lmcache_api_socket(command: list[str]) -> str | None:
+    """The API socket of an LMCache server's command (None: not one of these)."""
+    if command[:3] == ["python3", "-c", LMCACHE_API_ON_SOCKET]:
+        return command[3]
+    return None

@@ -23,9 +23,16 @@ process group killed and is started again; the others keep running (``--restart 
 first death stops all). A detached ``start`` supervises nothing: run ``--foreground`` under
 systemd, a Slurm step or tmux.
 
-Secrets (HF token, API keys) come from ``/etc/pdstack/secrets.env`` when readable --
-the compose stack's ``env_file`` -- into the services' environment only; they are
-never printed, logged or put on a command line.
+Secrets come from the node's secrets file (``/etc/pdstack/secrets.env``) when readable, and
+each service is given only those it reads (:mod:`pdstack.secrets`, as the compose stack's
+per-service ``env_file``): the engines ``HF_TOKEN`` and ``VLLM_API_KEY``, the proxy its keys
+and admin token, the LMCache server none; a secret of another service in this command's own
+environment is not passed on. They are never printed, logged or put on a command line.
+
+The LMCache server's HTTP API (``/run_script``, ``/cache/clear``, ... unauthenticated) is on
+a unix socket in ``<log-dir>/lmcache-api/`` (mode 0700), not on a TCP port
+(``pdstack.sidecars.LMCACHE_API_ON_SOCKET``); no metrics gate runs here: read LMCache's
+metrics with ``curl --unix-socket <log-dir>/lmcache-api/api.sock http://lmcache/metrics``.
 """
 
 from __future__ import annotations
@@ -43,7 +50,8 @@ from pdstack.launch.launcher import Launcher
 from pdstack.launch.prepare import parse_overrides, prepare, read_env_file
 from pdstack.launch.services import EXIT_FAILED, EXIT_INVALID, EXIT_OK
 from pdstack.launch.supervise import RESTART_POLICIES
-from pdstack.plan import SECRETS_ENV_FILE, Plan, make_plan
+from pdstack.plan import Plan, make_plan
+from pdstack.secrets import NODE_SECRETS_FILE as SECRETS_ENV_FILE
 
 # where the compose stack mounts the proxy's backend table (launch writes <log-dir>/backends.json)
 BACKENDS_IN_COMPOSE = "/etc/pdstack/backends.json"

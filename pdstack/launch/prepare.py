@@ -9,7 +9,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdstack import secrets as node_secrets
+from pdstack import sidecars
 from pdstack.plan import NodePlan, Plan, Service
+
+# where LMCache's API socket goes, in the log folder (pdstack.sidecars.LMCACHE_API_SOCKET)
+LMCACHE_API_SOCKET = "lmcache-api/api.sock"
 
 
 def read_env_file(path: Path) -> dict[str, str]:
@@ -73,12 +78,30 @@ def resolve_argv(command: Sequence[str], path_env: str | None) -> list[str]:
     return argv
 
 
+def lmcache_python(path_env: str | None) -> str:
+    """The interpreter for the LMCache API shim: the one of the ``lmcache`` program on PATH
+    (its ``#!`` line), else ``python3`` (raises FileNotFoundError without ``lmcache``)."""
+    program = shutil.which("lmcache", path=path_env)
+    if program is None:
+        raise FileNotFoundError("'lmcache' not found on PATH")
+    try:
+        with open(program, "rb") as f:
+            first = f.readline(512).decode(errors="replace")
+    except OSError:
+        first = ""
+    interpreter = first[2:].strip().split(" ")[0] if first.startswith("#!") else ""
+    return interpreter if "python" in Path(interpreter).name else "python3"
+
+
 def service_env(svc: Service, secrets: dict[str, str],
                 overrides: dict[str, str | None]) -> dict[str, str]:
-    """This process's environment, then the secrets, the service's own, its GPUs and the
-    ``--env`` overrides, in that order (compose: ``env_file`` first, ``environment:`` wins)."""
-    env = dict(os.environ)
-    env.update(secrets)
+    """This process's environment, then the secrets this service reads (the plan's
+    ``Service.secrets``; every other secret name dropped, even from this process's own
+    environment), the service's own, its GPUs and the ``--env`` overrides, in that order
+    (compose: ``env_file`` first, ``environment:`` wins)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in node_secrets.ALL_SECRETS or k in svc.secrets}
+    env.update({k: v for k, v in secrets.items() if k in svc.secrets})
     env.update(svc.env)
     if svc.gpu_ids:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in svc.gpu_ids)
@@ -109,6 +132,10 @@ def prepare(
         command = list(svc.command)
         if svc.kind == "proxy" and "--backends" in command:
             command[command.index("--backends") + 1] = str(log_dir / "backends.json")
+        sock = sidecars.lmcache_api_socket(command)
+        if sock is not None:  # its API socket in the log folder (the shim makes it 0700)
+            command[command.index(sock)] = str(log_dir.resolve() / LMCACHE_API_SOCKET)
+            command[0] = lmcache_python(env.get("PATH"))
         argv = resolve_argv(command, env.get("PATH"))
         out.append(
             Prepared(
@@ -117,7 +144,7 @@ def prepare(
                 env=env,
                 log=log_dir / f"{svc.name}.log",
                 pidfile=log_dir / f"{svc.name}.pid",
-                secret_keys=set(secrets),
+                secret_keys=set(secrets) & set(svc.secrets),
             )
         )
     return out

@@ -8,11 +8,11 @@ environment, which an env file (``KEY=VALUE`` lines, ``#`` comments) may fill in
 - ``PDSTACK_TENANT_KEYS``: named client keys, ``TENANT:KEY`` comma-separated (see
   :mod:`pdstack.proxy.tenants`); when set, ``/v1/*`` needs one of them (or of
   ``PDSTACK_API_KEYS``, each of whose keys is its own tenant, ``key-<sha256 prefix>``).
-- ``VLLM_API_KEY``: the engines' key. vLLM reads it from the environment (the node's
-  secrets file is every service's ``env_file``), so with it set there every engine refuses
-  requests without it, and the proxy sends it to the engines (both legs, ``/v1/models``)
-  as ``Authorization: Bearer``. ``PDSTACK_ENGINE_API_KEY`` is the older name (used when
-  ``VLLM_API_KEY`` is not set).
+- ``VLLM_API_KEY``: the engines' key. vLLM reads it from the environment (the engines' and
+  the proxy's own secrets files both hold it: :mod:`pdstack.secrets`), so with it set every
+  engine refuses requests without it, and the proxy sends it to the engines (both legs,
+  ``/v1/models``) as ``Authorization: Bearer``. ``PDSTACK_ENGINE_API_KEY`` is the older
+  name (used when ``VLLM_API_KEY`` is not set).
 """
 
 from __future__ import annotations
@@ -23,11 +23,13 @@ from pathlib import Path
 
 from pdstack.proxy.admission import AdmissionConfig
 from pdstack.proxy.tenants import TENANT_KEYS_ENV, TenantPolicy, parse_tenant_keys
+from pdstack.secrets import (
+    ADMIN_TOKEN_ENV,
+    API_KEYS_ENV,
+    ENGINE_API_KEY_ENV,
+    LEGACY_ENGINE_API_KEY_ENV,
+)
 
-ADMIN_TOKEN_ENV = "PDSTACK_ADMIN_TOKEN"
-API_KEYS_ENV = "PDSTACK_API_KEYS"
-ENGINE_API_KEY_ENV = "VLLM_API_KEY"
-LEGACY_ENGINE_API_KEY_ENV = "PDSTACK_ENGINE_API_KEY"
 MIB = 1 << 20
 
 

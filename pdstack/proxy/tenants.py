@@ -40,8 +40,8 @@ from typing import Any
 from aiohttp import web
 
 from pdstack.proxy.errors import error_body
+from pdstack.secrets import TENANT_KEYS_ENV
 
-TENANT_KEYS_ENV = "PDSTACK_TENANT_KEYS"
 DEFAULT_TENANT = "default"
 OTHER_LABEL = "other"  # metrics label of the tenants past MAX_LABELLED
 MAX_LABELLED = 64  # per-tenant metric series: at most this many tenants + "other"

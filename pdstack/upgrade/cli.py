@@ -13,16 +13,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pdstack.secrets import ADMIN_TOKEN_ENV
+from pdstack.secrets import ENGINE_API_KEY_ENV as ENGINE_KEY_ENV
+from pdstack.secrets import NODE_SECRETS_FILE as SECRETS_ENV_FILE
 from pdstack.upgrade.admin import AdminClient
 from pdstack.upgrade.common import UpgradeError, log
 from pdstack.upgrade.compose import Compose
 from pdstack.upgrade.upgrader import Upgrader
 
-ADMIN_TOKEN_ENV = "PDSTACK_ADMIN_TOKEN"
-ENGINE_KEY_ENV = "VLLM_API_KEY"
-# the node's secrets file (pdstack.plan.SECRETS_ENV_FILE; not imported: the engine_upgrade
-# role runs this file on the node without the planner's dependencies)
-SECRETS_ENV_FILE = "/etc/pdstack/secrets.env"
 DESCRIPTION = __doc__.splitlines()[0] if __doc__ else "pdstack upgrade"
 
 

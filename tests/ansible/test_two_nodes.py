@@ -20,8 +20,9 @@ later test needs the earlier state):
 2. check mode on the fresh nodes shows a diff and writes nothing; site.yml deploys both
    nodes (compose files equal ``pdstack render``, secrets file 0600, each node's engine
    runs exactly its planned services, every engine serves, the proxy is healthy); a second
-   run changes nothing; no canary secret shows up in any HTTP answer or process argument on
-   node1, nor in the LMCache services' environment (issue 27);
+   run changes nothing; each service's own secrets file (0600) holds exactly the secrets it
+   reads; no canary secret shows up in any HTTP answer, process argument or container log on
+   node1, and each is in the environment of exactly the services that read it (issues 27, 38);
 3. streamed answers come back through the proxy from both decoders with the tokens of a
    single engine; node2's decoder takes the prompt from ``external_kv_transfer`` (NIXL), its
    NIXL byte counter and node2's eth0 ``rx_bytes`` show at least the KV's bytes arriving,
@@ -318,6 +319,16 @@ def test_site_yml_deploys_both_nodes_idempotently(nodes: TwoNodes, tmp_path: Pat
         assert got == (rendered / node / "compose.yaml").read_text(), node
         secrets = node_path(lab, node, "/etc/pdstack/secrets.env")
         assert stat.S_IMODE(secrets.stat().st_mode) == 0o600
+        # each service's own file holds exactly the secrets it reads (issue 38)
+        files = nodes.plan["nodes"][node]["secret_files"]
+        assert {Path(f).name for f in files} == (
+            {"engine.env", "proxy.env", "grafana.env"} if node == "node1" else {"engine.env"})
+        for path, names in files.items():
+            own = node_path(lab, node, path)
+            assert stat.S_IMODE(own.stat().st_mode) == 0o600, path
+            text = own.read_text()
+            held = {name for name, value in SECRETS.items() if value in text}
+            assert held == set(names) & set(SECRETS), (node, path, held)
         # each node's containers run on the node's own engine
         assert containers(lab, node) == planned_services(nodes.plan, node), node
     for name in ENGINES:  # each engine serves (with its own key)
@@ -338,16 +349,24 @@ def test_site_yml_deploys_both_nodes_idempotently(nodes: TwoNodes, tmp_path: Pat
     again = playbook(lab, "site.yml", inv, timeout=900)
     assert again.rc == 0, again.tail(150)
     assert again.changed() == 0, again.tail(150)
-    # no canary in any HTTP answer or process argument on node1 (proxy, engines, LMCache)
+    # no canary in any HTTP answer, process argument or log on node1 (proxy, engines,
+    # LMCache, its gate), and each in the environment of the services that read it only
+    wants = {s["name"]: s["secrets"] for s in nodes.plan["nodes"]["node1"]["services"]}
     report = check_stack(node_path(lab, "node1", stack_dir), SECRETS, host="10.77.0.1",
-                         bearer=ENGINE_KEY, docker_host=lab.docker_host("node1"))
+                         bearer=ENGINE_KEY, docker_host=lab.docker_host("node1"), wants=wants)
     print(f"\ncheck mode (fresh) {check.seconds:.0f}s, site.yml {up.seconds:.0f}s, again "
           f"{again.seconds:.0f}s (changed=0); canaries: {report.answered} HTTP answers on "
-          f"ports {report.ports}, processes {report.processes}: {report.leaks or 'clean'}")
+          f"ports {report.ports}, processes {report.processes}, log characters "
+          f"{report.logs}, secrets by environment {report.environments}: "
+          f"{report.leaks or 'clean'}")
     assert not report.leaks, report.leaks
     assert report.answered >= 20, f"only {report.answered} HTTP answers: nothing checked"
     assert set(report.processes) == {"prefill-0", "decode-0", "lmcache", "lmcache-metrics",
                                      "proxy"}, report.processes
+    assert report.environments == {
+        "prefill-0": ["HF_TOKEN", "VLLM_API_KEY"], "decode-0": ["HF_TOKEN", "VLLM_API_KEY"],
+        "proxy": ["PDSTACK_ADMIN_TOKEN", "PDSTACK_API_KEYS", "VLLM_API_KEY"],
+        "lmcache": [], "lmcache-metrics": []}, report.environments
 
 
 # --------------------------------------------------------------------------- 3. KV crosses

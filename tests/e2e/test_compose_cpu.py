@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from pdstack import sidecars
 from pdstack.compose_up import (
     compose_down,
     compose_up,
@@ -71,13 +72,17 @@ def _proxy_url() -> str:
     return f"http://{m.group(1)}:{m.group(2)}"
 
 
-def _lmcache_metrics_url() -> str:
-    import re
+def _compose_services() -> dict[str, dict]:
+    import yaml
 
-    text = (CPU_STACK / "compose.yaml").read_text()
-    m = re.search(r'"lmcache", "server", "--host", "([^"]+)",[^\]]*"--http-port", "(\d+)"', text)
-    assert m, "lmcache server --http-port not found in compose/cpu/compose.yaml"
-    return f"http://{m.group(1)}:{m.group(2)}/metrics"
+    return dict(yaml.safe_load((CPU_STACK / "compose.yaml").read_text())["services"])
+
+
+def _lmcache_metrics_url() -> str:
+    """LMCache's metrics, through its gate (its own API is on a unix socket only the gate
+    shares: pdstack.sidecars)."""
+    host, port = _compose_services()["lmcache-metrics"]["command"][3:5]
+    return f"http://{host}:{port}/metrics"
 
 
 def _proxy_status() -> str:
@@ -231,6 +236,101 @@ def test_stack_memory_under_limit(cpu_stack: dict[str, float]) -> None:
     print(f"[e2e] memory TOTAL RSS {total_rss:.2f} GiB, PSS {total_pss:.2f} GiB "
           f"(limit {RSS_LIMIT_GIB} GiB RSS)")
     assert total_rss < RSS_LIMIT_GIB, f"CPU stack RSS {total_rss:.2f} GiB >= {RSS_LIMIT_GIB}"
+
+
+# what a process on the node, or in an engine's container, tries against LMCache's API: the
+# routes that run code or change the cache, on every address it could listen on
+API_PROBE = """
+import json, socket, sys, urllib.request as u
+ports, sock = json.loads(sys.argv[1]), sys.argv[2]
+out = {}
+for port in ports:
+    for path in ('/run_script', '/cache/clear'):
+        req = u.Request('http://127.0.0.1:%d%s' % (port, path), data=b'{}', method='POST',
+                        headers={'Content-Type': 'application/json'})
+        try:
+            out['%d%s' % (port, path)] = u.urlopen(req, timeout=5).status
+        except u.HTTPError as exc:
+            out['%d%s' % (port, path)] = exc.code
+        except u.URLError as exc:
+            out['%d%s' % (port, path)] = type(exc.reason).__name__
+        except OSError as exc:
+            out['%d%s' % (port, path)] = type(exc).__name__
+try:
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(sock)
+    out['socket'] = 'connected'
+except OSError as exc:
+    out['socket'] = type(exc).__name__
+print(json.dumps(out))
+"""
+
+
+def _lmcache_listeners() -> set[int]:
+    """TCP ports the LMCache container's processes listen on (its sockets' inodes, matched
+    in /proc/net/tcp of the shared host network)."""
+    from .conftest import container_pids
+
+    inodes = set()
+    for pid in container_pids(_container("lmcache")):
+        fd_dir = Path(f"/proc/{pid}/fd")
+        for fd in fd_dir.iterdir() if fd_dir.exists() else []:
+            with contextlib.suppress(OSError):
+                link = os.readlink(fd)
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def test_lmcache_api_is_reachable_only_through_its_metrics_gate(
+    cpu_stack: dict[str, float],
+) -> None:
+    """Issue 38: LMCache's HTTP API (POST /run_script runs a script, /cache/clear empties
+    the store) is on a unix socket only its metrics gate mounts: from the host and from an
+    engine's container every TCP try fails, the socket is absent from the engine and closed
+    to an unprivileged host user; the gate answers GET /metrics and nothing else."""
+    import subprocess
+
+    services = _compose_services()
+    zmq = int(services["lmcache"]["command"][services["lmcache"]["command"].index("--port") + 1])
+    gate_port = int(services["lmcache-metrics"]["command"][4])
+    assert _lmcache_listeners() == {zmq}, "LMCache listens on a TCP port besides its ZMQ one"
+    # the old API port (lmcache_http + 1), LMCache's default (8080), and the gate
+    ports = [gate_port + 1, 8080, gate_port]
+    sock = sidecars.LMCACHE_API_SOCKET
+    probe = [json.dumps(ports), sock]
+    engine = subprocess.run(
+        ["docker", "exec", _container("decode-0"), "python3", "-c", API_PROBE, *probe],
+        capture_output=True, text=True, timeout=120)
+    assert engine.returncode == 0, engine.stderr
+    mounts = json.loads(subprocess.run(
+        ["docker", "inspect", "-f", "{{json .Mounts}}", _container("lmcache")],
+        capture_output=True, text=True, timeout=60, check=True).stdout)
+    folder = next(m["Source"] for m in mounts if m["Destination"] == str(Path(sock).parent))
+    # an unprivileged process of the node (the system's python3: stdlib only)
+    host = subprocess.run(["/usr/bin/python3", "-c", API_PROBE, json.dumps(ports),
+                           str(Path(folder) / Path(sock).name)],
+                          capture_output=True, text=True, timeout=120, user=65534)
+    assert host.returncode == 0, host.stderr
+    results = {"engine": json.loads(engine.stdout), "host": json.loads(host.stdout)}
+    print(f"\n[lmcache api] listens on TCP {sorted(_lmcache_listeners())} only; "
+          f"POST tries: {results}")
+    for where, got in results.items():
+        for port in ports[:2]:
+            for path in ("/run_script", "/cache/clear"):
+                assert got[f"{port}{path}"] == "ConnectionRefusedError", (where, got)
+        for path in ("/run_script", "/cache/clear"):  # the gate: GET /metrics only
+            assert got[f"{gate_port}{path}"] == 501, (where, got)
+    assert results["engine"]["socket"] == "FileNotFoundError"  # not mounted there
+    assert results["host"]["socket"] == "PermissionError"  # /var/lib/docker is root's
+    metrics = parse_prometheus(http_get(_lmcache_metrics_url()))
+    assert any(k.startswith("lmcache_mp_") for k in metrics), "gate: no LMCache metrics"
 
 
 def test_bench_three_rate_sweep_against_the_stack(cpu_stack: dict[str, float], tmp_path) -> None:
@@ -630,7 +730,7 @@ def _heal_lmcache_killed() -> None:
     with _Traffic(_proxy_url(), model) as traffic:
         time.sleep(5)
         killed_at = time.monotonic()
-        _crash("lmcache", "lmcache server")
+        _crash("lmcache", sidecars.LMCACHE_API_SOCKET)
         # back = restarted by its policy (Docker may not have seen the kill yet at the first
         # look) and healthy again; a new LMCache server takes ~10-40 s here (imports on 2
         # busy cores)

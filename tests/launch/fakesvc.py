@@ -9,7 +9,8 @@ checks what must be true when it starts, records what it saw in
   its process group, as vLLM's engine core does, so a stop must take the whole group.
   It refuses to start (exit 4) when its ``--kv-transfer-config`` names an LMCache server
   that does not accept connections yet.
-- lmcache: TCP on ``--port`` and HTTP on ``--http-port``.
+- lmcache (run through ``fakemods/lmcache``, as the plan's API shim runs it): TCP on
+  ``--port`` and HTTP on the unix socket uvicorn was given (``$FAKE_LMCACHE_API``).
 - pdstack proxy: HTTP ``/health`` on ``--port``; refuses to start (exit 5) unless every
   backend in ``--backends`` answers ``/health``.
 
@@ -23,6 +24,7 @@ engine watchdog sees it answer.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.server
 import json
@@ -36,6 +38,8 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+
+from pdstack.secrets import ALL_SECRETS
 
 
 def opt(argv: list[str], name: str, default: str | None = None) -> str | None:
@@ -84,6 +88,22 @@ def serve_http(host: str, port: int, status: int, metrics: bool = False) -> Serv
     return server
 
 
+class UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+
+def serve_http_unix(path: str) -> UnixServer:
+    class H(Health):
+        def address_string(self) -> str:
+            return "unix"
+
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    server = UnixServer(path, H)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
 def can_connect(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), 1.0):
@@ -109,6 +129,8 @@ def main() -> int:
         )},
         "hf_token_sha256": hashlib.sha256(os.environ["HF_TOKEN"].encode()).hexdigest()
         if "HF_TOKEN" in os.environ else None,
+        # which secrets reached this process's environment (names only)
+        "secrets": sorted(k for k in ALL_SECRETS if k in os.environ),
     }
     print(f"fake {prog} starting on {host}:{port}", flush=True)
     if port in ports_from_env("FAKE_IGNORE_TERM_PORT"):
@@ -135,9 +157,14 @@ def main() -> int:
         record["grandchild"] = child.pid
         servers.append(serve_http(host, port, status, metrics=True))
     elif prog == "lmcache":
-        http_port = int(opt(argv, "--http-port", "0") or 0)
         tcp = socket.create_server((host, port))
-        servers += [tcp, serve_http(host, http_port, 200)]
+        api = os.environ.get("FAKE_LMCACHE_API", "")
+        record["api"] = api
+        if api.startswith("/"):
+            record["api_folder_mode"] = oct(os.stat(os.path.dirname(api)).st_mode & 0o777)
+            servers += [tcp, serve_http_unix(api)]
+        else:
+            servers += [tcp]
     elif prog == "pdstack":
         backends_file = opt(argv, "--backends")
         assert backends_file

@@ -1,6 +1,7 @@
 """``pdstack launch`` with real processes: the planned commands run as stand-in programs
-(tests/launch/fakesvc.py as ``vllm``, ``lmcache`` and ``pdstack`` on PATH) that listen
-on the planned ports and check what must hold when they start."""
+(tests/launch/fakesvc.py as ``vllm``, ``lmcache`` and ``pdstack`` on PATH; the LMCache
+server's API shim, ``python3 -c ...``, imports ``tests/launch/fakemods``' ``lmcache`` and
+``uvicorn``) that listen on the planned ports and check what must hold when they start."""
 
 from __future__ import annotations
 
@@ -28,7 +29,11 @@ from pdstack.topology import load_topology
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 FAKE = HERE / "fakesvc.py"
+FAKEMODS = HERE / "fakemods"
 SECRET = "hf_s3cr3t-VALUE-never-logged"
+# the other secrets of the node's file, and one in launch's own environment (issue 38)
+OTHER_SECRETS = {"PDSTACK_ADMIN_TOKEN": "adm-s3cr3t", "VLLM_API_KEY": "engine-s3cr3t"}
+INHERITED = {"PDSTACK_API_KEYS": "client-s3cr3t"}
 
 
 def free_block(n: int) -> int:
@@ -115,13 +120,14 @@ pdstack_ports: {{proxy: {ports['proxy']}, engine_http_base: {ports['engine']},
     records = tmp / "records"
     records.mkdir()
     secrets = tmp / "secrets.env"
-    secrets.write_text(f"# secrets\nHF_TOKEN={SECRET}\n")
+    secrets.write_text(f"# secrets\nHF_TOKEN={SECRET}\n"
+                       + "".join(f"{k}={v}\n" for k, v in OTHER_SECRETS.items()))
     secrets.chmod(0o600)
     path = f"{bin_dir}:{os.environ['PATH']}"
     if not fake_proxy:  # the real proxy: `pdstack` must not resolve to anything but it
         path = f"{bin_dir}:/usr/bin:/bin"
-    env = {**os.environ, "PATH": path, "FAKE_RECORD_DIR": str(records),
-           "PYTHONPATH": str(REPO)}
+    env = {**os.environ, **INHERITED, "PATH": path, "FAKE_RECORD_DIR": str(records),
+           "PYTHONPATH": f"{REPO}:{FAKEMODS}"}
     stack = Stack(inv=inv, logs=tmp / "logs", records=records, env=env, ports=ports)
     stack.env["PDSTACK_TEST_SECRETS"] = str(secrets)
     return stack
@@ -175,15 +181,27 @@ def test_start_status_stop_shared_l1(stacks: list[Stack], tmp_path: Path) -> Non
     plan = make_plan(load_topology(st.inv))
     planned = {s.name: s for s in plan.nodes["n1"].services}
     assert pre["argv"] == planned["prefill-0"].command[1:]
-    assert lm["argv"] == planned["lmcache"].command[1:]
+    # LMCache: `lmcache server ...` with its HTTP API on a unix socket in the log folder
+    # (0700), not on a TCP port (the plan's shim: pdstack.sidecars.LMCACHE_API_ON_SOCKET)
+    assert lm["argv"] == planned["lmcache"].command[4:] and lm["argv"][0] == "server"
+    assert lm["api"] == str(st.logs.resolve() / "lmcache-api" / "api.sock")
+    assert lm["api_folder_mode"] == "0o700"
+    api = socket.socket(socket.AF_UNIX)
+    api.connect(lm["api"])
+    api.close()
     backends = st.logs / "backends.json"
     assert proxy["argv"][proxy["argv"].index("--backends") + 1] == str(backends)
     assert json.loads(backends.read_text()) == json.loads(plan.backend_table.model_dump_json())
     assert proxy["backends"] == json.loads(plan.backend_table.model_dump_json())
-    # the secret reached the services, never the logs or the output
+    # each service got the secrets it reads and no other (the node's file and launch's own
+    # environment alike), never in the logs or the output
     assert pre["hf_token_sha256"] == hashlib.sha256(SECRET.encode()).hexdigest()
+    assert pre["secrets"] == dec["secrets"] == ["HF_TOKEN", "VLLM_API_KEY"]
+    assert proxy["secrets"] == ["PDSTACK_ADMIN_TOKEN", "PDSTACK_API_KEYS", "VLLM_API_KEY"]
+    assert lm["secrets"] == []
     for log in st.logs.glob("*.log"):
-        assert SECRET not in log.read_text()
+        for value in (SECRET, *OTHER_SECRETS.values(), *INHERITED.values()):
+            assert value not in log.read_text()
     assert SECRET not in r.stdout + r.stderr
     # logs and pid files per service
     assert sorted(p.name for p in st.logs.glob("*.pid")) == [

@@ -11,7 +11,6 @@ import pytest
 import yaml
 
 from pdstack.plan import make_plan
-from pdstack.ports import lmcache_api_host
 from pdstack.topology import TopologyError, load_topology
 
 REPO = Path(__file__).resolve().parents[2]
@@ -108,14 +107,13 @@ def test_engines_that_do_not_fit_their_gpu_are_named(tmp_path):
     assert "NVIDIA H200 has 140.4 GiB" in problem.message
 
 
-def test_pretend_nodes_on_one_host_get_their_own_loopback_api():
-    """shared-l1+nixl on one host: two LMCache servers, one API port, two loopback addresses."""
+def test_pretend_nodes_on_one_host_do_not_collide():
+    """shared-l1+nixl on one host: two LMCache servers on two loopback addresses, the same
+    ZMQ port, and no TCP API port to share (it is a unix socket: pdstack.sidecars)."""
     plan = make_plan(load_topology(REPO / "inventory" / "h200x1-seed-shared-l1-nixl"))
-    apis = []
+    binds = []
     for node in plan.nodes.values():
         (lm,) = [s for s in node.services if s.kind == "lmcache"]
-        cmd = lm.command
-        apis.append((cmd[cmd.index("--http-host") + 1], cmd[cmd.index("--http-port") + 1]))
-    assert sorted(apis) == [("127.0.0.1", "6112"), ("127.0.0.2", "6112")]
-    assert lmcache_api_host("10.0.0.31") == "127.0.0.1"
-    assert lmcache_api_host("node1.example") == "127.0.0.1"
+        assert "--http-port" not in lm.command and "--http-host" not in lm.command
+        binds.append((lm.command[lm.command.index("--host") + 1], lm.ports["zmq"]))
+    assert sorted(binds) == [("127.0.0.1", 6110), ("127.0.0.2", 6110)]

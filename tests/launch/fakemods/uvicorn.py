@@ -1,0 +1,12 @@
+"""Stand-in for ``uvicorn`` in launch tests: only ``Config``, whose keyword arguments the
+LMCache API shim (``pdstack.sidecars.LMCACHE_API_ON_SOCKET``) rewrites."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Config:
+    def __init__(self, app: Any = None, host: str = "127.0.0.1", port: int = 8000,
+                 uds: str | None = None, **kw: Any) -> None:
+        self.app, self.host, self.port, self.uds = app, host, port, uds
