@@ -39,3 +39,9 @@ gpu_install() {
   source "$SITE/env.sh"
   export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 }
+
+# GET a URL, print the body; exit status 0 only for a 2xx answer within 3 s (no curl there)
+http_get() {
+  python3 -c "import sys, urllib.request as u; sys.stdout.write(u.urlopen(sys.argv[1], timeout=3).read().decode())" \
+    "$1" 2>/dev/null
+}

@@ -16,6 +16,7 @@ from pdstack import kvmodes, naming
 from pdstack.ports import (
     engine_names,
     engine_tp,
+    lmcache_api_host,
     lmcache_api_port,
     lmcache_pd_notify_port,
     lmcache_pd_receiver_ports,
@@ -427,7 +428,7 @@ def _lmcache_service(d: DeploymentSpec, node: NodeSpec) -> Service:
         # its HTTP API serves /env, /cache/clear, /reconfigure/* without authentication:
         # loopback only; the rendered stack's metrics gate serves GET /metrics on
         # lmcache_http (pdstack.sidecars.METRICS_GATE)
-        "--http-host", "127.0.0.1",
+        "--http-host", lmcache_api_host(node.private_address),
         "--http-port", str(lmcache_api_port(d)),
         "--l1-size-gb", str(lm.l1_size_gb),
         "--eviction-policy", lm.eviction_policy,

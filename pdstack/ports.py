@@ -6,6 +6,8 @@ planner reads it, and this module imports neither."""
 
 from __future__ import annotations
 
+import ipaddress
+
 from pdstack import kvmodes
 from pdstack.specs import DeploymentSpec, EngineSpec, NodeSpec, Topology
 
@@ -50,6 +52,17 @@ def lmcache_api_port(d: DeploymentSpec) -> int:
     bound to 127.0.0.1 only; ``lmcache_http`` on the private address is the gate in front
     of it that serves ``GET /metrics`` alone."""
     return d.ports.lmcache_http + 1
+
+
+def lmcache_api_host(private_address: str) -> str:
+    """The loopback address LMCache's HTTP API binds: the node's own address when that is a
+    loopback one (pretend nodes on one host, 127.0.0.1 and 127.0.0.2: their APIs share the
+    port), else 127.0.0.1."""
+    try:
+        loopback = ipaddress.ip_address(private_address).is_loopback
+    except ValueError:
+        loopback = False
+    return private_address if loopback else "127.0.0.1"
 
 
 def lmcache_pd_notify_port(d: DeploymentSpec) -> int:

@@ -15,6 +15,7 @@ import jinja2
 
 from pdstack import monitoring, naming, sidecars
 from pdstack.plan import SECRETS_ENV_FILE, Plan, Service, model_path
+from pdstack.ports import lmcache_api_host
 from pdstack.topology import Topology
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "compose" / "templates"
@@ -76,7 +77,7 @@ def render_node(topo: Topology, plan: Plan, node_name: str) -> dict[str, str]:
             d.model.served_name,
         ),
         "metrics_gate": lambda svc: sidecars.metrics_gate_command(
-            svc.bind_address, svc.ports["metrics"], f"http://127.0.0.1:{svc.ports['api']}"
+            svc.bind_address, svc.ports["metrics"], f"http://{lmcache_api_host(svc.bind_address)}:{svc.ports['api']}"
         ),
     }
     has_proxy = any(s.kind == "proxy" for s in node.services)

@@ -58,6 +58,11 @@ class ModelSpec(_Strict):
     kv_bytes_per_token: int | None = Field(
         default=None, gt=0, description="KV size of one token (all layers); sizes receive buffers"
     )
+    weight_bytes: int | None = Field(
+        default=None, gt=0,
+        description="bytes of the weights as loaded (all TP ranks together); with it the "
+        "planner checks that the engines sharing a GPU fit in its memory",
+    )
     extra_args: list[str] = Field(default_factory=list)
 
 

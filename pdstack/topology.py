@@ -45,6 +45,8 @@ from pdstack.specs import (
 )
 
 __all__ = [
+    "ENGINE_GPU_OVERHEAD_BYTES",
+    "GPU_MEMORY_MIB",
     "HOST_MEMORY_COMMIT",
     "NODE_GROUP",
     "SSH_VARS",
@@ -415,7 +417,43 @@ def _check_engines(d: DeploymentSpec, node: NodeSpec, hosts_file: str) -> list[P
             problems.append(
                 Problem(hosts_file, f"{field}.gpus", "profile cpu takes no GPU ids")
             )
+    if d.profile == "gpu":
+        problems += _check_gpu_fit(d, node, hosts_file)
     return problems
+
+
+# memory.total of the GPU models the planner knows (nvidia-smi, MiB); a node of another model
+# gets no fit check
+GPU_MEMORY_MIB: dict[str, int] = {
+    "NVIDIA H200": 143771,  # tests/fixtures/h200 (the lent machine)
+    "NVIDIA A100-SXM4-80GB": 81920,
+    "NVIDIA H100 80GB HBM3": 81559,
+}
+# what one engine holds on its GPU besides weights and KV: CUDA context, activations, CUDA
+# graphs, NCCL/NIXL buffers (measured on the H200: results/h200x1-seeds/README.md)
+ENGINE_GPU_OVERHEAD_BYTES = 4 * 2**30
+
+
+def _check_gpu_fit(d: DeploymentSpec, node: NodeSpec, hosts_file: str) -> list[Problem]:
+    """Engines with a fixed KV size on one GPU: weights (their TP share) + KV + overhead fit
+    in the GPU's memory. Needs ``pdstack_model.weight_bytes`` and a known GPU model."""
+    total = GPU_MEMORY_MIB.get(node.gpu_model or "")
+    if total is None or d.model.weight_bytes is None:
+        return []
+    need: dict[int, int] = {}
+    for eng in node.engines:
+        if not eng.kv_cache_bytes or not eng.gpus:
+            continue
+        per_gpu = d.model.weight_bytes // len(eng.gpus) + eng.kv_cache_bytes
+        for g in eng.gpus:
+            need[g] = need.get(g, 0) + per_gpu + ENGINE_GPU_OVERHEAD_BYTES
+    return [
+        Problem(hosts_file, f"{node.name}.pdstack_engines",
+                f"GPU {g} needs {n / 2**30:.1f} GiB (weights + kv_cache_bytes + "
+                f"{ENGINE_GPU_OVERHEAD_BYTES // 2**30} GiB per engine) but a {node.gpu_model} "
+                f"has {total / 1024:.1f} GiB")
+        for g, n in sorted(need.items()) if n > total * 2**20
+    ]
 
 
 def _check_engine_gpus(d: DeploymentSpec, node: NodeSpec, i: int, used: dict[int, int],

@@ -58,6 +58,8 @@ class BackendState:
     drained: bool = False
     removed: bool = False
     in_flight: int = 0
+    # decode legs whose path was chosen for this decoder at prefill time, not yet ended
+    planned_decodes: int = 0
     consecutive_failures: int = 0  # failed requests (legs) in a row
     probe_failures: int = 0  # failed /health probes in a row
     consecutive_successes: int = 0

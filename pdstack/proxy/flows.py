@@ -136,13 +136,31 @@ class Flows(Legs):
         # ---- leg 1: prefill
         kv_params: dict[str, Any] | None = None
         kv_path = ""
+        planned: list[BackendState] = []  # the decoder this request's path was chosen for
 
         async def prefill_leg(prefill: BackendState, attempt: int) -> None:
             nonlocal kv_params, kv_path
-            decoders = self._paired_decoders(prefill)
-            kv_path = decoders[0][1] if decoders else "nixl"
+            _unplan(planned)
+            kv_path = self._decode_path(prefill, planned)
             kv_params = await self._prefill(prefill, ctx, nixl=kv_path == "nixl")
 
+        try:
+            return await self._prefill_then_decode(request, ctx, prefill_leg, lambda: kv_path,
+                                                   lambda: kv_params)
+        finally:
+            _unplan(planned)
+
+    async def _prefill_then_decode(
+        self,
+        request: web.Request,
+        ctx: RequestContext,
+        prefill_leg: Callable[[BackendState, int], Awaitable[None]],
+        kv_path_of: Callable[[], str],
+        kv_params_of: Callable[[], dict[str, Any] | None],
+    ) -> web.StreamResponse:
+        """Leg 1 through ``prefill_leg`` (which sets the path and the NIXL params that
+        ``kv_path_of`` / ``kv_params_of`` read), then the decode leg on that path."""
+        registry = self.registry
         answered = await self._run_prefill_leg(ctx, prefill_leg)
         if not isinstance(answered, BackendState):
             if ctx.outcome in ("no_backend", "upstream_error") and self._prefill_down():
@@ -160,6 +178,7 @@ class Flows(Legs):
 
         def decode_payload(backend: BackendState) -> bytes:
             path = registry.pairings.get(chosen_prefill.name, {}).get(backend.name, "")
+            kv_params = kv_params_of()
             if path == "nixl" and kv_params is not None:
                 if "nixl" not in decode_raw:
                     decode_raw["nixl"] = json.dumps(
@@ -176,7 +195,7 @@ class Flows(Legs):
             ]
             if not pairs:
                 return None
-            same_path = [d for d, p in pairs if p == kv_path] or [d for d, _ in pairs]
+            same_path = [d for d, p in pairs if p == kv_path_of()] or [d for d, _ in pairs]
             chosen = self._pick_decoder(ctx, same_path)
             if chosen is not None:
                 self.metrics.pair(chosen_prefill, chosen).inc()
@@ -415,6 +434,21 @@ class Flows(Legs):
         pairs.sort(key=lambda pair: pair[1] != "shared-l1")
         return pairs
 
+    def _decode_path(self, prefill: BackendState, planned: list[BackendState]) -> str:
+        """The KV path of this request's decode leg, chosen before the prefill (which must
+        know whether to hand off over NIXL): the path of the paired decoder with the fewest
+        decodes running or planned, the same-node store (shared-l1) on a tie; that decoder
+        counts it as planned (``planned`` holds it until the request ends). shared-l1+nixl
+        on one H200 (issue 35) sent every request to the same-node decoder while the other
+        node's, NIXL-paired one stayed idle."""
+        pairs = self._paired_decoders(prefill)
+        if not pairs:
+            return "nixl"
+        decoder, path = min(pairs, key=lambda p: p[0].in_flight + p[0].planned_decodes)
+        decoder.planned_decodes += 1
+        planned.append(decoder)
+        return path
+
     def _pick_affinity(
         self, role: str, key_hash: int, tried: set[str], tokens: int | None = None
     ) -> BackendState | None:
@@ -462,3 +496,9 @@ class Flows(Legs):
             return pick_p2c([d for d in local if d.name not in tried and d.usable], self.rng)
 
         return await self._final_leg(request, ctx, pick, lambda backend: ctx.raw)
+
+
+def _unplan(planned: list[BackendState]) -> None:
+    """Drop the planned decode a request counted on its decoder (see ``_decode_path``)."""
+    while planned:
+        planned.pop().planned_decodes -= 1

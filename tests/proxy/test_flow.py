@@ -126,6 +126,34 @@ async def test_shared_l1_plus_nixl_prefers_same_node_and_uses_nixl_across() -> N
     assert e["d2"].seen()[0].body["kv_transfer_params"]["do_remote_prefill"] is True
 
 
+async def test_shared_l1_plus_nixl_spreads_load_to_the_other_nodes_decoder() -> None:
+    """Under load the NIXL-paired decoder of another node takes its share (on one H200,
+    issue 35, the same-node decoder got every request and node b's stayed idle)."""
+    async with ph.engines("p1", "d1", "d2", output_tokens=20, itl_ms=20) as e:
+        t = ph.table(
+            "shared-l1+nixl",
+            [
+                ph.backend("n1/p", "prefill", e["p1"], node="n1"),
+                ph.backend("n1/d", "decode", e["d1"], node="n1"),
+                ph.backend("n2/d", "decode", e["d2"], node="n2"),
+            ],
+        )
+        async with ph.running_proxy(t) as rp:
+            results = await asyncio.gather(
+                *(ph.stream_completion(rp.session, rp.url, f"p{i} " * 20) for i in range(20))
+            )
+    assert all(r.status == 200 and r.events[-1] == "[DONE]" for r in results)
+    same, other = e["d1"].seen(), e["d2"].seen()
+    assert len(same) + len(other) == 20
+    assert len(other) >= 5 and len(same) >= 5, (len(same), len(other))
+    # each leg took its own path: NIXL params exactly for the other node's decoder
+    assert all(r.body["kv_transfer_params"]["do_remote_prefill"] is True for r in other)
+    assert all("kv_transfer_params" not in r.body for r in same)
+    nixl_ids = {r.request_id for r in other}
+    for r in e["p1"].seen():
+        assert ("kv_transfer_params" in r.body) == (r.request_id in nixl_ids)
+
+
 async def test_colocated_is_one_leg() -> None:
     async with ph.engines("e0", "e1") as e:
         t = ph.table(
