@@ -45,6 +45,8 @@ from pdstack.specs import (
 )
 
 __all__ = [
+    "ENGINE_GPU_OVERHEAD_BYTES",
+    "GPU_MEMORY_MIB",
     "HOST_MEMORY_COMMIT",
     "NODE_GROUP",
     "SSH_VARS",

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
+from typing import Any
 
 import aiohttp
 
 from pdstack.testing import proxy_harness as ph
+from pdstack.testing.fake_engine import FakeEngine
 
 SYSTEM = "You are a helpful assistant. " * 40  # ~1200 chars, shared by most requests
 
@@ -103,16 +105,21 @@ async def test_shared_l1_pairs_same_node_only_and_no_kv_params() -> None:
         assert all("kv_transfer_params" not in r.body for r in e[name].seen())
 
 
+def _one_prefiller_two_nodes(e: dict[str, FakeEngine]) -> dict[str, Any]:
+    """shared-l1+nixl: prefiller p1 and decoder d1 on node n1, decoder d2 on node n2."""
+    return ph.table(
+        "shared-l1+nixl",
+        [
+            ph.backend("n1/p", "prefill", e["p1"], node="n1"),
+            ph.backend("n1/d", "decode", e["d1"], node="n1"),
+            ph.backend("n2/d", "decode", e["d2"], node="n2"),
+        ],
+    )
+
+
 async def test_shared_l1_plus_nixl_prefers_same_node_and_uses_nixl_across() -> None:
     async with ph.engines("p1", "d1", "d2") as e:
-        t = ph.table(
-            "shared-l1+nixl",
-            [
-                ph.backend("n1/p", "prefill", e["p1"], node="n1"),
-                ph.backend("n1/d", "decode", e["d1"], node="n1"),
-                ph.backend("n2/d", "decode", e["d2"], node="n2"),
-            ],
-        )
+        t = _one_prefiller_two_nodes(e)
         async with ph.running_proxy(t) as rp:
             ok = await ph.stream_completion(rp.session, rp.url, "x " * 10)
             assert ok.status == 200
@@ -130,14 +137,7 @@ async def test_shared_l1_plus_nixl_spreads_load_to_the_other_nodes_decoder() -> 
     """Under load the NIXL-paired decoder of another node takes its share (on one H200,
     issue 35, the same-node decoder got every request and node b's stayed idle)."""
     async with ph.engines("p1", "d1", "d2", output_tokens=20, itl_ms=20) as e:
-        t = ph.table(
-            "shared-l1+nixl",
-            [
-                ph.backend("n1/p", "prefill", e["p1"], node="n1"),
-                ph.backend("n1/d", "decode", e["d1"], node="n1"),
-                ph.backend("n2/d", "decode", e["d2"], node="n2"),
-            ],
-        )
+        t = _one_prefiller_two_nodes(e)
         async with ph.running_proxy(t) as rp:
             results = await asyncio.gather(
                 *(ph.stream_completion(rp.session, rp.url, f"p{i} " * 20) for i in range(20))
