@@ -24,9 +24,10 @@ Request flow (``/v1/completions``, ``/v1/chat/completions``):
    its PULL socket, then sends the original request to that decoder. No notification
    in time: logged + counted, the decode leg goes anyway (the decoder recomputes).
 6. Decode fallback (``decode_fallback``, on by default): when no prefiller can take the
-   request (none usable with a usable paired decoder, or every prefill try failed and left
-   none), one leg with the original request to a decoder (p2c), which computes the prompt
-   itself; route ``decode_fallback``, counted in ``decode_fallback_total``.
+   request (none usable with a usable paired decoder, or every prefill try failed: left
+   none usable, or failed without timing out, as on a prefiller that crashed), one leg
+   with the original request to a decoder (p2c), which computes the prompt itself; route
+   ``decode_fallback``, counted in ``decode_fallback_total``.
 Retries: a failed prefill leg, or a decode leg that has not produced its first byte,
 is retried on another backend (which failures count against a backend, and the circuit
 breaker: :mod:`pdstack.proxy.breaker`); each leg waits at most its budget
