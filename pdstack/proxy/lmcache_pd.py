@@ -216,16 +216,9 @@ class LmcachePdFlow(Legs):
     notifier: NotifyListener | None
     rng: random.Random
 
-    def _paired_decoders(self, prefill: BackendState) -> list[tuple[BackendState, str]]:
-        raise NotImplementedError  # pdstack.proxy.flows.Flows
-
-    async def _run_prefill_leg(
-        self,
-        ctx: RequestContext,
-        leg: Callable[[BackendState, int], Awaitable[None]],
-        on_retryable: Callable[[], None] | None = None,
-    ) -> BackendState | web.StreamResponse:
-        raise NotImplementedError  # pdstack.proxy.flows.Flows
+    # pdstack.proxy.flows.Flows
+    _paired_decoders: Callable[[BackendState], list[tuple[BackendState, str]]]
+    _run_prefill_leg: Callable[..., Awaitable[BackendState | web.StreamResponse]]
 
     async def _serve_lmcache_pd(
         self, request: web.Request, ctx: RequestContext
