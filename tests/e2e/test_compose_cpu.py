@@ -511,10 +511,12 @@ class _Traffic:
         with self._lock:
             return [r for r in self.results if r[2] and since <= r[0] < until]
 
-    def slowest(self, since: float) -> list[tuple[float, float, str, float]]:
-        """The requests in flight at ``since`` or started after it, longest wait first."""
+    def slowest(self, since: float, until: float) -> list[tuple[float, float, str, float]]:
+        """The requests in flight at ``since`` or started until ``until``, longest wait
+        first."""
         with self._lock:
-            return sorted((r for r in self.results if r[1] >= since), key=lambda r: -r[3])
+            return sorted((r for r in self.results if r[1] >= since and r[0] <= until),
+                          key=lambda r: -r[3])
 
 
 def _container(service: str) -> str:
@@ -645,6 +647,8 @@ def _all_routable() -> None:
 # A request waits at most this for its first token while LMCache restarts (issue 38: 8-16 s
 # with the client's old 5 s mq_timeout; the request's own answer takes ~0.1-1 s here)
 LMCACHE_WAIT_S = 5.0
+# the engines' clients see the new server within a heartbeat (1 s) and re-register with it
+LMCACHE_SETTLE_S = 10.0
 
 
 def _errors(failed: list[tuple[float, float, str, float]]) -> list[str]:
@@ -668,19 +672,22 @@ def _heal_lmcache_killed() -> None:
         back = _wait(lambda: _restarts("lmcache") > before and any(
             s.service == "lmcache" and s.ok for s in service_states(CPU_STACK)),
             "lmcache restarted and healthy", 120)
+        back_at = time.monotonic()
         metrics_up = _wait(lambda: _answers(lmc_url), "LMCache's metrics answer", 30)
         time.sleep(20)
     proxy1 = _proxy_backends()
     failed = traffic.failed()
     in_flight = [r for r in traffic.results if r[0] <= killed_at <= r[1]]
-    slowest = traffic.slowest(since=killed_at)
+    # the outage: from the kill until LMCache is back and the engines re-registered with it
+    slowest = traffic.slowest(since=killed_at, until=back_at + LMCACHE_SETTLE_S)
     changed = {name: proxy1.get(k, 0) - proxy0.get(k, 0) for name in
                ("pdstack_proxy_wedged_total", "pdstack_proxy_ejections_total")
                for k in proxy1 if k.startswith(name) and proxy1[k] != proxy0.get(k, 0)}
     print(f"\n[heal] lmcache killed: back (restarted, healthy) after {back:.0f} s, its "
           f"metrics {metrics_up:.0f} s later; {len(failed)} of "
           f"{len(traffic.results)} requests failed ({len(in_flight)} were in flight); "
-          f"errors {_errors(failed)}; longest waits for a first token from the kill on "
+          f"errors {_errors(failed)}; longest waits for a first token from the kill to "
+          f"{LMCACHE_SETTLE_S:.0f} s after its return "
           f"{[round(r[3], 1) for r in slowest[:5]]} s (started "
           f"{[round(r[0] - killed_at, 1) for r in slowest[:5]]} s after the kill); "
           f"proxy wedged/ejections: {changed or 'none'}")
