@@ -241,12 +241,18 @@ def native_tier_connector(size_gb: float) -> dict:
 # The LMCache MP client's budgets on the cpu profile (LMCache >= 0.5.6, where the fault tests
 # run them: tests/e2e/test_compose_cpu.py heal). LMCache's defaults are a 300 s mq_timeout and
 # a 10 s heartbeat: a lookup whose reply was lost with a killed server leaves its request
-# "deferred" for 300 s (the engine takes no new work meanwhile: the wedged decoder of issue 27,
-# measured 2 of 3 runs here), and new lookups go to the dead server for up to 10 s before the
-# client's degraded mode skips it. With these, a lost reply is a cache miss after 5 s and the
-# outage is seen within 2 s; the client re-registers its KV caches when the server is back.
-# The gpu profile keeps LMCache's defaults: not yet measured with the pinned 0.5.3.
-LMCACHE_MP_CPU_BUDGETS = {"lmcache.mp.mq_timeout": 5.0, "lmcache.mp.heartbeat_interval": 2.0}
+# "deferred" for 300 s (the engine takes no new work meanwhile: the wedged decoder of issue 27).
+# The cpu profile moves KV "engine_driven": each store and each retrieve is two blocking RPCs
+# (PREPARE + COMMIT, lmcache/v1/multiprocess/transfer_context/{pickle,shm}.py) inside the
+# engine's step, each waiting up to mq_timeout, until the heartbeat (ping every interval, the
+# same timeout) has seen the server go: with 5 s / 2 s a killed server froze every engine's
+# steps for 8-16 s (issue 38: requests waited that long for a first token, and the proxy
+# flagged a healthy prefiller wedged). With 1 s / 1 s a store to a dead server costs <= 2 s and
+# the outage is seen within 2 s; a lost lookup is a cache miss after 1 s, and the client
+# re-registers its KV caches when the server is back. A reply slower than 1 s (a busy LMCache)
+# is a cache miss, never an error. The gpu profile keeps LMCache's defaults: its transfers are
+# asynchronous ("lmcache_driven"), not yet measured with the pinned 0.5.3.
+LMCACHE_MP_CPU_BUDGETS = {"lmcache.mp.mq_timeout": 1.0, "lmcache.mp.heartbeat_interval": 1.0}
 
 
 def kv_transfer_config(

@@ -43,6 +43,14 @@ ERROR_TYPES = {
 OPENAI_TYPES = frozenset({*ERROR_TYPES.values(), "server_error", "not_found_error"})
 
 
+def describe_failure(exc: BaseException, timeout: float | None = None) -> str:
+    """A transport failure or timeout of an upstream leg, for its error message."""
+    if isinstance(exc, TimeoutError):
+        return f"timed out after {timeout:g}s" if timeout is not None else "timed out"
+    text = str(exc)
+    return f"{exc.__class__.__name__}: {text}" if text else exc.__class__.__name__
+
+
 def error_type(status: int) -> str:
     return ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
 

@@ -24,9 +24,10 @@ Request flow (``/v1/completions``, ``/v1/chat/completions``):
    its PULL socket, then sends the original request to that decoder. No notification
    in time: logged + counted, the decode leg goes anyway (the decoder recomputes).
 6. Decode fallback (``decode_fallback``, on by default): when no prefiller can take the
-   request (none usable with a usable paired decoder, or every prefill try failed and left
-   none), one leg with the original request to a decoder (p2c), which computes the prompt
-   itself; route ``decode_fallback``, counted in ``decode_fallback_total``.
+   request (none usable with a usable paired decoder, or every prefill try failed: left
+   none usable, or failed without timing out, as on a prefiller that crashed), one leg
+   with the original request to a decoder (p2c), which computes the prompt itself; route
+   ``decode_fallback``, counted in ``decode_fallback_total``.
 Retries: a failed prefill leg, or a decode leg that has not produced its first byte,
 is retried on another backend (which failures count against a backend, and the circuit
 breaker: :mod:`pdstack.proxy.breaker`); each leg waits at most its budget
@@ -38,11 +39,8 @@ handler, which closes the upstream connection(s), so the engines abort.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import random
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -52,8 +50,8 @@ from pdstack.proxy import tracing
 from pdstack.proxy.admission import AdmissionRejected, prompt_tokens
 from pdstack.proxy.backends import BackendState
 from pdstack.proxy.errors import error_response
-from pdstack.proxy.legs import Legs, RequestContext
-from pdstack.proxy.lmcache_pd import NotifyListener, disagg_spec
+from pdstack.proxy.legs import RequestContext
+from pdstack.proxy.lmcache_pd import LmcachePdFlow
 from pdstack.proxy.routing import (
     HashRing,
     PrefixIndex,
@@ -70,14 +68,13 @@ log = logging.getLogger("pdstack.proxy")
 Flow = Callable[[web.Request, RequestContext], Awaitable[web.StreamResponse]]
 
 
-class Flows(Legs):
-    """Mixin of :class:`pdstack.proxy.app.Proxy`: one flow per KV mode."""
+class Flows(LmcachePdFlow):
+    """Mixin of :class:`pdstack.proxy.app.Proxy`: one flow per KV mode (``lmcache-pd``'s in
+    :class:`pdstack.proxy.lmcache_pd.LmcachePdFlow`)."""
 
     flow: Flow  # pick_flow(), set once at start
 
-    rng: random.Random
     index: PrefixIndex
-    notifier: NotifyListener | None
     skip_threshold_tokens: int
     _rings: dict[str, tuple[int, HashRing]]  # role -> (registry version, ring)
 
@@ -131,7 +128,7 @@ class Flows(Legs):
 
         # ---- no usable prefiller: the decoders serve whole requests (decode fallback)
         if self._prefill_down():
-            return await self._serve_decode_fallback(request, ctx)
+            return await self._serve_decode_fallback(request, ctx, "no usable prefiller")
 
         # ---- leg 1: prefill
         kv_params: dict[str, Any] | None = None
@@ -163,11 +160,10 @@ class Flows(Legs):
         registry = self.registry
         answered = await self._run_prefill_leg(ctx, prefill_leg)
         if not isinstance(answered, BackendState):
-            if ctx.outcome in ("no_backend", "upstream_error") and self._prefill_down():
-                # every prefiller failed it and is out now: the decoders compute it
-                ctx.outcome = "ok"
-                return await self._serve_decode_fallback(request, ctx)
-            return answered
+            if not self._fallback_after_prefill(ctx, answered):
+                return answered
+            ctx.outcome = "ok"  # every prefill try failed: the decoders compute it
+            return await self._serve_decode_fallback(request, ctx, "every prefill try failed")
         prefill = answered
         if self.skip_threshold_tokens > 0 and registry.mode.skip_prefill:
             self.index.insert((prefill.node, prefill.generation), self._hashes(ctx))
@@ -208,20 +204,35 @@ class Flows(Legs):
     def _prefill_down(self) -> bool:
         """No prefiller can take a request now, and some decoder can serve it whole."""
         registry = self.registry
-        if not self.config.decode_fallback:
-            return False
         if any(p.usable and registry.decoders_for(p) for p in registry.by_role("prefill")):
             return False
-        return any(d.usable for d in registry.by_role("decode"))
+        return self._decoder_up()
+
+    def _fallback_after_prefill(self, ctx: RequestContext, answer: web.StreamResponse) -> bool:
+        """Every prefill try failed (``answer``: the client's error): does a decoder serve
+        the request whole instead? Yes when no prefiller is usable now; and when the last try
+        failed without timing out (refused or cut: a prefiller that crashed, which the breaker
+        ejects only after its /health probe) while some decoder is usable: never a 502 that a
+        decoder could have served. Not after a timed-out try with prefillers still in (the
+        client has waited a leg budget already), nor for the engine's own answer (a 4xx)."""
+        if ctx.outcome not in ("no_backend", "upstream_error"):
+            return False
+        return self._prefill_down() or (answer.status != 504 and self._decoder_up())
+
+    def _decoder_up(self) -> bool:
+        """Decode fallback is on and some decoder can serve a request whole."""
+        return self.config.decode_fallback and any(
+            d.usable for d in self.registry.by_role("decode")
+        )
 
     async def _serve_decode_fallback(
-        self, request: web.Request, ctx: RequestContext
+        self, request: web.Request, ctx: RequestContext, why: str
     ) -> web.StreamResponse:
         """One leg to a decoder (p2c, KV headroom first) with the original request: it
         computes the prompt itself (no KV handoff), as a colocated engine would."""
         ctx.route = "decode_fallback"
         self.metrics.decode_fallback.inc()
-        log.info("no usable prefiller: decoder serves request %s whole", ctx.request_id)
+        log.info("%s: decoder serves request %s whole", why, ctx.request_id)
 
         def pick(tried: set[str]) -> BackendState | None:
             decoders = [
@@ -230,82 +241,6 @@ class Flows(Legs):
             return self._pick_decoder(ctx, decoders)
 
         return await self._final_leg(request, ctx, pick, lambda backend: ctx.raw)
-
-    async def _serve_lmcache_pd(
-        self, request: web.Request, ctx: RequestContext
-    ) -> web.StreamResponse:
-        """Decoder first, prefill with its disagg_spec, wait for ProxyNotif, decode there."""
-        notifier = self.notifier
-        decoder: BackendState | None = None
-        waiter: asyncio.Future[None] | None = None
-        req_id = ""
-
-        async def prefill_leg(prefill: BackendState, attempt: int) -> None:
-            nonlocal decoder, waiter, req_id
-            paired = [d for d, _ in self._paired_decoders(prefill)]
-            if decoder is None or decoder not in paired:
-                decoder = pick_p2c(paired, self.rng)  # kept across prefill retries
-            kv_request: dict[str, Any] | None = None
-            if decoder is not None and decoder.lmcache_pd is not None:
-                base = ctx.request_id if attempt == 0 else f"{ctx.request_id}-r{attempt}"
-                if notifier is not None:
-                    req_id = notifier.unique_id(base)
-                    waiter = notifier.expect(req_id)
-                else:
-                    req_id = base
-                kv_request = disagg_spec(req_id, decoder.lmcache_pd)
-            await self._prefill(prefill, ctx, nixl=False, kv_request=kv_request)
-
-        def forget_waiter() -> None:
-            nonlocal waiter
-            if notifier is not None and waiter is not None:
-                notifier.forget(req_id)
-                waiter = None
-
-        try:
-            answered = await self._run_prefill_leg(ctx, prefill_leg, forget_waiter)
-            if not isinstance(answered, BackendState):
-                return answered
-            prefill = answered
-
-            # ---- the KV push: wait (bounded) for the prefiller's ProxyNotif
-            if decoder is not None and decoder.lmcache_pd is None:
-                self.metrics.lmcache_pd_notify.labels("no_receiver").inc()
-            elif waiter is not None:
-                with tracing.kv_wait(ctx):
-                    await self._await_notify(waiter, req_id, prefill, decoder)
-        finally:
-            if notifier is not None and waiter is not None and not waiter.done():
-                notifier.forget(req_id)
-
-        # ---- leg 2: decode, on the decoder the KV went to (a retry elsewhere recomputes)
-        chosen_prefill = prefill
-        first_choice = decoder
-
-        def pick_decoder(tried_decoders: set[str]) -> BackendState | None:
-            nonlocal first_choice
-            chosen = None
-            if (
-                first_choice is not None
-                and first_choice.usable
-                and first_choice.name not in tried_decoders
-            ):
-                chosen = first_choice
-            else:
-                others = [
-                    d
-                    for d, _ in self._paired_decoders(chosen_prefill)
-                    if d.name not in tried_decoders
-                ]
-                chosen = pick_p2c(others, self.rng)
-            first_choice = None
-            if chosen is not None:
-                self.metrics.pair(chosen_prefill, chosen).inc()
-            return chosen
-
-        return await self._final_leg(
-            request, ctx, pick_decoder, lambda backend: ctx.raw, no_backend_hint=chosen_prefill
-        )
 
     async def _run_prefill_leg(
         self,
@@ -330,33 +265,6 @@ class Flows(Legs):
             on_retryable,
         )
         return result if isinstance(result, web.StreamResponse) else result[0]
-
-    async def _await_notify(
-        self,
-        waiter: asyncio.Future[None],
-        req_id: str,
-        prefill: BackendState,
-        decoder: BackendState | None,
-    ) -> None:
-        started = time.perf_counter()
-        timeout = self.config.lmcache_pd_notify_timeout_s
-        try:
-            async with asyncio.timeout(timeout):
-                await asyncio.shield(waiter)
-        except TimeoutError:
-            self.metrics.lmcache_pd_notify.labels("timeout").inc()
-            log.warning(
-                "lmcache-pd: no ProxyNotif for %s from %s within %gs; decoding on %s anyway "
-                "(it recomputes the prompt)",
-                req_id,
-                prefill.name,
-                timeout,
-                decoder.name if decoder is not None else "?",
-            )
-        else:
-            self.metrics.lmcache_pd_notify.labels("received").inc()
-        finally:
-            self.metrics.lmcache_pd_notify_wait.observe(time.perf_counter() - started)
 
     def _key_text(self, ctx: RequestContext) -> str:
         return self._key_text_full(ctx)[: self.config.prefix_chars]

@@ -21,7 +21,7 @@ from pdstack.proxy.admission import KvAdmission
 from pdstack.proxy.backends import BackendRegistry, BackendState
 from pdstack.proxy.breaker import Breaker
 from pdstack.proxy.config import ProxyConfig
-from pdstack.proxy.errors import engine_error, error_event, error_response
+from pdstack.proxy.errors import describe_failure, engine_error, error_event, error_response
 from pdstack.proxy.metrics import ProxyMetrics
 from pdstack.proxy.relay import RelayError, RelayPool, RelayProtocol, build_request, split_url
 from pdstack.proxy.sse import (
@@ -90,10 +90,6 @@ class Legs:
     admission: KvAdmission
     session: aiohttp.ClientSession | None
     _addresses: dict[str, tuple[str, int, str]]
-
-    def _record_failure(self, backend: BackendState, error: str) -> None:
-        """A connection error or timeout of ``backend`` (see pdstack.proxy.breaker)."""
-        self.breaker.failure(backend, error)
 
     # ------------------------------------------------------------------ legs
     async def _prefill(
@@ -227,15 +223,13 @@ class Legs:
         self, request: web.Request, ctx: RequestContext, backend: BackendState, payload: bytes
     ) -> web.StreamResponse:
         """A streaming final leg: retryable until its first event reaches the client."""
-        config = self.config
-        metrics = self.metrics
         started = time.perf_counter()
         host, port, _ = self._address(backend)
         backend.in_flight += 1
         proto: RelayProtocol | None = None
         streaming: RelayProtocol | None = None
         response: web.StreamResponse | None = None
-        timeout = config.decode_first_byte_timeout_s or ctx.budget_s
+        timeout = self.config.decode_first_byte_timeout_s or ctx.budget_s
         try:
             # ---------- before the first byte: everything here may be retried elsewhere
             try:
@@ -246,16 +240,15 @@ class Legs:
                     else:
                         await proto.done
             except (RelayError, OSError, TimeoutError) as exc:
-                error = f"{backend.role} {backend.name}: {_describe(exc, timeout)}"
-                self._record_failure(backend, error)
+                error = f"{backend.role} {backend.name}: {describe_failure(exc, timeout)}"
+                self.breaker.failure(backend, error)
                 raise Retryable(error, isinstance(exc, TimeoutError)) from exc
             finally:
                 if proto is not None:
                     backend.pending.discard(proto)
             if proto.status != 200:
-                await self._upstream_status(
-                    backend, proto.status, proto.take_buffered(), proto.headers
-                )
+                await self._upstream_status(backend, proto.status, proto.take_buffered(),
+                                            proto.headers)
 
             # ---------- first byte: from here on, never retry
             backend.last_success = time.monotonic()  # it answers: progress (not wedged)
@@ -267,10 +260,7 @@ class Legs:
                 rewrite = ctx.ticket.meter.wrap(rewrite, first)
             await response.write(first)
             self.admission.landed(backend, ctx.request_id)
-            tracing.first_byte(ctx)
-            now = time.perf_counter()
-            metrics.ttft_route[ctx.route].observe(now - ctx.started)
-            metrics.leg_decode_first.observe(now - started)
+            self.metrics.leg_decode_first.observe(self._first_byte(ctx) - started)
             client = request.transport
             if client is None or client.is_closing():
                 raise ConnectionResetError("client went away")
@@ -280,14 +270,12 @@ class Legs:
             def progress() -> None:
                 backend.last_success = time.monotonic()
 
-            failure = await relay_body(
-                proto, client, chunked, pending, config.stream_idle_timeout_s, rewrite,
-                progress,
-            )
+            failure = await relay_body(proto, client, chunked, pending,
+                                       self.config.stream_idle_timeout_s, rewrite, progress)
             if failure:
                 message = f"{backend.role} {backend.name} failed mid-stream: {failure}"
                 log.warning("%s (request %s%s)", message, ctx.request_id, tenant_note(ctx.ticket))
-                self._record_failure(backend, message)
+                self.breaker.failure(backend, message)
                 ctx.outcome = "stream_error"
                 await response.write(error_event(message))
             else:
@@ -296,7 +284,7 @@ class Legs:
                 backend.served += 1
                 self.relay.release(host, port, proto)
                 proto = None
-            metrics.leg_decode.observe(time.perf_counter() - started)
+            self.metrics.leg_decode.observe(time.perf_counter() - started)
             with contextlib.suppress(ConnectionError):
                 await response.write_eof()
             return response
@@ -353,8 +341,8 @@ class Legs:
             async with asyncio.timeout(timeout):
                 return await self._call(backend, ctx.path, payload, ctx.upstream_headers)
         except (RelayError, OSError, TimeoutError) as exc:
-            error = f"{label} {backend.name}: {_describe(exc, timeout)}"
-            self._record_failure(backend, error)
+            error = f"{label} {backend.name}: {describe_failure(exc, timeout)}"
+            self.breaker.failure(backend, error)
             raise Retryable(error, isinstance(exc, TimeoutError)) from exc
         finally:
             backend.in_flight -= 1
@@ -419,10 +407,7 @@ class Legs:
         self.breaker.success(backend)
         backend.last_success = time.monotonic()
         backend.served += 1
-        tracing.first_byte(ctx)
-        now = time.perf_counter()
-        self.metrics.ttft_route[ctx.route].observe(now - ctx.started)
-        self.metrics.leg_decode.observe(now - started)
+        self.metrics.leg_decode.observe(self._first_byte(ctx) - started)
         rewrite = usage_rewriter(ctx.cached_tokens)
         if rewrite is not None:
             data = rewrite(data)
@@ -437,6 +422,13 @@ class Legs:
             },
         )
 
+    def _first_byte(self, ctx: RequestContext) -> float:
+        """The client gets its first byte now: traced and timed (TTFT by route); now."""
+        tracing.first_byte(ctx)
+        now = time.perf_counter()
+        self.metrics.ttft_route[ctx.route].observe(now - ctx.started)
+        return now
+
     def _passthrough(self, exc: Passthrough, ctx: RequestContext) -> web.Response:
         """The engine's error, in the proxy's error vocabulary (errors.engine_error)."""
         return web.Response(
@@ -444,11 +436,4 @@ class Legs:
             status=exc.status,
             headers={"Content-Type": "application/json", "X-Request-Id": ctx.request_id},
         )
-
-
-def _describe(exc: BaseException, timeout: float | None = None) -> str:
-    if isinstance(exc, TimeoutError):
-        return f"timed out after {timeout:g}s" if timeout is not None else "timed out"
-    text = str(exc)
-    return f"{exc.__class__.__name__}: {text}" if text else exc.__class__.__name__
 

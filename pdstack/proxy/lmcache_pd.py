@@ -35,8 +35,17 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Callable
+import random
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any
+
+from aiohttp import web
+
+from pdstack.proxy import tracing
+from pdstack.proxy.backends import BackendState
+from pdstack.proxy.legs import Legs, RequestContext
+from pdstack.proxy.routing import pick_p2c
 
 log = logging.getLogger("pdstack.proxy")
 
@@ -198,3 +207,118 @@ class NotifyListener:
         fut = self.pending.pop(req_id, None)
         if fut is not None and not fut.done():
             fut.cancel()
+
+
+class LmcachePdFlow(Legs):
+    """Mixin of :class:`pdstack.proxy.app.Proxy` (through ``Flows``): the ``lmcache-pd``
+    flow (step 5 of :mod:`pdstack.proxy.flows`)."""
+
+    notifier: NotifyListener | None
+    rng: random.Random
+
+    # pdstack.proxy.flows.Flows
+    _paired_decoders: Callable[[BackendState], list[tuple[BackendState, str]]]
+    _run_prefill_leg: Callable[..., Awaitable[BackendState | web.StreamResponse]]
+
+    async def _serve_lmcache_pd(
+        self, request: web.Request, ctx: RequestContext
+    ) -> web.StreamResponse:
+        """Decoder first, prefill with its disagg_spec, wait for ProxyNotif, decode there."""
+        notifier = self.notifier
+        decoder: BackendState | None = None
+        waiter: asyncio.Future[None] | None = None
+        req_id = ""
+
+        async def prefill_leg(prefill: BackendState, attempt: int) -> None:
+            nonlocal decoder, waiter, req_id
+            paired = [d for d, _ in self._paired_decoders(prefill)]
+            if decoder is None or decoder not in paired:
+                decoder = pick_p2c(paired, self.rng)  # kept across prefill retries
+            kv_request: dict[str, Any] | None = None
+            if decoder is not None and decoder.lmcache_pd is not None:
+                base = ctx.request_id if attempt == 0 else f"{ctx.request_id}-r{attempt}"
+                if notifier is not None:
+                    req_id = notifier.unique_id(base)
+                    waiter = notifier.expect(req_id)
+                else:
+                    req_id = base
+                kv_request = disagg_spec(req_id, decoder.lmcache_pd)
+            await self._prefill(prefill, ctx, nixl=False, kv_request=kv_request)
+
+        def forget_waiter() -> None:
+            nonlocal waiter
+            if notifier is not None and waiter is not None:
+                notifier.forget(req_id)
+                waiter = None
+
+        try:
+            answered = await self._run_prefill_leg(ctx, prefill_leg, forget_waiter)
+            if not isinstance(answered, BackendState):
+                return answered
+            prefill = answered
+
+            # ---- the KV push: wait (bounded) for the prefiller's ProxyNotif
+            if decoder is not None and decoder.lmcache_pd is None:
+                self.metrics.lmcache_pd_notify.labels("no_receiver").inc()
+            elif waiter is not None:
+                with tracing.kv_wait(ctx):
+                    await self._await_notify(waiter, req_id, prefill, decoder)
+        finally:
+            if notifier is not None and waiter is not None and not waiter.done():
+                notifier.forget(req_id)
+
+        # ---- leg 2: decode, on the decoder the KV went to (a retry elsewhere recomputes)
+        chosen_prefill = prefill
+        first_choice = decoder
+
+        def pick_decoder(tried_decoders: set[str]) -> BackendState | None:
+            nonlocal first_choice
+            chosen = None
+            if (
+                first_choice is not None
+                and first_choice.usable
+                and first_choice.name not in tried_decoders
+            ):
+                chosen = first_choice
+            else:
+                others = [
+                    d
+                    for d, _ in self._paired_decoders(chosen_prefill)
+                    if d.name not in tried_decoders
+                ]
+                chosen = pick_p2c(others, self.rng)
+            first_choice = None
+            if chosen is not None:
+                self.metrics.pair(chosen_prefill, chosen).inc()
+            return chosen
+
+        return await self._final_leg(
+            request, ctx, pick_decoder, lambda backend: ctx.raw, no_backend_hint=chosen_prefill
+        )
+
+    async def _await_notify(
+        self,
+        waiter: asyncio.Future[None],
+        req_id: str,
+        prefill: BackendState,
+        decoder: BackendState | None,
+    ) -> None:
+        started = time.perf_counter()
+        timeout = self.config.lmcache_pd_notify_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(waiter)
+        except TimeoutError:
+            self.metrics.lmcache_pd_notify.labels("timeout").inc()
+            log.warning(
+                "lmcache-pd: no ProxyNotif for %s from %s within %gs; decoding on %s anyway "
+                "(it recomputes the prompt)",
+                req_id,
+                prefill.name,
+                timeout,
+                decoder.name if decoder is not None else "?",
+            )
+        else:
+            self.metrics.lmcache_pd_notify.labels("received").inc()
+        finally:
+            self.metrics.lmcache_pd_notify_wait.observe(time.perf_counter() - started)

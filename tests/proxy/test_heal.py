@@ -209,3 +209,33 @@ async def test_prefill_failing_on_every_try_falls_back_to_a_decoder() -> None:
     assert [r.body["prompt"] for r in e["d0"].seen("/v1/completions")] == ["hello"]
     assert ph.metric_value(text, "pdstack_proxy_decode_fallback_total") == 1
     assert ph.metric_value(text, "pdstack_proxy_requests_total", outcome="ok") == 1
+
+
+async def test_prefiller_crash_mid_prefill_costs_no_request() -> None:
+    """The only prefiller crashes while a prefill leg waits on it, and before the proxy has
+    ejected it (its health checks are far apart here): the request in flight (connection
+    cut) and those sent right after (connection refused) are served whole by a decoder,
+    never a 502 "prefill failed on every try" while decoders are up (issue 38, item 3)."""
+    async with (
+        ph.engines("p0", "d0", "d1", output_tokens=2) as e,
+        ph.running_proxy(
+            ph.pd_table(e, ["p0"], ["d0", "d1"]), health_interval_s=30.0, eject_after=100
+        ) as rp,
+    ):
+        e["p0"].faults = Faults(delay_ms=3000)
+        in_flight = asyncio.create_task(
+            ph.stream_completion(rp.session, rp.url, "in flight", max_tokens=2))
+        await ph.until(lambda: bool(e["p0"].seen("/v1/completions")), "the prefill leg sent")
+        await e["p0"].kill()
+        after = [ph.stream_completion(rp.session, rp.url, f"after {i}", max_tokens=2)
+                 for i in range(3)]
+        results = [await asyncio.wait_for(in_flight, 10), *await asyncio.gather(*after)]
+        text = await rp.metrics()
+    assert all(r.status == 200 and r.events[-1] == "[DONE]" for r in results), [
+        (r.status, r.text) for r in results]
+    decoded = [*e["d0"].seen("/v1/completions"), *e["d1"].seen("/v1/completions")]
+    assert sorted(r.body["prompt"] for r in decoded) == ["after 0", "after 1", "after 2",
+                                                         "in flight"]
+    assert all("kv_transfer_params" not in r.body for r in decoded)
+    assert ph.metric_value(text, "pdstack_proxy_decode_fallback_total") == 4
+    assert ph.metric_value(text, "pdstack_proxy_requests_total", outcome="ok") == 4

@@ -169,9 +169,9 @@ def test_plan_adhoc_and_proxy_agree_on_pairings(
 
 def _lmcache_budgets(profile: str) -> dict[str, float]:
     """The LMCache MP client's budgets the planner sets on the cpu profile (pdstack/plan.py:
-    a reply lost with a killed server is a miss after 5 s, an outage seen within 2 s)."""
+    a blocking RPC to a killed server gives up after 1 s, the outage is seen within 2 s)."""
     if profile == "cpu":
-        return {"lmcache.mp.mq_timeout": 5.0, "lmcache.mp.heartbeat_interval": 2.0}
+        return {"lmcache.mp.mq_timeout": 1.0, "lmcache.mp.heartbeat_interval": 1.0}
     return {}
 
 
