@@ -216,6 +216,40 @@ def service_logs(stack_dir: str | Path, service: str, tail: int = DEFAULT_LOG_TA
     return (res.stdout + res.stderr).rstrip()
 
 
+def _watch_up(proc: subprocess.Popen[str], stack: Path, project: str | None,
+              env: Mapping[str, str] | None, baseline: dict[str, int], t0: float,
+              timeout: float, poll_s: float) -> tuple[str, list[ServiceState]]:
+    """While ``up --wait`` runs: poll the services every ``poll_s``; the reason to give up
+    (a service exited, crash-loops or is unhealthy; no healthy stack in time) or "" when
+    ``up`` ended by itself, and the states seen last."""
+    reason = ""
+    last_poll = 0.0
+    watched: list[ServiceState] = []
+    while True:
+        try:
+            proc.wait(timeout=0.5)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        if now - t0 > timeout + 60:
+            reason = f"no healthy stack within {timeout:.0f} s"
+            break
+        if now - last_poll < poll_s:
+            continue
+        last_poll = now
+        try:
+            states = _with_restarts(service_states(stack, project, env), baseline, env)
+        except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError):
+            continue
+        watched = states
+        bad = [s for s in states if s.failed]
+        if bad:
+            reason = "; ".join(f"{s.service} {s.describe()}" for s in bad)
+            break
+    return reason, watched
+
+
 def compose_up(stack_dir: str | Path, *, project: str | None = None,
                services: Sequence[str] = (), timeout: float = DEFAULT_TIMEOUT_S,
                log_tail: int = DEFAULT_LOG_TAIL, poll_s: float = 3.0,
@@ -247,31 +281,7 @@ def compose_up(stack_dir: str | Path, *, project: str | None = None,
 
     reader = threading.Thread(target=_drain, daemon=True)
     reader.start()
-    reason = ""
-    last_poll = 0.0
-    watched: list[ServiceState] = []
-    while True:
-        try:
-            proc.wait(timeout=0.5)
-            break
-        except subprocess.TimeoutExpired:
-            pass
-        now = time.monotonic()
-        if now - t0 > timeout + 60:
-            reason = f"no healthy stack within {timeout:.0f} s"
-            break
-        if now - last_poll < poll_s:
-            continue
-        last_poll = now
-        try:
-            states = _with_restarts(service_states(stack, project, env), baseline, env)
-        except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError):
-            continue
-        watched = states
-        bad = [s for s in states if s.failed]
-        if bad:
-            reason = "; ".join(f"{s.service} {s.describe()}" for s in bad)
-            break
+    reason, watched = _watch_up(proc, stack, project, env, baseline, t0, timeout, poll_s)
     if proc.poll() is None:
         proc.terminate()
         try:

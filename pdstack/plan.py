@@ -342,6 +342,36 @@ def _lmcache_pd_env(topo: Topology, node: NodeSpec, index: int, proxy_addr: str)
 # --------------------------------------------------------------------------- services
 
 
+def _engine_env(
+    topo: Topology, node: NodeSpec, index: int, name: str, proxy_addr: str
+) -> tuple[dict[str, str], list[str]]:
+    """An engine's environment (no secrets: :mod:`pdstack.secrets`) and its tmpfs mounts."""
+    d = topo.deployment
+    eng = node.engines[index]
+    ports = make_node_ports(topo, node)
+    env = {"VLLM_NO_USAGE_STATS": "1", "LMCACHE_TRACK_USAGE": "false"}
+    if f"{name} nixl side channel" in ports:
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = node.private_address
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ports[f"{name} nixl side channel"])
+        if d.profile == "gpu":
+            # UCX turns cuda_ipc GET off on GPUs without active NVLinks, and NIXL pulls
+            # (READ): same-host KV then went over TCP, 63-83 MB/s (results/h200x1 run 1);
+            # forced on: ~1 GB/s, TTFT P50 16.4 s -> 151 ms at 8 req/s (run 2)
+            env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "y"
+    tmpfs: list[str] = []
+    if d.profile == "cpu":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = eng.cpu_threads_bind
+        env["NIXL_PTHR_DELAY_US"] = "1000"
+        if "VLLM_NIXL_SIDE_CHANNEL_PORT" in env:
+            tmpfs.append(NUMA_SYSFS_MASK)
+    if _push(d):
+        env |= _lmcache_pd_env(topo, node, index, proxy_addr)
+    if d.observability.otlp_traces_endpoint:
+        # the endpoint is OTLP/HTTP (vLLM's exporter defaults to gRPC)
+        env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
+    return env, tmpfs
+
+
 def _engine_service(
     topo: Topology, node: NodeSpec, index: int, name: str, proxy_addr: str
 ) -> Service:
@@ -386,26 +416,7 @@ def _engine_service(
         cmd += ["--otlp-traces-endpoint", d.observability.otlp_traces_endpoint]
     cmd += [*m.extra_args, *eng.extra_args]
 
-    env = {"VLLM_NO_USAGE_STATS": "1", "LMCACHE_TRACK_USAGE": "false"}
-    if f"{name} nixl side channel" in ports:
-        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = node.private_address
-        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ports[f"{name} nixl side channel"])
-        if d.profile == "gpu":
-            # UCX turns cuda_ipc GET off on GPUs without active NVLinks, and NIXL pulls
-            # (READ): same-host KV then went over TCP, 63-83 MB/s (results/h200x1 run 1);
-            # forced on: ~1 GB/s, TTFT P50 16.4 s -> 151 ms at 8 req/s (run 2)
-            env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "y"
-    tmpfs: list[str] = []
-    if d.profile == "cpu":
-        env["VLLM_CPU_OMP_THREADS_BIND"] = eng.cpu_threads_bind
-        env["NIXL_PTHR_DELAY_US"] = "1000"
-        if "VLLM_NIXL_SIDE_CHANNEL_PORT" in env:
-            tmpfs.append(NUMA_SYSFS_MASK)
-    if _push(d):
-        env |= _lmcache_pd_env(topo, node, index, proxy_addr)
-    if d.observability.otlp_traces_endpoint:
-        # the endpoint is OTLP/HTTP (vLLM's exporter defaults to gRPC)
-        env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
+    env, tmpfs = _engine_env(topo, node, index, name, proxy_addr)
     service_ports = {"http": http}
     if "VLLM_NIXL_SIDE_CHANNEL_PORT" in env:
         service_ports["nixl_side_channel"] = int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
