@@ -144,8 +144,9 @@ async def test_slow_request_heads_are_closed_at_the_header_timeout() -> None:
                         writer.write(b"X")
             for reader, writer in conns:
                 async with asyncio.timeout(10):
-                    # closed by the proxy (a reset: our last byte hit the closed socket)
-                    with contextlib.suppress(ConnectionResetError):
+                    # closed by the proxy (a reset, or a broken pipe when our last byte
+                    # was written after the close: seen once on a loaded 2-core machine)
+                    with contextlib.suppress(ConnectionResetError, BrokenPipeError):
                         assert await reader.read() == b""
                 writer.close()
             assert time.monotonic() - started < 6.0
