@@ -19,7 +19,8 @@
 #        batch unique 4-6 k-token prompts, answers 64-256 tokens, at a multiple of CAP
 #      batch-alone runs first: BATCH_RATES (or BATCH_CAP alone); CAP = its highest served
 #      req/s (the batch tenant's throughput yardstick)
-#   5. pack results + logs into $OUT/results.tar.gz (always)
+#   5. when every variant is done: its engines stopped; pack results + logs into
+#      $OUT/results.tar.gz (always)
 #
 # Budget (DURATION=30, WARMUP=5, DRAIN=20: <= 90 s a variant, batch-alone 4 rates x 20 s
 # ~230 s, a vLLM flood's aftermath up to 90 s of quiescing):
@@ -131,4 +132,5 @@ PYEOF
 done
 [ $pending = 1 ] && { log "variants left for the next call"; exit 0; }
 log "all variants done"
+gpu_stop iso "$INV"; gpu_stop v inventory/h200x1-vllm  # (v: only if this driver started it)
 touch "$W/state/all-done"
