@@ -17,8 +17,9 @@
 #      shorter one may run first. many-tenants: RATES; while a stack still meets the TTFT SLO
 #      at its top rate, one more sweep at the next MORE rates (STACK-to<rate>.json), up to
 #      RATES_MAX
-#   4. when every sweep is done: the engines stopped but KEEP's (default v: vLLM with its
-#      defaults, which gpu/run_isolation.sh reuses; KEEP= stops all)
+#   4. when every sweep is done: the engines stopped but KEEP's (default "v p": vLLM with its
+#      defaults and pdstack's default engine, which gpu/run_isolation.sh reuses; KEEP= stops
+#      all)
 #   5. pack results + logs into $OUT/results.tar.gz (always)
 #
 # The old proxy: the device's copy of the repo has no .git. Before the run, here:
@@ -131,9 +132,9 @@ pending=0
 for name in $SWEEPS; do sweep "$name" || pending=1; done
 if [ $pending = 1 ]; then log "sweeps left for the next call: $(left)s left"; exit 0; fi
 log "all sweeps done: $(ls "$W/state" | grep -c '^swept-') swept, $(ls "$W/state" | grep -c '^failed-') failed"
-for s in "${STACKS[@]}"; do  # KEEP: launch keys left running (v: run_isolation.sh's vLLM)
+for s in "${STACKS[@]}"; do  # KEEP: launch keys left running (run_isolation.sh reuses v and p)
   read -r _ _ _ key inv _ <<< "$s"
-  case " ${KEEP-v} " in *" $key "*) ;; *) gpu_stop "$key" "$inv" ;; esac
+  case " ${KEEP-v p} " in *" $key "*) ;; *) gpu_stop "$key" "$inv" ;; esac
 done
 gpu_proxy_stop before
 touch "$W/state/all-done"

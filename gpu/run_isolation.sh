@@ -9,8 +9,9 @@
 #   2. a 0600 secrets file with a random key for tenants chat and batch (PDSTACK_TENANT_KEYS);
 #      the bench reads them from PDSTACK_BENCH_KEY_CHAT / _BATCH (never argv)
 #   3. `pdstack launch` inventory/h200x1-isolation (the default one-GPU stack, 10 GiB KV on
-#      GPU 0, chat interactive + batch priority batch; :8166 + proxy :8066) and vLLM with its
-#      defaults (inventory/h200x1-vllm :8170; reused when gpu/run_ceiling.sh left it running)
+#      GPU 0, chat interactive + batch priority batch; :8160 + proxy :8066) and vLLM with its
+#      defaults (inventory/h200x1-vllm :8170). Both engines are the ones gpu/run_ceiling.sh
+#      leaves running (KEEP="v p"): then only the isolation proxy starts
 #   4. VARIANTS (data, priority order), one under load at a time, each on a quiet engine with
 #      its own vLLM cache_salt; chat and batch are two `pdstack bench --tenant` runs started
 #      together (each tenant its own workload: the bench gives all of one run's tenants the
@@ -24,7 +25,8 @@
 #
 # Budget (DURATION=30, WARMUP=5, DRAIN=20: <= 90 s a variant, batch-alone 4 rates x 20 s
 # ~230 s, a vLLM flood's aftermath up to 90 s of quiescing):
-#   start: payload ~40 s + two engines in parallel ~170 s (V2-Lite; one if vLLM is up)  ~210 s
+#   start: payload ~40 s + two engines in parallel ~170 s (V2-Lite)                    ~210 s
+#          (after run_ceiling.sh in the same session: the proxy only,                 ~5 s)
 #   batch-alone ~230 s; chat-alone, over, flood ~270 s; the vllm-* three ~270 s + ~90 s
 #   => two ~9.5 min calls (560 s each): batch-alone, chat-alone, flood in the first; over and
 #      the vllm-* three in the second
@@ -51,7 +53,7 @@ BATCH=(--system-prompts 1 --shared-share 0 --system-len uniform:4096:6144 --user
        --output-len uniform:64:256)
 
 # the stacks (data): name, engine URL, target URL
-declare -A ENGINE=([pd]=http://127.0.0.1:8166 [vllm]=http://127.0.0.1:8170)
+declare -A ENGINE=([pd]=http://127.0.0.1:8160 [vllm]=http://127.0.0.1:8170)
 declare -A TARGET=([pd]=http://127.0.0.1:8066 [vllm]=http://127.0.0.1:8170)
 # the variants (data): name, stack, chat (yes/no), batch (- none, else a multiple of CAP)
 VARIANT_TABLE=(
@@ -70,7 +72,13 @@ if [ ! -f "$W/results/machine.txt" ]; then
   } > "$W/results/machine.txt" 2>&1
 fi
 
-gpu_launch iso "$INV" engine-0,proxy --secrets-env "$GPU_SECRETS"
+# the stack's engine is inventory/h200x1's (same command, :8160): when gpu/run_ceiling.sh left
+# it running, only this inventory's proxy is started (no engine start: ~170 s saved)
+if [ -f "$W/state/launched-iso" ] || ! http_get "${ENGINE[pd]}/health" > /dev/null; then
+  gpu_launch iso "$INV" engine-0,proxy --secrets-env "$GPU_SECRETS"
+else
+  gpu_launch iso "$INV" proxy --secrets-env "$GPU_SECRETS"
+fi
 case " $VARIANTS " in *" vllm-"*)
   if [ -f "$W/state/launched-v" ] || ! http_get "${ENGINE[vllm]}/health" > /dev/null; then
     gpu_launch v inventory/h200x1-vllm engine-0
