@@ -84,13 +84,18 @@ for s in "${STACKS[@]}"; do
   read -r _ _ _ key inv svcs <<< "$s"
   gpu_launch "$key" "$inv" "$svcs"
 done
-for s in "${STACKS[@]}"; do read -r _ _ _ key _ <<< "$s"; gpu_wait_up "$key" || exit 1; done
+for s in "${STACKS[@]}"; do  # a stack that failed to start: its sweeps are marked failed
+  read -r _ _ _ key _ <<< "$s"
+  [ -f "$W/state/down-$key" ] || gpu_wait_up "$key" || touch "$W/state/down-$key"
+done
 for s in "${STACKS[@]}"; do  # the launches' own lines: how long each engine took
   read -r _ _ _ key _ <<< "$s"
   [ -f "$W/state/times-$key" ] && continue
   touch "$W/state/times-$key"; log "$key: $(grep -h 'healthy after' "$W/logs/launch-$key.out" | tr '\n' ';')"
 done
-if [ -d "$OLD_PDSTACK/pdstack" ]; then
+if [ -f "$W/state/down-p" ]; then
+  :
+elif [ -d "$OLD_PDSTACK/pdstack" ]; then
   # shellcheck disable=SC2046
   gpu_proxy before 8061 "$OLD_PDSTACK" $(gpu_proxy_args p) \
     || log "the old proxy did not start: no pdstack-default-before"
@@ -111,7 +116,9 @@ sweep() {  # NAME: [turn-|seed-]STACK; 3 when it does not fit the budget now
   case $name in turn-*|seed-*) wl=${name%%-*}; st=${name#*-} ;; esac
   local spec; spec=$(stack "$st")
   [ -n "$spec" ] || { log "unknown sweep $name"; return 0; }
-  read -r engine target _ <<< "$spec"
+  local engine target key
+  read -r engine target key _ <<< "$spec"
+  [ -f "$W/state/down-$key" ] && engine=""  # gpu_sweep: "no engine", failed
   local rv=${WL_RATES[$wl]}
   [ "$st" = pdstack-default-before ] && ! http_get "$target/health" > /dev/null \
     && { log "no old proxy: skip $name"; touch "$W/state/failed-$name"; return 0; }
