@@ -28,4 +28,4 @@ chmod +x "$D/bin/vllm" "$D/bin/lmcache"
 echo "export PATH=$D/bin:$PYBIN:\$PATH FAKE_RECORD_DIR=$D" > "$D/site/env.sh"
 DRY_RUN=1 SITE="$D/site" W="$D/run" OUT="$D/out" RATES=${RATES:-2,4} DURATION=${DURATION:-4} \
   WARMUP=1 bash "$REPO/gpu/${DRIVER:-run_sweeps.sh}" "${BUDGET:-300}"
-ls -la "$D/out"; tar -tzf "$D/out/results.tar.gz" | head -40
+ls -la "$D/out"; tar -tzf "$D/out/results.tar.gz" | sed -n 1,40p  # (head: SIGPIPE, rc 141 under pipefail)

@@ -59,3 +59,149 @@ http_get() {
   python3 -c "import sys, urllib.request as u; sys.stdout.write(u.urlopen(sys.argv[1], timeout=3).read().decode())" \
     "$1" 2>/dev/null
 }
+
+# --- engines, proxies and sweeps (run_tenants, run_ceiling, run_isolation) ---
+GPU_ENV=(--env VLLM_SERVER_DEV_MODE=1 --env VLLM_DISABLE_COMPILE_CACHE=1)
+
+# gpu_launch KEY INVENTORY SERVICES [FLAGS...]: `pdstack launch ... start` detached, once
+# (state/launched-KEY); its output in logs/launch-KEY.out, its exit code in state/launch-KEY.rc
+gpu_launch() {
+  local key=$1 inv=$2 svcs=$3; shift 3
+  [ -f "$W/state/launched-$key" ] && return 0
+  touch "$W/state/launched-$key"
+  log "launch $key: $inv $svcs $*"
+  setsid bash -c "python3 -m pdstack.cli launch -i $inv start --services $svcs \
+    --log-dir $W/logs/$key --timeout 900 ${GPU_ENV[*]} $* ; echo \$? > $W/state/launch-$key.rc" \
+    > "$W/logs/launch-$key.out" 2>&1 < /dev/null &
+}
+# gpu_stop KEY INVENTORY: stop what gpu_launch started (once; no-op if it never was)
+gpu_stop() {
+  [ -f "$W/state/launched-$1" ] && [ ! -f "$W/state/stopped-$1" ] || return 0
+  touch "$W/state/stopped-$1"
+  python3 -m pdstack.cli launch -i "$2" stop --log-dir "$W/logs/$1" --grace 15 2>&1 | tail -2 \
+    | tee -a "$W/run.log"
+}
+# gpu_wait_up KEY...: 0 when all are healthy, 1 when one failed (its log in run.log); exits the
+# driver (call it again) when the budget runs out first
+gpu_wait_up() {
+  local k
+  for k in "$@"; do
+    until grep -q "all services healthy" "$W/logs/launch-$k.out" 2>/dev/null; do
+      if [ -f "$W/state/launch-$k.rc" ]; then
+        log "$k failed to start:"; tail -40 "$W/logs/launch-$k.out" | tee -a "$W/run.log"
+        return 1
+      fi
+      [ "$(left)" -lt 30 ] && { log "$k not up yet: call again"; exit 0; }
+      sleep 5
+    done
+  done
+}
+# gpu_proxy_args KEY: the arguments of the proxy that `pdstack launch` started for KEY (after
+# `proxy`, from its /proc cmdline; the plan's flags, its backends file; no secrets in argv)
+gpu_proxy_args() {
+  python3 - "$W/logs/$1/proxy.pid" <<'PYEOF'
+import json, sys
+pid = json.load(open(sys.argv[1]))["pid"]
+argv = open(f"/proc/{pid}/cmdline").read().split("\0")[:-1]
+print(" ".join(argv[argv.index("proxy") + 1:]))
+PYEOF
+}
+# gpu_proxy NAME PORT CODE_DIR ARGS...: `pdstack proxy ARGS --host 127.0.0.1 --port PORT` of the
+# pdstack package in CODE_DIR (the later flag wins), detached, once; tenants' keys from
+# $GPU_SECRETS when set; 0 once it answers /health (<= 30 s)
+gpu_proxy() {
+  local name=$1 port=$2 code=$3; shift 3
+  if [ ! -f "$W/state/proxy-$name" ]; then
+    touch "$W/state/proxy-$name"
+    log "proxy $name :$port from $code: $*"
+    (if [ -n "${GPU_SECRETS:-}" ]; then set -a; source "$GPU_SECRETS"; set +a; fi
+     cd "$code" || exit 1
+     PYTHONPATH="$code:$PYTHONPATH" setsid python3 -m pdstack.cli proxy "$@" \
+       --host 127.0.0.1 --port "$port" > "$W/logs/proxy-$name.out" 2>&1 < /dev/null &
+     echo $! > "$W/state/proxy-$name.pid")
+  fi
+  for _ in $(seq 30); do http_get "http://127.0.0.1:$port/health" > /dev/null && return 0; sleep 1; done
+  log "proxy $name :$port not healthy:"; tail -20 "$W/logs/proxy-$name.out" | tee -a "$W/run.log"
+  return 1
+}
+# gpu_proxy_stop NAME: stop the proxy gpu_proxy started (by its pid)
+gpu_proxy_stop() {
+  [ -f "$W/state/proxy-$1.pid" ] && kill "$(cat "$W/state/proxy-$1.pid")" 2>/dev/null
+  rm -f "$W/state/proxy-$1.pid"
+}
+# gpu_tenant_keys NAME...: a 0600 secrets file ($GPU_SECRETS = $W/secrets.env, once) with a
+# random key per tenant (PDSTACK_TENANT_KEYS, for `pdstack launch --secrets-env`), and each
+# key exported as PDSTACK_BENCH_KEY_<NAME> for the bench (never argv)
+gpu_tenant_keys() {
+  GPU_SECRETS=$W/secrets.env
+  [ -f "$GPU_SECRETS" ] || (umask 077; python3 - "$@" > "$GPU_SECRETS" <<'PYEOF'
+import secrets, sys
+print("PDSTACK_TENANT_KEYS=" + ",".join(f"{n}:sk-{secrets.token_hex(16)}" for n in sys.argv[1:]))
+PYEOF
+)
+  local pair
+  for pair in $(sed -n 's/^PDSTACK_TENANT_KEYS=//p' "$GPU_SECRETS" | tr ',' ' '); do
+    export "PDSTACK_BENCH_KEY_$(echo "${pair%%:*}" | tr 'a-z.-' 'A-Z__')=${pair#*:}"
+  done
+}
+# gpu_quiesce ENGINE_URL: wait (<= 90 s) until the engine runs and queues nothing (a flood's
+# aborts)
+gpu_quiesce() {
+  python3 - "$1/metrics" <<'PYEOF' 2>&1 | tee -a "$W/run.log"
+import sys, time, urllib.request
+busy = -1.0
+for i in range(90):
+    try:
+        text = urllib.request.urlopen(sys.argv[1], timeout=10).read().decode()
+    except OSError as e:
+        print(f"{sys.argv[1]}: {e}")
+        break
+    busy = sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
+               if l.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
+    if busy == 0:
+        print(f"{sys.argv[1]}: idle after {i} s")
+        break
+    time.sleep(1)
+else:
+    print(f"{sys.argv[1]}: still {busy:.0f} requests after 90 s")
+PYEOF
+}
+# gpu_fits NAME RATES DURATION: 0 if a sweep of RATES x DURATION s fits in what is left (each
+# rate: WARMUP + DURATION + DRAIN + 5 s; 30 s for quiescing and start); else says so
+gpu_fits() {
+  local n; n=$(echo "$2" | tr ',' '\n' | wc -l)
+  local est=$(( n * ($3 + WARMUP + ${DRAIN:-30} + 5) + 30 ))
+  [ "$(left)" -ge "$est" ] && return 0
+  log "left $(left)s < ${est}s for $1: not now"
+  return 1
+}
+# gpu_bench NAME TARGET RATES DURATION ARGS...: one `pdstack bench` (seed 1, cold caches: the
+# sweep's own vLLM cache_salt) into results/NAME.json; 0 when the JSON is there
+gpu_bench() {
+  local name=$1 target=$2 rates=$3 dur=$4; shift 4
+  python3 -m pdstack.cli bench --target "$target" --token-ids --model "${GPU_MODEL:-deepseek-v2-lite}" \
+    "$@" --rates "$rates" --duration "$dur" --warmup "$WARMUP" --drain-timeout "${DRAIN:-30}" \
+    --seed 1 --gpus 1 --request-timeout 120 --cache-salt "$GPU_TAG-$name" --label "$name" \
+    --output "$W/results/$name.json" --no-progress > "$W/logs/bench-$name.out" 2>&1
+  local rc=$?
+  tail -12 "$W/logs/bench-$name.out" | tee -a "$W/run.log"
+  log "bench $name rc=$rc"
+  [ -f "$W/results/$name.json" ]
+}
+# gpu_sweep NAME ENGINE TARGET RATES DURATION ARGS...: once (state swept-/failed-NAME), on a
+# quiet engine, with the engine's (and the proxy's) counters; 3 when it does not fit the budget
+gpu_sweep() {
+  local name=$1 engine=$2 target=$3 rates=$4 dur=$5; shift 5
+  [ -f "$W/state/swept-$name" ] || [ -f "$W/state/failed-$name" ] && return 0
+  [ -n "$engine" ] || { log "no engine for $name"; touch "$W/state/failed-$name"; return 0; }
+  gpu_fits "$name" "$rates" "$dur" || return 3
+  gpu_quiesce "$engine"
+  local metrics=(--metrics-url "$engine/metrics")
+  [ "$target" != "$engine" ] && metrics+=(--metrics-url "$target/metrics")
+  log "sweep $name: rates $rates x ${dur}s via $target $*"
+  if gpu_bench "$name" "$target" "$rates" "$dur" "${metrics[@]}" "$@"; then
+    touch "$W/state/swept-$name"
+  else
+    touch "$W/state/failed-$name"
+  fi
+}

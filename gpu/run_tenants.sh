@@ -44,16 +44,8 @@ gpu_start tenants /tmp/pdten "${1:-}" || exit 1
 PY=python3
 PD=("$PY" -m pdstack.cli)
 INV=inventory/h200x1-tenants
-
-SECRETS=$W/secrets.env
-if [ ! -f "$SECRETS" ]; then
-  (umask 077; "$PY" -c "import secrets; print('PDSTACK_TENANT_KEYS=alpha:sk-' + \
-secrets.token_hex(16) + ',beta:sk-' + secrets.token_hex(16))" > "$SECRETS")
-fi
-KEYS=$(sed -n 's/^PDSTACK_TENANT_KEYS=//p' "$SECRETS")
-PDSTACK_BENCH_KEY_ALPHA=$(echo "$KEYS" | tr ',' '\n' | sed -n 's/^alpha://p')
-PDSTACK_BENCH_KEY_BETA=$(echo "$KEYS" | tr ',' '\n' | sed -n 's/^beta://p')
-export PDSTACK_BENCH_KEY_ALPHA PDSTACK_BENCH_KEY_BETA
+DRAIN=30
+gpu_tenant_keys alpha beta
 
 if [ ! -f "$W/results/machine.txt" ]; then
   { echo "# h200x1-tenants machine facts, $(date -u +%FT%TZ)"; uname -a; nproc; free -g
@@ -64,86 +56,21 @@ if [ ! -f "$W/results/machine.txt" ]; then
   } > "$W/results/machine.txt" 2>&1
 fi
 
-ENV=(--env VLLM_SERVER_DEV_MODE=1 --env VLLM_DISABLE_COMPILE_CACHE=1)
-LOGD=$W/logs/t
-launch() {  # key inventory services: detached, its exit code in state/launch-<key>.rc
-  local key=$1 inv=$2 svcs=$3
-  [ -f "$W/state/launched-$key" ] && return 0
-  touch "$W/state/launched-$key"
-  log "launch $key: $inv $svcs"
-  setsid bash -c "'${PD[0]}' ${PD[*]:1} launch -i $inv start --services $svcs \
-    --log-dir $W/logs/$key --timeout 900 --secrets-env $SECRETS ${ENV[*]} ; \
-    echo \$? > $W/state/launch-$key.rc" > "$W/logs/launch-$key.out" 2>&1 < /dev/null &
-}
-wait_up() {  # key: 0 up, 1 failed; exits (call again) when the budget runs out
-  while [ ! -f "$W/state/launch-$1.rc" ]; do
-    [ "$(left)" -lt 30 ] && { log "$1 not up yet: call again"; exit 0; }
-    sleep 5
-  done
-  [ "$(cat "$W/state/launch-$1.rc")" = 0 ] && return 0
-  log "$1 failed to start:"; tail -40 "$W/logs/launch-$1.out" | tee -a "$W/run.log"; return 1
-}
-launch t "$INV" engine-0,proxy
-case " $VARIANTS " in *" vllm-"*|*" turn-"*) launch v inventory/h200x1-vllm engine-0 ;; esac
-wait_up t || exit 1
+gpu_launch t "$INV" engine-0,proxy --secrets-env "$GPU_SECRETS"
+case " $VARIANTS " in *" vllm-"*|*" turn-"*) gpu_launch v inventory/h200x1-vllm engine-0 ;; esac
+gpu_wait_up t || exit 1
 E=http://127.0.0.1:8162 P=http://127.0.0.1:8062 F=http://127.0.0.1:8063 E1=""
-[ -f "$W/state/launched-v" ] && wait_up v && E1=http://127.0.0.1:8170
-extra_proxy() {  # name port flags...: the planned proxy's command on another port, other flags
-  local name=$1 port=$2; shift 2
-  [ -f "$W/state/proxy-$name" ] && return 0
-  touch "$W/state/proxy-$name"
-  log "proxy $name :$port (the planned proxy's flags + $*)"
-  (set -a; source "$SECRETS"; set +a
-   setsid "${PD[@]}" proxy --backends "$LOGD/backends.json" --host 127.0.0.1 --port "$port" \
-     --admission kv --admission-max-running 512 "$@" \
-     > "$W/logs/proxy-$name.out" 2>&1 < /dev/null &)
-  for _ in $(seq 30); do
-    "$PY" -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2)" \
-      2>/dev/null && break
-    sleep 1
-  done
-}
-extra_proxy fifo 8063 --admission-fairness off
-# a fair proxy with a lower running cap (the later flag wins): A's batch beside B is smaller
-extra_proxy cap64 8064 --admission-max-running 64
+[ -f "$W/state/launched-v" ] && gpu_wait_up v && E1=http://127.0.0.1:8170
+# the planned proxy's command on other ports, other flags (the later flag wins)
+PLANNED=$(gpu_proxy_args t)
+# shellcheck disable=SC2086
+gpu_proxy fifo 8063 "$REPO" $PLANNED --admission-fairness off
+# a fair proxy with a lower running cap: A's batch beside B is smaller
+# shellcheck disable=SC2086
+gpu_proxy cap64 8064 "$REPO" $PLANNED --admission-max-running 64
 C=http://127.0.0.1:8064
 
-quiesce() {  # engine: wait (<= 90 s) until it runs and queues nothing (a flood's aborts)
-  "$PY" - "$1/metrics" <<'PYEOF' 2>&1 | tee -a "$W/run.log"
-import sys, time, urllib.request
-for i in range(90):
-    text = urllib.request.urlopen(sys.argv[1], timeout=10).read().decode()
-    busy = sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
-               if l.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
-    if busy == 0:
-        print(f"{sys.argv[1]}: idle after {i} s")
-        break
-    time.sleep(1)
-else:
-    print(f"{sys.argv[1]}: still {busy:.0f} requests after 90 s")
-PYEOF
-}
-sweep() {  # name engine target rates duration workload/tenant args...
-  local name=$1 engine=$2 target=$3 rates=$4 dur=$5; shift 5
-  local out="$W/results/$name.json"
-  [ -f "$W/state/swept-$name" ] || [ -f "$W/state/failed-$name" ] && return 0
-  [ -n "$engine" ] || { log "no engine for $name"; touch "$W/state/failed-$name"; return 0; }
-  local n; n=$(echo "$rates" | tr ',' '\n' | wc -l)
-  local est=$(( n * (dur + 35) + WARMUP + 30 ))
-  if [ "$(left)" -lt "$est" ]; then log "left $(left)s < ${est}s for $name: call again"; exit 0; fi
-  quiesce "$engine"
-  local metrics=(--metrics-url "$engine/metrics")
-  [ "$target" != "$engine" ] && metrics+=(--metrics-url "$target/metrics")
-  log "sweep $name: rates $rates x ${dur}s via $target $*"
-  "${PD[@]}" bench --target "$target" --token-ids --model deepseek-v2-lite "$@" \
-    --rates "$rates" --duration "$dur" --warmup "$WARMUP" --drain-timeout 30 \
-    --seed 1 --gpus 1 --request-timeout 120 --cache-salt "ten-$name" "${metrics[@]}" \
-    --label "$name" --output "$out" --no-progress > "$W/logs/bench-$name.out" 2>&1
-  local rc=$?
-  tail -12 "$W/logs/bench-$name.out" | tee -a "$W/run.log"
-  log "sweep $name rc=$rc"
-  if [ -f "$out" ]; then touch "$W/state/swept-$name"; else touch "$W/state/failed-$name"; fi
-}
+sweep() { gpu_sweep "$@" || exit 0; }  # no time left: call again
 run_variant() {  # name engine target tenants...: GPU_MT (each tenant its own prompts), one
                  # rate = the shares' sum
   local name=$1 engine=$2 target=$3; shift 3

@@ -1,0 +1,147 @@
+#!/bin/bash
+# Issue 36: admission that costs nothing until it saves something, and one GPU's ceiling, on
+# the lent 1xH200, from the repo root there.
+#
+#   bash gpu/run_ceiling.sh [BUDGET_S]
+#
+# Idempotent and resumable (state in /tmp/pdceil): call it again in the next device call.
+#   1. install the payload from /tmp/chunks (once); machine facts
+#   2. `pdstack launch` three V2-Lite engines at once on GPU 0 (10 GiB KV each, the plans'
+#      commands), detached: STACKS below. pdstack-default-before is the same engine as
+#      pdstack-default behind the OLD proxy (commit 431b547's pdstack, from $OLD_PDSTACK) with
+#      the planned proxy's exact arguments (read from the launched proxy) on :8061
+#   3. the sweeps (SWEEPS, priority order; a name is [turn-|seed-]STACK): one engine under load
+#      at a time, each sweep on a quiet engine with its own vLLM cache_salt (cold caches), the
+#      same seed and rates for every stack, the engine's and the proxy's counters in the JSON.
+#      A sweep that does not fit what is left of this call waits for the next call; a later,
+#      shorter one may run first. many-tenants: RATES; while a stack still meets the TTFT SLO
+#      at its top rate, one more sweep at the next MORE rates (STACK-to<rate>.json), up to
+#      RATES_MAX
+#   4. when every sweep is done: the engines stopped but KEEP's (default "v p": vLLM with its
+#      defaults and pdstack's default engine, which gpu/run_isolation.sh reuses; KEEP= stops
+#      all)
+#   5. pack results + logs into $OUT/results.tar.gz (always)
+#
+# The old proxy: the device's copy of the repo has no .git. Before the run, here:
+#   mkdir -p gpu/payload/old-pdstack && git archive 431b547 pdstack | tar -x -C gpu/payload/old-pdstack
+# (0.8 MB) and carry "gpu/payload/old-pdstack" in the driver's calls. Where .git is there (the
+# dry run), the driver does that itself.
+#
+# Budget (DURATION=20, WARMUP=3, DRAIN=12: <= 40 s a rate, less below saturation):
+#   start: payload ~40 s + three engines in parallel ~170 s (V2-Lite)       ~210 s
+#   many-tenants, 6 rates: ~240 s each x 4 stacks                           ~960 s
+#   pdstack's extension while it meets the SLO (2 rates a step)             ~100 s a step
+#   multi-turn, 4 rates: ~190 s each; turn-vllm-default, turn-pdstack-default ~380 s
+#   seed, 3 rates: ~150 s each; seed-vllm-default, seed-pdstack-default     ~300 s
+#   => the acceptance's sweeps (mt x4 + turn x2 + one extension) in three ~9.5 min calls
+#      (560 s each); the two seed sweeps and turn-*-before / turn-vllm-native in a fourth.
+set -uo pipefail
+DURATION=${DURATION:-20}
+WARMUP=${WARMUP:-3}
+DRAIN=${DRAIN:-12}
+RATES=${RATES:-8,16,24,32,40,48}
+MORE=${MORE:-8}            # rate step of an extension sweep (2 rates each)
+RATES_MAX=${RATES_MAX:-96}
+RATES_TURN=${RATES_TURN:-8,16,24,32}
+RATES_SEED=${RATES_SEED:-8,16,24}
+SWEEPS=${SWEEPS:-vllm-default vllm-native pdstack-default pdstack-default-before \
+turn-vllm-default turn-pdstack-default seed-vllm-default seed-pdstack-default \
+turn-pdstack-default-before turn-vllm-native}
+
+# shellcheck source=gpu/lib.sh
+source "$(pwd)/gpu/lib.sh"
+gpu_start ceiling /tmp/pdceil "${1:-}" || exit 1
+OLD_REV=431b547
+OLD_PDSTACK=${OLD_PDSTACK:-$REPO/gpu/payload/old-pdstack}
+
+# the stacks (data): name, engine URL, target URL, launch key, inventory, services
+STACKS=(
+  "vllm-default http://127.0.0.1:8170 http://127.0.0.1:8170 v inventory/h200x1-vllm engine-0"
+  "vllm-native http://127.0.0.1:8180 http://127.0.0.1:8180 n inventory/h200x1-vllm-native engine-0"
+  "pdstack-default http://127.0.0.1:8160 http://127.0.0.1:8060 p inventory/h200x1 engine-0,proxy"
+  "pdstack-default-before http://127.0.0.1:8160 http://127.0.0.1:8061 p inventory/h200x1 engine-0,proxy"
+)
+# the workloads (data): sweep-name prefix, rates variable, bench arguments
+declare -A WL_RATES=([mt]=RATES [turn]=RATES_TURN [seed]=RATES_SEED)
+declare -A WL_ARGS=([mt]="${GPU_MT[*]}" [turn]="--scenario multi-turn" [seed]="--scenario seed")
+
+if [ ! -f "$W/results/machine.txt" ]; then
+  { echo "# h200x1-ceiling machine facts, $(date -u +%FT%TZ)"; uname -a; nproc; free -g
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    python3 -c "from importlib.metadata import version as v; print('vllm', v('vllm'))"
+    echo "old proxy: $OLD_REV's pdstack from $OLD_PDSTACK"
+  } > "$W/results/machine.txt" 2>&1
+fi
+if [ ! -d "$OLD_PDSTACK/pdstack" ] && git -C "$REPO" cat-file -e "$OLD_REV" 2>/dev/null; then
+  mkdir -p "$OLD_PDSTACK" && git -C "$REPO" archive "$OLD_REV" pdstack | tar -x -C "$OLD_PDSTACK"
+fi
+
+stack() {  # NAME: "engine target key inventory services" of a stack, or nothing
+  local s
+  for s in "${STACKS[@]}"; do [ "${s%% *}" = "$1" ] && echo "${s#* }"; done
+}
+for s in "${STACKS[@]}"; do
+  read -r _ _ _ key inv svcs <<< "$s"
+  gpu_launch "$key" "$inv" "$svcs"
+done
+for s in "${STACKS[@]}"; do  # a stack that failed to start: its sweeps are marked failed
+  read -r _ _ _ key _ <<< "$s"
+  [ -f "$W/state/down-$key" ] || gpu_wait_up "$key" || touch "$W/state/down-$key"
+done
+for s in "${STACKS[@]}"; do  # the launches' own lines: how long each engine took
+  read -r _ _ _ key _ <<< "$s"
+  [ -f "$W/state/times-$key" ] && continue
+  touch "$W/state/times-$key"; log "$key: $(grep -h 'healthy after' "$W/logs/launch-$key.out" | tr '\n' ';')"
+done
+if [ -f "$W/state/down-p" ]; then
+  :
+elif [ -d "$OLD_PDSTACK/pdstack" ]; then
+  # shellcheck disable=SC2046
+  gpu_proxy before 8061 "$OLD_PDSTACK" $(gpu_proxy_args p) \
+    || log "the old proxy did not start: no pdstack-default-before"
+else
+  log "no $OLD_PDSTACK/pdstack: no pdstack-default-before (see the header)"
+fi
+
+meets_top() {  # JSON: 0 if its highest rate met the TTFT SLO; prints that rate
+  python3 - "$1" <<'PYEOF'
+import json, sys
+r = max(json.load(open(sys.argv[1]))["results"], key=lambda x: x["request_rate"])
+print(int(r["request_rate"]))
+sys.exit(0 if r.get("meets_ttft_slo") else 1)
+PYEOF
+}
+sweep() {  # NAME: [turn-|seed-]STACK; 3 when it does not fit the budget now
+  local name=$1 wl=mt st=$1
+  case $name in turn-*|seed-*) wl=${name%%-*}; st=${name#*-} ;; esac
+  local spec; spec=$(stack "$st")
+  [ -n "$spec" ] || { log "unknown sweep $name"; return 0; }
+  local engine target key
+  read -r engine target key _ <<< "$spec"
+  [ -f "$W/state/down-$key" ] && engine=""  # gpu_sweep: "no engine", failed
+  local rv=${WL_RATES[$wl]}
+  [ "$st" = pdstack-default-before ] && ! http_get "$target/health" > /dev/null \
+    && { log "no old proxy: skip $name"; touch "$W/state/failed-$name"; return 0; }
+  # shellcheck disable=SC2086
+  gpu_sweep "$name" "$engine" "$target" "${!rv}" "$DURATION" ${WL_ARGS[$wl]} || return $?
+  [ "$wl" = mt ] || return 0
+  # the ceiling: more rates while the stack still meets the SLO at its top rate
+  local last=$name top
+  while [ -f "$W/results/$last.json" ] && top=$(meets_top "$W/results/$last.json"); do
+    local next="$((top + MORE)),$((top + 2 * MORE))"
+    [ $((top + MORE)) -le "$RATES_MAX" ] || break
+    last=$name-to$((top + 2 * MORE))
+    # shellcheck disable=SC2086
+    gpu_sweep "$last" "$engine" "$target" "$next" "$DURATION" ${WL_ARGS[mt]} || return $?
+  done
+}
+pending=0
+for name in $SWEEPS; do sweep "$name" || pending=1; done
+if [ $pending = 1 ]; then log "sweeps left for the next call: $(left)s left"; exit 0; fi
+log "all sweeps done: $(ls "$W/state" | grep -c '^swept-') swept, $(ls "$W/state" | grep -c '^failed-') failed"
+for s in "${STACKS[@]}"; do  # KEEP: launch keys left running (run_isolation.sh reuses v and p)
+  read -r _ _ _ key inv _ <<< "$s"
+  case " ${KEEP-v p} " in *" $key "*) ;; *) gpu_stop "$key" "$inv" ;; esac
+done
+gpu_proxy_stop before
+touch "$W/state/all-done"

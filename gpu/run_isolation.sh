@@ -1,0 +1,147 @@
+#!/bin/bash
+# Issue 37: an interactive tenant stays fast while another floods, on the lent 1xH200, from the
+# repo root there.
+#
+#   bash gpu/run_isolation.sh [BUDGET_S]
+#
+# Idempotent and resumable (state in /tmp/pdiso): call it again in the next device call.
+#   1. install the payload from /tmp/chunks (once); machine facts
+#   2. a 0600 secrets file with a random key for tenants chat and batch (PDSTACK_TENANT_KEYS);
+#      the bench reads them from PDSTACK_BENCH_KEY_CHAT / _BATCH (never argv)
+#   3. `pdstack launch` inventory/h200x1-isolation (the default one-GPU stack, 10 GiB KV on
+#      GPU 0, chat interactive + batch priority batch; :8160 + proxy :8066) and vLLM with its
+#      defaults (inventory/h200x1-vllm :8170). Both engines are the ones gpu/run_ceiling.sh
+#      leaves running (KEEP="v p"): then only the isolation proxy starts
+#   4. VARIANTS (data, priority order), one under load at a time, each on a quiet engine with
+#      its own vLLM cache_salt; chat and batch are two `pdstack bench --tenant` runs started
+#      together (each tenant its own workload: the bench gives all of one run's tenants the
+#      same one): NAME.json = chat, NAME-batch.json = batch
+#        chat  CHAT_RATE req/s, 4 shared 2 k-token system prompts, 64-token answers
+#        batch unique 4-6 k-token prompts, answers 64-256 tokens, at a multiple of CAP
+#      batch-alone runs first: BATCH_RATES (or BATCH_CAP alone); CAP = its highest served
+#      req/s (the batch tenant's throughput yardstick)
+#   5. when every variant is done: its engines stopped; pack results + logs into
+#      $OUT/results.tar.gz (always)
+#
+# Budget (DURATION=30, WARMUP=5, DRAIN=20: <= 90 s a variant, batch-alone 4 rates x 20 s
+# ~230 s, a vLLM flood's aftermath up to 90 s of quiescing):
+#   start: payload ~40 s + two engines in parallel ~170 s (V2-Lite)                    ~210 s
+#          (after run_ceiling.sh in the same session: the proxy only,                 ~5 s)
+#   batch-alone ~230 s; chat-alone, over, flood ~270 s; the vllm-* three ~270 s + ~90 s
+#   => two ~9.5 min calls (560 s each): batch-alone, chat-alone, flood in the first; over and
+#      the vllm-* three in the second
+set -uo pipefail
+DURATION=${DURATION:-30}
+WARMUP=${WARMUP:-5}
+DRAIN=${DRAIN:-20}
+CHAT_RATE=${CHAT_RATE:-4}
+BATCH_RATES=${BATCH_RATES:-4,8,16,32}
+BATCH_CAP=${BATCH_CAP:-}   # set: batch-alone at this rate only, and CAP = it
+OVER_X=${OVER_X:-1.5}
+FLOOD_X=${FLOOD_X:-6}
+VARIANTS=${VARIANTS:-batch-alone chat-alone flood over vllm-chat-alone vllm-flood vllm-over}
+# a flood straight to vLLM holds one connection per queued request: descriptors
+ulimit -n 1048576 2>/dev/null || ulimit -n 65536 2>/dev/null
+
+# shellcheck source=gpu/lib.sh
+source "$(pwd)/gpu/lib.sh"
+gpu_start isolation /tmp/pdiso "${1:-}" || exit 1
+INV=inventory/h200x1-isolation
+gpu_tenant_keys chat batch
+CHAT=(--system-prompts 4 --system-len 2000 --shared-share 1 --user-len uniform:32:128 --output-len 64)
+BATCH=(--system-prompts 1 --shared-share 0 --system-len uniform:4096:6144 --user-len uniform:64:256
+       --output-len uniform:64:256)
+
+# the stacks (data): name, engine URL, target URL
+declare -A ENGINE=([pd]=http://127.0.0.1:8160 [vllm]=http://127.0.0.1:8170)
+declare -A TARGET=([pd]=http://127.0.0.1:8066 [vllm]=http://127.0.0.1:8170)
+# the variants (data): name, stack, batch beside chat (- none, else a multiple of CAP)
+VARIANT_TABLE=(
+  "chat-alone pd -"
+  "over pd $OVER_X"
+  "flood pd $FLOOD_X"
+  "vllm-chat-alone vllm -"
+  "vllm-over vllm $OVER_X"
+  "vllm-flood vllm $FLOOD_X"
+)
+
+if [ ! -f "$W/results/machine.txt" ]; then
+  { echo "# h200x1-isolation machine facts, $(date -u +%FT%TZ)"; uname -a; nproc; free -g
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    echo "ulimit -n $(ulimit -n)"
+  } > "$W/results/machine.txt" 2>&1
+fi
+
+# the stack's engine is inventory/h200x1's (same command, :8160): when gpu/run_ceiling.sh left
+# it running, only this inventory's proxy is started (no engine start: ~170 s saved)
+if [ -f "$W/state/launched-iso" ] || ! http_get "${ENGINE[pd]}/health" > /dev/null; then
+  gpu_launch iso "$INV" engine-0,proxy --secrets-env "$GPU_SECRETS"
+else
+  gpu_launch iso "$INV" proxy --secrets-env "$GPU_SECRETS"
+fi
+case " $VARIANTS " in *" vllm-"*)
+  if [ -f "$W/state/launched-v" ] || ! http_get "${ENGINE[vllm]}/health" > /dev/null; then
+    gpu_launch v inventory/h200x1-vllm engine-0
+  fi ;;
+esac
+gpu_wait_up iso || exit 1
+[ -f "$W/state/launched-v" ] && { gpu_wait_up v || ENGINE[vllm]=""; }
+
+cap() {  # the batch tenant's capacity, req/s: BATCH_CAP, else what batch-alone served
+  if [ -n "$BATCH_CAP" ]; then echo "$BATCH_CAP"; else cat "$W/state/cap" 2>/dev/null; fi
+}
+times() { python3 -c "import sys; print(max(1, round(float(sys.argv[1]) * float(sys.argv[2]))))" "$1" "$2"; }
+
+pair() {  # NAME STACK BATCH: chat (and batch) at once; 3 when it does not fit now
+  local name=$1 st=$2 mult=$3
+  local engine=${ENGINE[$st]} target=${TARGET[$st]}
+  [ -f "$W/state/swept-$name" ] || [ -f "$W/state/failed-$name" ] && return 0
+  [ -n "$engine" ] || { log "no engine for $name"; touch "$W/state/failed-$name"; return 0; }
+  gpu_fits "$name" 1 "$DURATION" || return 3
+  local metrics=(--metrics-url "$engine/metrics") ok=1 brate="" bpid=""
+  [ "$target" != "$engine" ] && metrics+=(--metrics-url "$target/metrics")
+  if [ "$mult" != - ]; then
+    [ -n "$(cap)" ] || { log "no CAP (batch-alone) yet: $name waits"; return 3; }
+    brate=$(times "$(cap)" "$mult")
+  fi
+  gpu_quiesce "$engine"
+  log "$name via $target: chat $CHAT_RATE req/s, batch ${brate:-none} req/s"
+  if [ -n "$brate" ]; then
+    gpu_bench "$name-batch" "$target" "$brate" "$DURATION" "${metrics[@]}" --tenant batch:1 \
+      "${BATCH[@]}" &
+    bpid=$!
+  fi
+  gpu_bench "$name" "$target" "$CHAT_RATE" "$DURATION" "${metrics[@]}" --tenant chat:1 \
+    "${CHAT[@]}" || ok=0
+  [ -n "$brate" ] && { wait "$bpid" || ok=0; }
+  if [ $ok = 1 ]; then touch "$W/state/swept-$name"; else touch "$W/state/failed-$name"; fi
+}
+
+pending=0
+for v in $VARIANTS; do
+  if [ "$v" = batch-alone ]; then
+    rates=${BATCH_CAP:-$BATCH_RATES}
+    gpu_sweep batch-alone "${ENGINE[pd]}" "${TARGET[pd]}" "$rates" $((DURATION * 2 / 3)) \
+      --tenant batch:1 "${BATCH[@]}" || { pending=1; break; }  # the others need CAP
+    if [ ! -f "$W/results/batch-alone.json" ]; then  # BATCH_CAP set: the others go on
+      [ -n "$BATCH_CAP" ] && continue
+      log "no batch-alone.json: no CAP"; break
+    fi
+    [ -f "$W/state/cap" ] || { python3 - "$W/results/batch-alone.json" > "$W/state/cap" <<'PYEOF'
+import json, sys
+rs = json.load(open(sys.argv[1]))["results"]
+print(max(1, round(max(r.get("request_throughput") or 0 for r in rs))))
+PYEOF
+      log "CAP $(cap) req/s"; }
+    continue
+  fi
+  row=""
+  for r in "${VARIANT_TABLE[@]}"; do [ "${r%% *}" = "$v" ] && row=$r; done
+  [ -n "$row" ] || { log "unknown variant $v"; continue; }
+  # shellcheck disable=SC2086
+  pair $row || pending=1
+done
+[ $pending = 1 ] && { log "variants left for the next call"; exit 0; }
+log "all variants done"
+gpu_stop iso "$INV"; gpu_stop v inventory/h200x1-vllm  # (v: only if this driver started it)
+touch "$W/state/all-done"
