@@ -453,6 +453,25 @@ async def run_all(args: argparse.Namespace, setup: Setup) -> list[dict[str, Any]
     return runs
 
 
+def _check_targets(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every asked target known, and what each one needs given (else argparse's exit 2)."""
+    unknown = set(args.targets) - {"direct", "pdstack", "pdstack-uvloop", "pdstack-gc",
+                                   "pdstack-base", "pdstack-gate", "pdstack-fifo",
+                                   "pdstack-fair", "vllm-router"}
+    if unknown:
+        p.error(f"unknown targets {sorted(unknown)}")
+    if args.rounds < 1 or args.duration <= 0:
+        p.error("need --rounds >= 1 and --duration > 0")
+    if "pdstack-base" in args.targets and (
+        args.baseline_src is None or not (args.baseline_src / "pdstack" / "cli.py").is_file()
+    ):
+        p.error("target pdstack-base needs --baseline-src DIR (a pdstack source tree)")
+    if "pdstack-uvloop" in args.targets and args.uvloop_path is None:
+        p.error("target pdstack-uvloop needs --uvloop-path")
+    if args.uvloop_path is not None and not (args.uvloop_path / "uvloop").is_dir():
+        p.error(f"no uvloop package in {args.uvloop_path}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -511,21 +530,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.targets = ["direct", "pdstack", "pdstack-gc", "vllm-router"]
         if args.uvloop_path is not None:
             args.targets.insert(2, "pdstack-uvloop")
-    unknown = set(args.targets) - {"direct", "pdstack", "pdstack-uvloop", "pdstack-gc",
-                                   "pdstack-base", "pdstack-gate", "pdstack-fifo",
-                                   "pdstack-fair", "vllm-router"}
-    if unknown:
-        p.error(f"unknown targets {sorted(unknown)}")
-    if args.rounds < 1 or args.duration <= 0:
-        p.error("need --rounds >= 1 and --duration > 0")
-    if "pdstack-base" in args.targets and (
-        args.baseline_src is None or not (args.baseline_src / "pdstack" / "cli.py").is_file()
-    ):
-        p.error("target pdstack-base needs --baseline-src DIR (a pdstack source tree)")
-    if "pdstack-uvloop" in args.targets and args.uvloop_path is None:
-        p.error("target pdstack-uvloop needs --uvloop-path")
-    if args.uvloop_path is not None and not (args.uvloop_path / "uvloop").is_dir():
-        p.error(f"no uvloop package in {args.uvloop_path}")
+    _check_targets(p, args)
     if "direct" not in args.targets:
         args.targets.insert(0, "direct")
     if "vllm-router" in args.targets and not args.router_bin.exists():

@@ -959,7 +959,8 @@ def batch(spec: Json) -> Json:
 
 # --------------------------------------------------------------------------- CLI
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The probe's command line: one subcommand per check."""
     parser = argparse.ArgumentParser(prog="pdstack_probe", description=__doc__.splitlines()[0])
     parser.add_argument("--pretty", action="store_true", help="indent the JSON output")
     sub = parser.add_subparsers(dest="cmd")
@@ -999,8 +1000,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("resources", help="memory, disk, CPUs")
     p.add_argument("--path", action="append", default=None)
     sub.add_parser("batch", help="parallel connects and pings from a JSON spec on stdin")
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     pretty = args.pretty
     try:
         if args.cmd == "listen":
