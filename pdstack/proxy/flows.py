@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -131,32 +132,26 @@ class Flows(LmcachePdFlow):
             return await self._serve_decode_fallback(request, ctx, "no usable prefiller")
 
         # ---- leg 1: prefill
-        kv_params: dict[str, Any] | None = None
-        kv_path = ""
-        planned: list[BackendState] = []  # the decoder this request's path was chosen for
+        handoff = _Handoff()
 
         async def prefill_leg(prefill: BackendState, attempt: int) -> None:
-            nonlocal kv_params, kv_path
-            _unplan(planned)
-            kv_path = self._decode_path(prefill, planned)
-            kv_params = await self._prefill(prefill, ctx, nixl=kv_path == "nixl")
+            handoff.plan(*self._decode_path(prefill))
+            handoff.kv_params = await self._prefill(prefill, ctx, nixl=handoff.kv_path == "nixl")
 
         try:
-            return await self._prefill_then_decode(request, ctx, prefill_leg, lambda: kv_path,
-                                                   lambda: kv_params)
+            return await self._prefill_then_decode(request, ctx, prefill_leg, handoff)
         finally:
-            _unplan(planned)
+            handoff.unplan()
 
     async def _prefill_then_decode(
         self,
         request: web.Request,
         ctx: RequestContext,
         prefill_leg: Callable[[BackendState, int], Awaitable[None]],
-        kv_path_of: Callable[[], str],
-        kv_params_of: Callable[[], dict[str, Any] | None],
+        handoff: _Handoff,
     ) -> web.StreamResponse:
-        """Leg 1 through ``prefill_leg`` (which sets the path and the NIXL params that
-        ``kv_path_of`` / ``kv_params_of`` read), then the decode leg on that path."""
+        """Leg 1 through ``prefill_leg`` (which fills ``handoff``: the decode path and the
+        NIXL params), then the decode leg on that path."""
         registry = self.registry
         answered = await self._run_prefill_leg(ctx, prefill_leg)
         if not isinstance(answered, BackendState):
@@ -174,7 +169,7 @@ class Flows(LmcachePdFlow):
 
         def decode_payload(backend: BackendState) -> bytes:
             path = registry.pairings.get(chosen_prefill.name, {}).get(backend.name, "")
-            kv_params = kv_params_of()
+            kv_params = handoff.kv_params
             if path == "nixl" and kv_params is not None:
                 if "nixl" not in decode_raw:
                     decode_raw["nixl"] = json.dumps(
@@ -191,7 +186,7 @@ class Flows(LmcachePdFlow):
             ]
             if not pairs:
                 return None
-            same_path = [d for d, p in pairs if p == kv_path_of()] or [d for d, _ in pairs]
+            same_path = [d for d, p in pairs if p == handoff.kv_path] or [d for d, _ in pairs]
             chosen = self._pick_decoder(ctx, same_path)
             if chosen is not None:
                 self.metrics.pair(chosen_prefill, chosen).inc()
@@ -342,20 +337,17 @@ class Flows(LmcachePdFlow):
         pairs.sort(key=lambda pair: pair[1] != "shared-l1")
         return pairs
 
-    def _decode_path(self, prefill: BackendState, planned: list[BackendState]) -> str:
+    def _decode_path(self, prefill: BackendState) -> tuple[str, BackendState | None]:
         """The KV path of this request's decode leg, chosen before the prefill (which must
-        know whether to hand off over NIXL): the path of the paired decoder with the fewest
-        decodes running or planned, the same-node store (shared-l1) on a tie; that decoder
-        counts it as planned (``planned`` holds it until the request ends). shared-l1+nixl
-        on one H200 (issue 35) sent every request to the same-node decoder while the other
-        node's, NIXL-paired one stayed idle."""
+        know whether to hand off over NIXL), and the decoder it was chosen for: the paired
+        decoder with the fewest decodes running or planned, the same-node store (shared-l1)
+        on a tie. shared-l1+nixl on one H200 (issue 35) sent every request to the same-node
+        decoder while the other node's, NIXL-paired one stayed idle."""
         pairs = self._paired_decoders(prefill)
         if not pairs:
-            return "nixl"
+            return "nixl", None
         decoder, path = min(pairs, key=lambda p: p[0].in_flight + p[0].planned_decodes)
-        decoder.planned_decodes += 1
-        planned.append(decoder)
-        return path
+        return path, decoder
 
     def _pick_affinity(
         self, role: str, key_hash: int, tried: set[str], tokens: int | None = None
@@ -406,7 +398,22 @@ class Flows(LmcachePdFlow):
         return await self._final_leg(request, ctx, pick, lambda backend: ctx.raw)
 
 
-def _unplan(planned: list[BackendState]) -> None:
-    """Drop the planned decode a request counted on its decoder (see ``_decode_path``)."""
-    while planned:
-        planned.pop().planned_decodes -= 1
+@dataclass
+class _Handoff:
+    """One P/D request's handoff: the decode leg's KV path, the prefill's NIXL params, and the
+    decoder counted as planned (``planned_decodes``) until the request ends."""
+
+    kv_path: str = ""
+    kv_params: dict[str, Any] | None = None
+    planned: BackendState | None = None
+
+    def plan(self, kv_path: str, decoder: BackendState | None) -> None:
+        self.unplan()  # a retried prefill chooses again
+        self.kv_path, self.planned = kv_path, decoder
+        if decoder is not None:
+            decoder.planned_decodes += 1
+
+    def unplan(self) -> None:
+        if self.planned is not None:
+            self.planned.planned_decodes -= 1
+            self.planned = None
