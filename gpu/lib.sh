@@ -64,13 +64,14 @@ http_get() {
 GPU_ENV=(--env VLLM_SERVER_DEV_MODE=1 --env VLLM_DISABLE_COMPILE_CACHE=1)
 
 # gpu_launch KEY INVENTORY SERVICES [FLAGS...]: `pdstack launch ... start` detached, once
-# (state/launched-KEY); its output in logs/launch-KEY.out, its exit code in state/launch-KEY.rc
+# (state/launched-KEY); SERVICES "" = the node's all; its output in logs/launch-KEY.out, its
+# exit code in state/launch-KEY.rc
 gpu_launch() {
   local key=$1 inv=$2 svcs=$3; shift 3
   [ -f "$W/state/launched-$key" ] && return 0
   touch "$W/state/launched-$key"
   log "launch $key: $inv $svcs $*"
-  setsid bash -c "python3 -m pdstack.cli launch -i $inv start --services $svcs \
+  setsid bash -c "python3 -m pdstack.cli launch -i $inv start ${svcs:+--services $svcs} \
     --log-dir $W/logs/$key --timeout 900 ${GPU_ENV[*]} $* ; echo \$? > $W/state/launch-$key.rc" \
     > "$W/logs/launch-$key.out" 2>&1 < /dev/null &
 }

@@ -69,7 +69,6 @@ if [ -n "${SEEDS_ONLY:-}" ]; then
   mapfile -t SEEDS < <(keep "${SEEDS[@]}"); mapfile -t LAUNCHES < <(keep "${LAUNCHES[@]}")
 fi
 YARDSTICK=http://127.0.0.1:8310   # inventory/h200x1-seed-colocated's engine-0
-ENV=(--env VLLM_SERVER_DEV_MODE=1 --env VLLM_DISABLE_COMPILE_CACHE=1 ${EXTRA_ENV:-})
 
 if [ ! -f "$W/results/machine.txt" ]; then
   { echo "# h200x1-seeds machine facts, $(date -u +%FT%TZ)"; uname -a; nproc; free -g
@@ -84,13 +83,8 @@ fi
 
 for l in "${LAUNCHES[@]}"; do
   read -r key inv flags <<< "$l"
-  [ -f "$W/state/launched-$key" ] && continue
-  touch "$W/state/launched-$key"
-  log "launch $key: $inv $flags"
   # shellcheck disable=SC2086
-  setsid bash -c "'${PD[0]}' ${PD[*]:1} launch -i $inv start $flags --log-dir $W/logs/$key \
-    --timeout 900 ${ENV[*]} ; echo \$? > $W/state/launch-$key.rc" \
-    > "$W/logs/launch-$key.out" 2>&1 < /dev/null &
+  gpu_launch "$key" "$inv" "" $flags ${EXTRA_ENV:-}
 done
 
 up() {  # launch key: 0 up, 1 failed, 2 still starting
