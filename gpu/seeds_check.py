@@ -107,7 +107,8 @@ def path_deltas(before: dict[Any, float] | str, after: dict[Any, float] | str) -
             continue
         if any(k in name for k in PATH_COUNTERS):
             lab = ",".join(f"{k}={v}" for k, v in labels if k not in ("engine", "model_name"))
-            out[f"{name}{{{lab}}}" if lab else name] = out.get(name, 0.0) + value
+            key = f"{name}{{{lab}}}" if lab else name
+            out[key] = out.get(key, 0.0) + value
     return dict(sorted(out.items()))
 
 
