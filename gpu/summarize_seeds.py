@@ -27,11 +27,16 @@ SOURCES: dict[str, tuple[str, str, str, str]] = {
     "shared-l1-1p2d": ("h200x1-seed-shared-l1-1p2d", "1P2D on one LMCache L1",
                        "run2/shared-l1-1p2d-check.json", "run1/shared-l1-1p2d-bench.json"),
     "shared-l1-nixl": ("h200x1-seed-shared-l1-nixl", "node a 1P1D + node b 1D",
-                       "run3/shared-l1-nixl-check.json", "run1/shared-l1-nixl-bench.json"),
+                       "run4/shared-l1-nixl-check.json", "run4/shared-l1-nixl-bench.json"),
     "nixl-l1": ("h200x1-seed-nixl-l1", "1P1D (+ LMCache L1 on P)",
                 "run2/nixl-l1-check.json", "run1/nixl-l1-bench.json"),
     "colocated-l1": ("h200x1-seed-colocated-l1", "1 colocated + LMCache L1",
                      "run2/colocated-l1-check.json", "run1/colocated-l1-bench.json"),
+    # run 4 (a later session, fresh machine): the same modes again
+    "lmcache-pd-run4": ("h200x1-seed-lmcache-pd", "1P1D, 4 GiB receive buffer (repeat)",
+                        "run4/lmcache-pd-check.json", "run4/lmcache-pd-bench.json"),
+    "nixl-2p2d-run4": ("h200x1-seed-nixl-2p2d", "2P2D (+ native tier on P) (repeat)",
+                       "run4/nixl-2p2d-check.json", "run4/nixl-2p2d-bench.json"),
 }
 
 
@@ -63,6 +68,12 @@ def sweep_rows(bench: dict[str, Any], root: Path) -> list[dict[str, Any]]:
             "ttft_p50_ms": r["p50_ttft_ms"], "ttft_p99_ms": r["p99_ttft_ms"],
             "meets_ttft_slo": r["meets_ttft_slo"],
             "prompt_tokens_by_source": total.get("prompt_tokens_by_source"),
+            # per engine: which path its prompt tokens came by (a remote decoder's NIXL leg)
+            "by_endpoint": {
+                url: e.get("prompt_tokens_by_source")
+                for url, e in r["prometheus"].get("endpoints", {}).items()
+                if isinstance(e, dict) and e.get("prompt_tokens_by_source")
+            },
         })
     return rows
 
