@@ -60,6 +60,10 @@ STACKS=(
   "vllm-native http://127.0.0.1:8180 http://127.0.0.1:8180 n inventory/h200x1-vllm-native engine-0"
   "pdstack-default http://127.0.0.1:8160 http://127.0.0.1:8060 p inventory/h200x1 engine-0,proxy"
   "pdstack-default-before http://127.0.0.1:8160 http://127.0.0.1:8061 p inventory/h200x1 engine-0,proxy"
+  # where pdstack's extra latency comes from (run 1: slower at 8 req/s with nothing held): its
+  # engine with no proxy (the engine's config), and its proxy with the gate off (the relay)
+  "pdstack-engine http://127.0.0.1:8160 http://127.0.0.1:8160 p inventory/h200x1 engine-0,proxy"
+  "pdstack-gate-off http://127.0.0.1:8160 http://127.0.0.1:8062 p inventory/h200x1 engine-0,proxy"
 )
 # the workloads (data): sweep-name prefix, rates variable, bench arguments
 declare -A WL_RATES=([mt]=RATES [turn]=RATES_TURN [seed]=RATES_SEED)
@@ -93,15 +97,27 @@ for s in "${STACKS[@]}"; do  # the launches' own lines: how long each engine too
   [ -f "$W/state/times-$key" ] && continue
   touch "$W/state/times-$key"; log "$key: $(grep -h 'healthy after' "$W/logs/launch-$key.out" | tr '\n' ';')"
 done
-if [ -f "$W/state/down-p" ]; then
-  :
-elif [ -d "$OLD_PDSTACK/pdstack" ]; then
-  # shellcheck disable=SC2046
-  gpu_proxy before 8061 "$OLD_PDSTACK" $(gpu_proxy_args p) \
-    || log "the old proxy did not start: no pdstack-default-before"
-else
-  log "no $OLD_PDSTACK/pdstack: no pdstack-default-before (see the header)"
-fi
+[ -d "$OLD_PDSTACK/pdstack" ] || log "no $OLD_PDSTACK/pdstack: no pdstack-default-before (see the header)"
+# the extra proxies in front of pdstack's engine (data): stack, proxy name, port, code tree,
+# flags after the launched proxy's own. Each runs only during its own sweeps: every proxy
+# reads the engine's /metrics, and run 1 had the old one (every 0.1 s) up beside the
+# launched proxy through all of pdstack-default's sweeps
+EXTRA_PROXIES=(
+  "pdstack-default-before before 8061 $OLD_PDSTACK"
+  "pdstack-gate-off gate-off 8062 $REPO --admission off"
+)
+extra_proxy() {  # up|down STACK: start/stop the stack's extra proxy (0 when it has none)
+  local e name port code flags
+  for e in "${EXTRA_PROXIES[@]}"; do
+    [ "${e%% *}" = "$2" ] || continue
+    read -r _ name port code flags <<< "$e"
+    if [ "$1" = down ]; then gpu_proxy_stop "$name"; rm -f "$W/state/proxy-$name"; return 0; fi
+    [ -d "$code/pdstack" ] && [ ! -f "$W/state/down-p" ] || return 1
+    # shellcheck disable=SC2046,SC2086
+    gpu_proxy "$name" "$port" "$code" $(gpu_proxy_args p) $flags
+    return
+  done
+}
 
 meets_top() {  # JSON: 0 if its highest rate met the TTFT SLO; prints that rate
   python3 - "$1" <<'PYEOF'
@@ -120,13 +136,17 @@ sweep() {  # NAME: [turn-|seed-]STACK; 3 when it does not fit the budget now
   read -r engine target key _ <<< "$spec"
   [ -f "$W/state/down-$key" ] && engine=""  # gpu_sweep: "no engine", failed
   local rv=${WL_RATES[$wl]}
-  [ "$st" = pdstack-default-before ] && ! http_get "$target/health" > /dev/null \
-    && { log "no old proxy: skip $name"; touch "$W/state/failed-$name"; return 0; }
+  [ -f "$W/state/failed-$name" ] || extra_proxy up "$st" \
+    || { log "no proxy for $st: skip $name"; touch "$W/state/failed-$name"; return 0; }
+  local rc=0
   # shellcheck disable=SC2086
-  gpu_sweep "$name" "$engine" "$target" "${!rv}" "$DURATION" ${WL_ARGS[$wl]} || return $?
-  [ "$wl" = mt ] || return 0
-  # the ceiling: more rates while the stack still meets the SLO at its top rate
-  local last=$name top
+  gpu_sweep "$name" "$engine" "$target" "${!rv}" "$DURATION" ${WL_ARGS[$wl]} || rc=$?
+  if [ "$wl" = mt ] && [ $rc = 0 ]; then extend "$name" "$engine" "$target" || rc=$?; fi
+  extra_proxy down "$st"
+  return $rc
+}
+extend() {  # NAME ENGINE TARGET: the ceiling: more rates while the stack meets the SLO at its top
+  local name=$1 engine=$2 target=$3 last=$1 top
   while [ -f "$W/results/$last.json" ] && top=$(meets_top "$W/results/$last.json"); do
     local next="$((top + MORE)),$((top + 2 * MORE))"
     [ $((top + MORE)) -le "$RATES_MAX" ] || break
@@ -143,5 +163,4 @@ for s in "${STACKS[@]}"; do  # KEEP: launch keys left running (run_isolation.sh 
   read -r _ _ _ key inv _ <<< "$s"
   case " ${KEEP-v p} " in *" $key "*) ;; *) gpu_stop "$key" "$inv" ;; esac
 done
-gpu_proxy_stop before
 touch "$W/state/all-done"

@@ -1,0 +1,116 @@
+"""Issue 36's table and acceptance from gpu/run_ceiling.sh's sweeps (results/h200x1-ceiling).
+
+    python gpu/summarize_ceiling.py results/h200x1-ceiling [--json OUT]
+
+Goodput is the highest asked rate whose TTFT meets the SLO (P50 and P99, the bench's
+``meets_ttft_slo``). The acceptance (issue 36):
+- many-tenants: pdstack's goodput >= 1.6x vLLM-with-defaults' and >= 1.25x the native tier's;
+  at every rate where the native tier alone meets the SLO, pdstack's TTFT P99 <= 1.1x its;
+- multi-turn: at every rate where vLLM with its defaults meets the SLO, pdstack's TTFT P50 and
+  P99 within 10 % of vLLM's or within 10 ms (whichever is larger), served within 3 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from summarize_tiers import fmt, load, rows
+
+# sweep name -> what ran (one engine each, 10 GiB KV, GPU 0; same seed and rates)
+STACKS = {
+    "vllm-default": "`vllm serve`, its own defaults (no proxy)",
+    "vllm-native": "vLLM + `--kv-offloading-size 32` (its native tier, no proxy)",
+    "pdstack-default": "**pdstack default** (`inventory/h200x1`: native tier 32 GiB + the gate)",
+    "pdstack-default-before": "pdstack default, the proxy of `431b547` (the gate before issue 36)",
+    "pdstack-engine": "pdstack's default engine straight (no proxy)",
+    "pdstack-gate-off": "pdstack default with `--admission off` (the relay alone)",
+}
+WORKLOADS = {"": "many-tenants", "turn-": "multi-turn", "seed-": "seed"}
+
+
+def goodput(run: dict[str, Any]) -> float:
+    ok = [r["request_rate"] for r in run["results"] if r.get("meets_ttft_slo")]
+    return max(ok, default=0.0)
+
+
+def table(runs: dict[str, dict[str, Any]], prefix: str) -> str:
+    lines = ["| stack | asked req/s | served req/s | TTFT P50 ms | TTFT P99 ms | preemptions "
+             "| goodput req/s | JSON |", "|---|---|---|---|---|---|---|---|"]
+    for key, what in STACKS.items():
+        name = prefix + key
+        if name not in runs:
+            continue
+        rs = rows(runs[name])
+
+        def j(f: str, s: str = ".0f", rs: list[dict[str, Any]] = rs) -> str:
+            return " / ".join(fmt(r[f], s) for r in rs)
+        lines.append(f"| {what} | {j('rate')} | {j('served', '.1f')} | {j('p50')} | {j('p99')} "
+                     f"| {j('preempt')} | {goodput(runs[name]):.0f} | `{name}.json` |")
+    return "\n".join(lines)
+
+
+def many_tenants(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    pd, base, nat = (runs[k] for k in ("pdstack-default", "vllm-default", "vllm-native"))
+    g = {k: goodput(runs[k]) for k in ("pdstack-default", "vllm-default", "vllm-native")}
+    native_ok = {r["request_rate"]: r for r in nat["results"] if r.get("meets_ttft_slo")}
+    p99 = [{"rate": rate, "native_p99_ms": r["p99_ttft_ms"], "pdstack_p99_ms": p["p99_ttft_ms"],
+            "ratio": p["p99_ttft_ms"] / r["p99_ttft_ms"],
+            "ok": p["p99_ttft_ms"] <= 1.1 * r["p99_ttft_ms"]}
+           for p in pd["results"] if (rate := p["request_rate"]) in native_ok
+           for r in [native_ok[rate]]]
+    vs_vllm = g["pdstack-default"] / g["vllm-default"] if g["vllm-default"] else None
+    vs_native = g["pdstack-default"] / g["vllm-native"] if g["vllm-native"] else None
+    return {
+        "goodput_req_s": g, "vs_vllm_default": vs_vllm, "vs_native": vs_native,
+        "goodput_ok": bool(vs_vllm and vs_vllm >= 1.6 and vs_native and vs_native >= 1.25),
+        "p99_where_native_meets_slo": p99, "p99_ok": all(x["ok"] for x in p99),
+        "vllm_default_served": [r["served_rate"] for r in base["results"]],
+    }
+
+
+def within(a: float, b: float) -> bool:
+    """pdstack's ``b`` within 10 % or 10 ms (the larger) of vLLM's ``a``."""
+    return b <= a + max(0.1 * a, 10.0)
+
+
+def multi_turn(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for b, p in zip(runs["turn-vllm-default"]["results"], runs["turn-pdstack-default"]["results"],
+                    strict=True):
+        if not b.get("meets_ttft_slo"):
+            continue
+        out.append({
+            "rate": b["request_rate"],
+            "p50_ms": [b["p50_ttft_ms"], p["p50_ttft_ms"]],
+            "p99_ms": [b["p99_ttft_ms"], p["p99_ttft_ms"]],
+            "served": [b["served_rate"], p["served_rate"]],
+            "p50_ok": within(b["p50_ttft_ms"], p["p50_ttft_ms"]),
+            "p99_ok": within(b["p99_ttft_ms"], p["p99_ttft_ms"]),
+            "served_ok": p["served_rate"] >= 0.97 * b["served_rate"],
+        })
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("dir", type=Path)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    runs = load(a.dir)
+    for prefix, title in WORKLOADS.items():
+        if any(prefix + k in runs for k in STACKS):
+            print(f"\n### {title}\n\n{table(runs, prefix)}")
+    mt, turn = many_tenants(runs), multi_turn(runs)
+    ok = mt["goodput_ok"] and mt["p99_ok"] and all(
+        r["p50_ok"] and r["p99_ok"] and r["served_ok"] for r in turn)
+    acc: dict[str, Any] = {"many_tenants": mt, "multi_turn": turn, "ok": ok}
+    print("\n```\n" + json.dumps(acc, indent=1) + "\n```")
+    if a.json:
+        a.json.write_text(json.dumps(acc, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
