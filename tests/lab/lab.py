@@ -179,6 +179,30 @@ class Lab:
         self._iptables(node, ["-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
                               "-j", "ACCEPT"])
 
+    def hold_from(self, node: str, src: str, but_port: int) -> None:
+        """Drop every TCP packet from node ``src`` to ``node`` except those to ``but_port``:
+        ``src``'s transfers to ``node`` stall, unreset, while ``node`` still serves
+        ``but_port`` (a KV pull held open until the link goes down); ``unhold`` ends it."""
+        self._iptables(node, ["-s", self.address(src), "-p", "tcp", "!", "--dport",
+                              str(but_port), "-j", "DROP"])
+
+    def unhold(self, node: str) -> None:
+        """Flush ``node``'s firewall (``hold_from`` and the other rules), its link as it is."""
+        self.node_run(node, ["iptables", "-F", "INPUT"])
+
+    def cpu_shares(self, node: str, shares: int) -> None:
+        """The CPU weight of everything in ``node``'s containers (its Docker engine's cgroup
+        parent) against the rest of this machine: 1024 is the default; a low value lets
+        ``node`` use only what the other nodes leave, as on a machine of its own (the lab's
+        nodes share this machine's cores)."""
+        v1 = Path(f"/sys/fs/cgroup/cpu/{self.prefix}-{node}/cpu.shares")
+        if v1.exists():
+            v1.write_text(str(shares))
+        else:  # cgroup v2: the same scale as Docker's --cpu-shares
+            v2 = Path(f"/sys/fs/cgroup/{self.prefix}-{node}/cpu.weight")
+            v2.write_text(str(max(1, 1 + (shares - 2) * 9999 // 262142)))
+        self._faults.append(("cpu", node))
+
     def drop_icmp(self, node: str) -> None:
         """Drop every ICMP echo request to ``node`` (a firewall that blocks ping)."""
         self._iptables(node, ["-p", "icmp", "--icmp-type", "echo-request", "-j", "DROP"])
@@ -236,7 +260,11 @@ class Lab:
             self.set_mtu(node, mtu, path=True)
 
     def clear_faults(self) -> None:
-        """Undo every fault: flush node firewalls, links up, MTUs back to the lab MTU."""
+        """Undo every fault: flush node firewalls, links up, MTUs back to the lab MTU, CPU
+        shares back to the default."""
+        for kind, node in list(self._faults):
+            if kind == "cpu":
+                self.cpu_shares(node, 1024)
         for node in self.nodes:
             self.node_run(node, ["iptables", "-F", "INPUT"], check=False)
             self.node_run(node, ["ip", "link", "set", "eth0", "mtu", str(self.mtu), "up"],
