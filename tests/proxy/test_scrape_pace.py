@@ -10,8 +10,11 @@ asserted as "several reads in a second" (a loaded 2-core machine only slows the 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from typing import Any
+
+import pytest
 
 from pdstack.proxy.admission import AdmissionConfig
 from pdstack.proxy.kv_gate import EngineLoad
@@ -131,3 +134,17 @@ async def test_held_requests_make_the_scrape_fast() -> None:
             first.cancel()
             results = await asyncio.gather(first, second, return_exceptions=True)
             assert results[1].status == 200, results
+
+
+def test_scrape_idle_interval_flag_and_its_bounds() -> None:
+    from pdstack.proxy import cli
+
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers(), "proxy", "the proxy")
+    args = parser.parse_args(["proxy", "--admission", "kv"])
+    assert cli.admission_from_args(args).scrape_idle_interval_s == 2.0
+    args = parser.parse_args(["proxy", "--admission-scrape-idle-interval", "5"])
+    assert cli.admission_from_args(args).scrape_idle_interval_s == 5.0
+    args = parser.parse_args(["proxy", "--admission-scrape-idle-interval", "0"])
+    with pytest.raises(SystemExit, match="--admission-scrape-idle-interval must be within"):
+        cli.admission_from_args(args)
