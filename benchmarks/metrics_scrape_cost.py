@@ -129,8 +129,9 @@ async def measure(url: str, args: argparse.Namespace) -> dict:
         got: dict[str, tuple[list[dict], list[float]]] = {m: ([], []) for m in modes}
         for r in range(args.rounds):
             order = list(modes) if r % 2 == 0 else list(reversed(modes))
-            for m in order:
-                res, took = await block(session, url, modes[m], args, r * 10 + len(m))
+            for m in order:  # every prompt unique: no block gets another's prefix-cache hits
+                seed = r * len(modes) + list(modes).index(m) + 1
+                res, took = await block(session, url, modes[m], args, seed)
                 got[m][0].extend(res)
                 got[m][1].extend(took)
     return {
@@ -175,6 +176,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-tokens", type=int, default=48)
     p.add_argument("--hot-hz", type=float, default=20.0)
     p.add_argument("--label", default="metrics_scrape_cost")
+    p.add_argument(
+        "--engine-arg", action="append", default=[],
+        help="extra vllm serve argument (repeat), e.g. --engine-arg=--enable-server-load-tracking",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -183,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     ve.require_venv()
     with heavy_lock():
         port = ve.free_port()
-        proc = ve.start_engine("scrape-cost", port, args.cpu, None)
+        proc = ve.start_engine("scrape-cost", port, args.cpu, None, extra_args=args.engine_arg)
         try:
             ve.wait_ready([proc])
             result = asyncio.run(measure(proc.url, args))
