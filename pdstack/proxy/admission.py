@@ -73,7 +73,9 @@ class AdmissionConfig:
     # ... while an engine is far below the mark and nobody waits (.scrape_pace)
     scrape_idle_interval_s: float = 2.0
     scrape_timeout_s: float = 1.0
-    stale_after_s: float = 2.0  # an older scrape is not used (the proxy's count alone)
+    # an older scrape is not used (the proxy's count alone); above the idle interval + a
+    # tick, so an engine read at the idle pace keeps its correction until the next read
+    stale_after_s: float = 3.0
     queue_max: int = 4096
     queue_timeout_s: float = 60.0
     fairness: bool = True  # per-tenant fair queuing + priorities (False: one FIFO)
