@@ -36,12 +36,19 @@ def gate_config(**kw: Any) -> AdmissionConfig:
         "scrape_idle_interval_s": HOUR,
         "stale_after_s": 30.0,
         "output_tokens": 4,
+        "scrape_timeout_s": 10.0,  # a loaded 2-core machine: the first read must not fail
     }
     return AdmissionConfig(**{**base, **kw})
 
 
 def words(n: int, tag: str) -> str:
     return " ".join(f"{tag}{i % 100:02d}" for i in range(n))
+
+
+async def first_read(rp: ph.RunningProxy) -> None:
+    """The start's read is in: the engine's capacity is known (unknown reads fast)."""
+    loads = rp.proxy.admission.loads
+    await ph.until(lambda: "e0" in loads and loads["e0"].capacity_tokens > 0, "the first read")
 
 
 async def reads_in_window(engine: FakeEngine) -> int:
@@ -85,7 +92,7 @@ async def test_idle_engine_is_not_scraped_at_the_fast_interval() -> None:
     async with ph.engines("e0", kv_capacity_tokens=CAPACITY, output_tokens=4) as e:
         table = ph.table("colocated", [ph.backend("e0", "colocated", e["e0"])])
         async with ph.running_proxy(table, admission=gate_config()) as rp:
-            await ph.until(lambda: e["e0"].metrics_reads >= 1, "the start's read")
+            await first_read(rp)
             assert await reads_in_window(e["e0"]) == 0
             status = await ph.stream_completion(rp.session, rp.url, words(20, "a"), max_tokens=4)
             assert status.status == 200
@@ -99,7 +106,7 @@ async def test_near_the_mark_the_engine_is_scraped_fast() -> None:
         eng = e["e0"]
         table = ph.table("colocated", [ph.backend("e0", "colocated", eng)])
         async with ph.running_proxy(table, admission=gate_config()) as rp:
-            await ph.until(lambda: eng.metrics_reads >= 1, "the start's read")
+            await first_read(rp)
             eng.faults = Faults(hang_after_chunks=1, times=1)
             big = asyncio.create_task(
                 ph.stream_completion(rp.session, rp.url, words(500, "b"), max_tokens=4)
@@ -108,7 +115,11 @@ async def test_near_the_mark_the_engine_is_scraped_fast() -> None:
             assert await reads_in_window(eng) >= 4
             big.cancel()
             await asyncio.gather(big, return_exceptions=True)
-            await ph.until(lambda: not rp.proxy.admission.loads["e0"].requests, "it ended")
+            load = rp.proxy.admission.loads["e0"]
+            await ph.until(
+                lambda: not load.requests and eng.running == 0 and load.kv_usage < 0.1,
+                "it ended, in the proxy, in the engine and in a read since",
+            )
             await asyncio.sleep(0.2)  # a tick in flight may still read once
             assert await reads_in_window(eng) == 0
 
@@ -120,7 +131,7 @@ async def test_held_requests_make_the_scrape_fast() -> None:
         eng = e["e0"]
         table = ph.table("colocated", [ph.backend("e0", "colocated", eng)])
         async with ph.running_proxy(table, admission=config) as rp:
-            await ph.until(lambda: eng.metrics_reads >= 1, "the start's read")
+            await first_read(rp)
             eng.faults = Faults(hang_after_chunks=1, times=1)
             first = asyncio.create_task(
                 ph.stream_completion(rp.session, rp.url, words(10, "a"), max_tokens=4)
