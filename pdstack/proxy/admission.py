@@ -12,8 +12,10 @@ A request goes straight to its engine unless, at the moment it arrives,
 - earlier requests wait already: it goes behind them (fair order, :mod:`.fair_queue`).
 
 The state behind each decision is the proxy's own accounting, current at the decision
-(updated at admission, first byte and end); the engines' ``/metrics``, read every
-``scrape_interval_s``, correct it (their KV usage, with prefix reuse) but never gate: a
+(updated at admission, first byte and end); the engines' ``/metrics`` correct it (their KV
+usage, with prefix reuse) but never gate, read every ``scrape_interval_s`` near the
+watermark or while requests wait, else every ``scrape_idle_interval_s`` (a scrape costs the
+engine's loop time: :mod:`pdstack.proxy.scrape_pace`): a
 burst that fits goes through at once, and a held request goes the moment a running one
 ends, not at the next scrape. A stale or failed scrape never blocks: the gate then counts
 the proxy's requests only. Which engines are gated: the ones whose KV a request fills for
@@ -42,6 +44,7 @@ from pdstack.proxy.backends import BackendState
 from pdstack.proxy.fair_queue import AdmissionRejected, FairQueue, Waiter, tenant_name
 from pdstack.proxy.kv_gate import GATED_ROLES, EngineLoad, prompt_tokens
 from pdstack.proxy.periodic import every
+from pdstack.proxy.scrape_pace import ScrapePace
 from pdstack.proxy.shares import TenantLedger
 from pdstack.proxy.tenants import TenantState
 
@@ -67,8 +70,12 @@ class AdmissionConfig:
     # (pdstack.proxy.shares); 0 = no prefill share
     prefill_tokens: int = 16384
     scrape_interval_s: float = 0.25  # the engines' /metrics: a correction, not the gate
+    # ... while an engine is far below the mark and nobody waits (.scrape_pace)
+    scrape_idle_interval_s: float = 2.0
     scrape_timeout_s: float = 1.0
-    stale_after_s: float = 2.0  # an older scrape is not used (the proxy's count alone)
+    # an older scrape is not used (the proxy's count alone); above the idle interval + a
+    # tick, so an engine read at the idle pace keeps its correction until the next read
+    stale_after_s: float = 3.0
     queue_max: int = 4096
     queue_timeout_s: float = 60.0
     fairness: bool = True  # per-tenant fair queuing + priorities (False: one FIFO)
@@ -96,6 +103,7 @@ class KvAdmission:
         # called with (tenant, seconds) when a waiter leaves the queue (per-tenant metrics)
         self.on_wait: Callable[[TenantState | None, float], None] | None = None
         self._task: asyncio.Task[None] | None = None
+        self._pace = ScrapePace(config.scrape_interval_s, config.scrape_idle_interval_s)
         self._session: aiohttp.ClientSession | None = None
         # read by the proxy's /metrics (rejections are counted there, by reason)
         self.admitted_after_wait = 0
@@ -110,9 +118,7 @@ class KvAdmission:
         self._session = session
         await self.scrape_once()
         self._task = asyncio.create_task(
-            every(
-                lambda: self.config.scrape_interval_s, self.scrape_once, "admission scrape failed"
-            )
+            every(lambda: self._pace.tick_s, self.scrape_due, "admission scrape failed")
         )
 
     async def stop(self) -> None:
@@ -126,9 +132,28 @@ class KvAdmission:
 
     async def scrape_once(self) -> None:
         """Read every gated engine's /metrics (the correction); a held request may fit now."""
+        await self._scrape(self._gated())
+
+    async def scrape_due(self) -> None:
+        """Read the gated engines that are due (:class:`ScrapePace`): a tick of the loop."""
+        now, held, kv_high = time.monotonic(), bool(self._queue), self.config.kv_high
+        due = [
+            b
+            for b in self._gated()
+            if self._pace.due(b.name, self.loads.get(b.name, EngineLoad()), kv_high, held, now)
+        ]
+        if due:
+            await self._scrape(due)
+
+    def _gated(self) -> list[BackendState]:
+        return [b for b in self._backends() if b.role in GATED_ROLES and not b.removed]
+
+    async def _scrape(self, gated: list[BackendState]) -> None:
         assert self._session is not None
         session, headers, timeout = self._session, self._headers(), self.config.scrape_timeout_s
-        gated = [b for b in self._backends() if b.role in GATED_ROLES and not b.removed]
+        now = time.monotonic()
+        for b in gated:
+            self._pace.tried[b.name] = now
         await asyncio.gather(
             *(
                 kv_gate.scrape(

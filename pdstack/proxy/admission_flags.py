@@ -34,7 +34,15 @@ _ADMISSION = (
     ),
     Flag(
         "scrape_interval_s",
-        "engine /metrics read interval: a correction, not the gate (default %(default)s)",
+        "engine /metrics read interval near the KV watermark or while requests wait: a "
+        "correction, not the gate (default %(default)s)",
+        metavar="S",
+    ),
+    Flag(
+        "scrape_idle_interval_s",
+        "engine /metrics read interval while the engine is far below the watermark (under "
+        "half of it) and nobody waits: each read costs the engine's loop a few ms "
+        "(default %(default)s)",
         metavar="S",
     ),
     Flag(
@@ -53,6 +61,7 @@ _ADMISSION = (
 _ADMISSION_RANGES = {
     "kv_high": (0.05, 1.0),
     "scrape_interval_s": (0.01, 10.0),
+    "scrape_idle_interval_s": (0.01, 60.0),
     "queue_timeout_s": (0.0, 3600.0),
 }
 _ADMISSION_NONNEGATIVE = ("output_tokens", "max_running", "prefill_tokens", "queue_max")

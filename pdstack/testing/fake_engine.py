@@ -48,8 +48,9 @@ Endpoints
   ``vllm:num_requests_running``, ``vllm:prompt_tokens_total``,
   ``vllm:generation_tokens_total``, ``vllm:request_success_total``,
   ``vllm:prompt_tokens_by_source_total{source="local_compute"|"external_kv_transfer"}``,
-  and ``fake_engine_requests_total``. With ``kv_capacity_tokens`` set, also the gauges
-  KV-aware admission reads: ``vllm:cache_config_info{num_gpu_blocks, block_size="16"} 1``,
+  and ``fake_engine_requests_total`` (``metrics_reads`` counts the reads). With
+  ``kv_capacity_tokens`` set, also the gauges KV-aware admission reads:
+  ``vllm:cache_config_info{num_gpu_blocks, block_size="16"} 1``,
   ``vllm:kv_cache_usage_perc`` = (running requests' prompt tokens + ``kv_held_tokens``)
   / capacity, capped at 1, and ``vllm:num_requests_waiting`` = ``num_waiting``; tests set
   ``kv_held_tokens`` (KV "held by other requests") and ``num_waiting`` at any time.
@@ -267,6 +268,7 @@ class FakeEngine:
         self.kv_held_tokens = 0
         self.num_waiting = 0
         self.running_prompt_tokens = 0
+        self.metrics_reads = 0  # GET /metrics answered (tests count a scraper's rate)
         # a fixed capacity (vLLM's --max-num-seqs): more requests wait, FIFO, in the engine
         self.max_running = max_running
         self._slots = asyncio.Semaphore(max_running) if max_running else None
@@ -450,6 +452,7 @@ class FakeEngine:
         return web.Response(status=self.faults.health_status)
 
     async def _handle_metrics(self, request: web.Request) -> web.Response:
+        self.metrics_reads += 1
         c = self.counters
         lbl = f'model_name="{self.model}"'
         lines = [

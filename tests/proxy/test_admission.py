@@ -43,6 +43,7 @@ def admission(**kw: Any) -> AdmissionConfig:
         "enabled": True,
         "kv_high": 0.8,
         "scrape_interval_s": 0.05,
+        "scrape_idle_interval_s": 0.05,  # these tests fill KV behind the proxy's back
         "stale_after_s": 30.0,  # a loaded 2-core machine may stall the loop for a while
         "queue_timeout_s": 60.0,
     }
