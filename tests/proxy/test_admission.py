@@ -186,7 +186,7 @@ async def test_a_request_that_would_overfill_kv_waits_for_an_end_not_a_scrape() 
     running one ends, with no scrape in between."""
     async with ph.engines("e0", kv_capacity_tokens=CAPACITY, output_tokens=4) as e:
         eng = e["e0"]
-        config = admission(scrape_interval_s=HOUR)
+        config = admission(scrape_interval_s=HOUR, scrape_idle_interval_s=HOUR)
         async with ph.running_proxy(colocated("e0", e=e), admission=config) as rp:
             gate = rp.proxy.admission
             seen = len(eng.seen())
@@ -217,7 +217,7 @@ async def test_a_burst_never_waits_for_a_scrape() -> None:
     end; none waits for a scrape (there is none)."""
     async with ph.engines("e0", kv_capacity_tokens=CAPACITY, output_tokens=2) as e:
         eng = e["e0"]
-        config = admission(scrape_interval_s=HOUR)
+        config = admission(scrape_interval_s=HOUR, scrape_idle_interval_s=HOUR)
         async with ph.running_proxy(colocated("e0", e=e), admission=config) as rp:
             gate = rp.proxy.admission
             async with hanging(rp, eng, "a"):
