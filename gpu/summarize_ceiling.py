@@ -12,12 +12,9 @@ Goodput is the highest asked rate whose TTFT meets the SLO (P50 and P99, the ben
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
 from typing import Any
 
-from summarize_tiers import fmt, load, rows
+from summarize_tiers import cli, fmt, report, rows
 
 # sweep name -> what ran (one engine each, 10 GiB KV, GPU 0; same seed and rates)
 STACKS = {
@@ -95,11 +92,7 @@ def multi_turn(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("dir", type=Path)
-    ap.add_argument("--json", type=Path)
-    a = ap.parse_args()
-    runs = load(a.dir)
+    runs, out = cli()
     for prefix, title in WORKLOADS.items():
         if any(prefix + k in runs for k in STACKS):
             print(f"\n### {title}\n\n{table(runs, prefix)}")
@@ -107,9 +100,7 @@ def main() -> None:
     ok = mt["goodput_ok"] and mt["p99_ok"] and all(
         r["p50_ok"] and r["p99_ok"] and r["served_ok"] for r in turn)
     acc: dict[str, Any] = {"many_tenants": mt, "multi_turn": turn, "ok": ok}
-    print("\n```\n" + json.dumps(acc, indent=1) + "\n```")
-    if a.json:
-        a.json.write_text(json.dumps(acc, indent=1) + "\n")
+    report(acc, out)
 
 
 if __name__ == "__main__":

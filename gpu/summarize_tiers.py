@@ -110,21 +110,30 @@ def acceptance(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
+def cli() -> tuple[dict[str, dict[str, Any]], Path | None]:
+    """A summarize script's command line: DIR [--json OUT] -> (DIR's runs, OUT)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("dir", type=Path)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
-    runs = load(a.dir)
+    return load(a.dir), a.json
+
+
+def report(acc: dict[str, Any], out: Path | None) -> None:
+    """Print the acceptance as a JSON block; also write it to ``out`` when given."""
+    print("\n```\n" + json.dumps(acc, indent=1) + "\n```")
+    if out:
+        out.write_text(json.dumps(acc, indent=1) + "\n")
+
+
+def main() -> None:
+    runs, out = cli()
     for wl, title in zip(WORKLOADS, ("many-tenants", "multi-turn", "seed"), strict=True):
         print(f"\n### {title}\n\n{table(runs, wl)}")
     for wl, (title, variants) in PAIRS.items():
         if any(f"{wl}-{k}" in runs for k in variants):
             print(f"\n### {title}\n\n{table(runs, wl, variants)}")
-    acc = acceptance(runs)
-    print("\n```\n" + json.dumps(acc, indent=1) + "\n```")
-    if a.json:
-        a.json.write_text(json.dumps(acc, indent=1) + "\n")
+    report(acceptance(runs), out)
 
 
 if __name__ == "__main__":
