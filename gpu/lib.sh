@@ -17,6 +17,11 @@ gpu_start() {
 }
 log() { echo "[$GPU_TAG +$(elapsed)s $(date -u +%T)] $*" | tee -a "$W/run.log"; }
 
+# launch flags of the measured stacks: supervised, so an engine that dies under a sweep (vLLM
+# issue 52170 killed two in one session, with nobody to restart them) or wedges (a dead
+# EngineCore leaves /health hanging) is started again instead of failing every later sweep
+GPU_SUPERVISE=(--foreground --wedge-s "${WEDGE_S:-60}")
+
 # the issue-23 many-tenants workload (results/h200x1-tiers): 200 shared prompts of 1.5-5 k
 # tokens (~1.9x one engine's GPU KV), 85 % reuse, user 64-512, answers 48-160
 GPU_MT=(--scenario many-tenants --system-prompts 200 --system-len uniform:1500:5000
@@ -74,11 +79,19 @@ gpu_launch() {
   setsid bash -c "python3 -m pdstack.cli launch -i $inv start ${svcs:+--services $svcs} \
     --log-dir $W/logs/$key --timeout 900 ${GPU_ENV[*]} $* ; echo \$? > $W/state/launch-$key.rc" \
     > "$W/logs/launch-$key.out" 2>&1 < /dev/null &
+  echo $! > "$W/state/launcher-$key.pgid"  # setsid: its own process group (gpu_stop)
 }
 # gpu_stop KEY INVENTORY: stop what gpu_launch started (once; no-op if it never was)
 gpu_stop() {
   [ -f "$W/state/launched-$1" ] && [ ! -f "$W/state/stopped-$1" ] || return 0
   touch "$W/state/stopped-$1"
+  # a supervising launcher (GPU_SUPERVISE) would start again what `launch stop` ends: end it
+  # first (SIGTERM: it stops its services itself), then stop whatever is left
+  local pg i
+  pg=$(cat "$W/state/launcher-$1.pgid" 2>/dev/null)
+  if [ -n "$pg" ] && kill -TERM -- "-$pg" 2>/dev/null; then
+    for i in $(seq 60); do kill -0 -- "-$pg" 2>/dev/null || break; sleep 1; done
+  fi
   python3 -m pdstack.cli launch -i "$2" stop --log-dir "$W/logs/$1" --grace 15 2>&1 | tail -2 \
     | tee -a "$W/run.log"
 }

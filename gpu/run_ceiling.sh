@@ -10,7 +10,8 @@
 #      commands), detached: STACKS below. pdstack-default-before is the same engine as
 #      pdstack-default behind the OLD proxy (commit 431b547's pdstack, from $OLD_PDSTACK) with
 #      the planned proxy's exact arguments (read from the launched proxy) on :8061
-#   3. the sweeps (SWEEPS, priority order; a name is [turn-|seed-]STACK): one engine under load
+#   3. the sweeps (SWEEPS, priority order; a name is [turn-|seed-]STACK[-rN], -rN a repeat
+#      written to NAME-rN.json: interleave repeats to see run-to-run noise): one engine under load
 #      at a time, each sweep on a quiet engine with its own vLLM cache_salt (cold caches), the
 #      same seed and rates for every stack, the engine's and the proxy's counters in the JSON.
 #      A sweep that does not fit what is left of this call waits for the next call; a later,
@@ -86,7 +87,7 @@ stack() {  # NAME: "engine target key inventory services" of a stack, or nothing
 }
 for s in "${STACKS[@]}"; do
   read -r _ _ _ key inv svcs <<< "$s"
-  gpu_launch "$key" "$inv" "$svcs"
+  gpu_launch "$key" "$inv" "$svcs" "${GPU_SUPERVISE[@]}"
 done
 for s in "${STACKS[@]}"; do  # a stack that failed to start: its sweeps are marked failed
   read -r _ _ _ key _ <<< "$s"
@@ -127,9 +128,10 @@ print(int(r["request_rate"]))
 sys.exit(0 if r.get("meets_ttft_slo") else 1)
 PYEOF
 }
-sweep() {  # NAME: [turn-|seed-]STACK; 3 when it does not fit the budget now
+sweep() {  # NAME: [turn-|seed-]STACK[-rN]; 3 when it does not fit the budget now
   local name=$1 wl=mt st=$1
-  case $name in turn-*|seed-*) wl=${name%%-*}; st=${name#*-} ;; esac
+  [[ $st =~ ^(.*)-r[0-9]+$ ]] && st=${BASH_REMATCH[1]}  # a repeat: NAME-rN.json, same stack
+  case $st in turn-*|seed-*) wl=${st%%-*}; st=${st#*-} ;; esac
   local spec; spec=$(stack "$st")
   [ -n "$spec" ] || { log "unknown sweep $name"; return 0; }
   local engine target key

@@ -75,13 +75,13 @@ fi
 # the stack's engine is inventory/h200x1's (same command, :8160): when gpu/run_ceiling.sh left
 # it running, only this inventory's proxy is started (no engine start: ~170 s saved)
 if [ -f "$W/state/launched-iso" ] || ! http_get "${ENGINE[pd]}/health" > /dev/null; then
-  gpu_launch iso "$INV" engine-0,proxy --secrets-env "$GPU_SECRETS"
+  gpu_launch iso "$INV" engine-0,proxy --secrets-env "$GPU_SECRETS" "${GPU_SUPERVISE[@]}"
 else
   gpu_launch iso "$INV" proxy --secrets-env "$GPU_SECRETS"
 fi
 case " $VARIANTS " in *" vllm-"*)
   if [ -f "$W/state/launched-v" ] || ! http_get "${ENGINE[vllm]}/health" > /dev/null; then
-    gpu_launch v inventory/h200x1-vllm engine-0
+    gpu_launch v inventory/h200x1-vllm engine-0 "${GPU_SUPERVISE[@]}"
   fi ;;
 esac
 gpu_wait_up iso || exit 1

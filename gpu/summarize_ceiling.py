@@ -12,6 +12,7 @@ Goodput is the highest asked rate whose TTFT meets the SLO (P50 and P99, the ben
 
 from __future__ import annotations
 
+from statistics import mean
 from typing import Any
 
 from summarize_tiers import cli, fmt, report, rows
@@ -36,10 +37,9 @@ def goodput(run: dict[str, Any]) -> float:
 def table(runs: dict[str, dict[str, Any]], prefix: str) -> str:
     lines = ["| stack | asked req/s | served req/s | TTFT P50 ms | TTFT P99 ms | preemptions "
              "| goodput req/s | JSON |", "|---|---|---|---|---|---|---|---|"]
-    for key, what in STACKS.items():
-        name = prefix + key
-        if name not in runs:
-            continue
+    named = [(name, what + label) for key, what in STACKS.items()
+             for name, label in repeats(runs, prefix + key)]
+    for name, what in named:
         rs = rows(runs[name])
 
         def j(f: str, s: str = ".0f", rs: list[dict[str, Any]] = rs) -> str:
@@ -47,6 +47,15 @@ def table(runs: dict[str, dict[str, Any]], prefix: str) -> str:
         lines.append(f"| {what} | {j('rate')} | {j('served', '.1f')} | {j('p50')} | {j('p99')} "
                      f"| {j('preempt')} | {goodput(runs[name]):.0f} | `{name}.json` |")
     return "\n".join(lines)
+
+
+def repeats(runs: dict[str, dict[str, Any]], name: str) -> list[tuple[str, str]]:
+    """``name`` and its repeats ``name-rN`` (gpu/run_ceiling.sh), those that ran, in order,
+    each with its table label ("" for the first, " (repeat N)")."""
+    out = [(name, "")] if name in runs else []
+    nums = sorted(int(k.rsplit("-r", 1)[1]) for k in runs
+                  if k.startswith(name + "-r") and k.rsplit("-r", 1)[1].isdigit())
+    return out + [(f"{name}-r{n}", f" (repeat {n})") for n in nums]
 
 
 def many_tenants(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -73,20 +82,37 @@ def within(a: float, b: float) -> bool:
     return b <= a + max(0.1 * a, 10.0)
 
 
+def pooled(runs: dict[str, dict[str, Any]], name: str) -> dict[float, dict[str, float]]:
+    """Per asked rate, the mean of ``name``'s and its repeats' P50, P99 and served (a run
+    that missed the SLO at a rate makes that rate miss)."""
+    by_rate: dict[float, list[dict[str, Any]]] = {}
+    for n, _ in repeats(runs, name):
+        for r in runs[n]["results"]:
+            by_rate.setdefault(r["request_rate"], []).append(r)
+    return {rate: {"p50": mean(r["p50_ttft_ms"] for r in rs),
+                   "p99": mean(r["p99_ttft_ms"] for r in rs),
+                   "served": mean(r["served_rate"] for r in rs),
+                   "meets": all(r.get("meets_ttft_slo") for r in rs), "runs": len(rs)}
+            for rate, rs in by_rate.items()}
+
+
 def multi_turn(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """At each rate where vLLM meets the SLO: pdstack against it, each the mean over its
+    repeats (``-rN``: interleaved runs of the same sweep)."""
+    base, pd = pooled(runs, "turn-vllm-default"), pooled(runs, "turn-pdstack-default")
     out = []
-    for b, p in zip(runs["turn-vllm-default"]["results"], runs["turn-pdstack-default"]["results"],
-                    strict=True):
-        if not b.get("meets_ttft_slo"):
+    for rate in sorted(set(base) & set(pd)):
+        b, p = base[rate], pd[rate]
+        if not b["meets"]:
             continue
         out.append({
-            "rate": b["request_rate"],
-            "p50_ms": [b["p50_ttft_ms"], p["p50_ttft_ms"]],
-            "p99_ms": [b["p99_ttft_ms"], p["p99_ttft_ms"]],
-            "served": [b["served_rate"], p["served_rate"]],
-            "p50_ok": within(b["p50_ttft_ms"], p["p50_ttft_ms"]),
-            "p99_ok": within(b["p99_ttft_ms"], p["p99_ttft_ms"]),
-            "served_ok": p["served_rate"] >= 0.97 * b["served_rate"],
+            "rate": rate, "runs": [b["runs"], p["runs"]],
+            "p50_ms": [b["p50"], p["p50"]],
+            "p99_ms": [b["p99"], p["p99"]],
+            "served": [b["served"], p["served"]],
+            "p50_ok": within(b["p50"], p["p50"]),
+            "p99_ok": within(b["p99"], p["p99"]),
+            "served_ok": p["served"] >= 0.97 * b["served"],
         })
     return out
 
