@@ -67,14 +67,14 @@ def apply() -> bool:
     left as it is (logged)."""
     import importlib
 
-    import vllm
+    import vllm  # type: ignore[import-not-found]  # only in vLLM's own environment
 
     version = getattr(vllm, "__version__", "")
     if version != FIXED_VLLM:
         log.debug("pdstack offload fix: vLLM %s is not %s, nothing patched", version, FIXED_VLLM)
         return False
     scheduler = importlib.import_module(SCHEDULER_MODULE)
-    from vllm.v1.request import RequestStatus
+    from vllm.v1.request import RequestStatus  # type: ignore[import-not-found]
 
     cls = scheduler.RequestOffloadState
     current = cls.storable_chunks

@@ -105,15 +105,14 @@ def scenario(name: str) -> dict[str, Any]:
         for state in status.group_states:
             state.block_ids.clear()
     if name in ("mid_prefill", "running"):
-        # first chunk of a chunked prefill: 2 blocks allocated, 128 tokens scheduled
+        # first chunk of a chunked prefill: 100 tokens scheduled, their 2 blocks allocated
         status.update_offload_keys()
         status.update_block_id_groups(([21, 22],))
         req.status = RequestStatus.RUNNING
-        req.num_computed_tokens = 2 * BLOCK
+        req.num_computed_tokens = 100
     if name == "running":
-        sched_out = output({name: BLOCK}, set())  # the next chunk: 64 tokens, block 23
+        sched_out = output({name: 92}, set())  # the next chunk: to 192 tokens, block 23
         status.update_block_id_groups(([23],))
-        req.num_computed_tokens = 2 * BLOCK
     else:  # aborted by its client (0.26.0 Scheduler.finish_requests -> _free_request)
         req.status = RequestStatus.FINISHED_ABORTED
         sched.request_finished(req)
