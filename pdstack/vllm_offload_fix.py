@@ -18,8 +18,10 @@ up to its computed tokens (PR 49285). ``storable_chunks`` bounds every store dec
 two slices equal; the store cursor never moves past a chunk that was not stored, so a chunk
 whose key or blocks arrive later is still stored then. Other vLLM versions are left alone.
 
-vLLM loads ``vllm.general_plugins`` entry points (pyproject.toml) in every process before the
-EngineCore builds its scheduler (0.26.0 ``vllm/v1/engine/core.py`` l. 112).
+vLLM loads ``vllm.general_plugins`` entry points in every process, in the EngineCore before
+it builds its scheduler (0.26.0 ``vllm/v1/engine/core.py`` l. 112). ``pdstack launch`` puts
+``plugin_path`` first on each engine's PYTHONPATH, so vLLM finds this one with pdstack
+installed beside it or not.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 # a child of vLLM's own logger, so the line is in the engine's log with vLLM's
@@ -36,6 +39,8 @@ FIXED_VLLM = "0.26.0"
 SCHEDULER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
 _SIGNATURE = ["self", "group_config", "num_offloadable_tokens"]
 _MARK = "__pdstack_offload_fix__"
+PLUGIN_GROUP = "vllm.general_plugins"
+PLUGIN_NAME = "pdstack_offload_fix"
 
 StorableChunks = Callable[[Any, Any, int], int]
 
@@ -101,3 +106,23 @@ def register() -> None:
         apply()
     except Exception:  # a failed patch must not stop the engine starting
         log.exception("pdstack offload fix: not applied")
+
+
+def plugin_path(root: Path) -> Path:
+    """``root``/vllm-plugins, (re)made to hold what vLLM needs to load this plugin when the
+    folder is on its PYTHONPATH: a link to this ``pdstack`` package and a dist-info naming
+    the entry point (importlib.metadata finds distributions on sys.path)."""
+    path = root / "vllm-plugins"
+    info = path / f"{PLUGIN_NAME}-0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {PLUGIN_NAME.replace('_', '-')}\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(
+        f"[{PLUGIN_GROUP}]\n{PLUGIN_NAME} = {__name__}:{register.__name__}\n")
+    package = Path(__file__).resolve().parent
+    link = path / package.name
+    if link.is_symlink() and link.resolve() != package:
+        link.unlink()
+    if not link.is_symlink():
+        link.symlink_to(package, target_is_directory=True)
+    return path

@@ -8,10 +8,10 @@ CPU venv's torch) before and after the patch: tests/spine/offload_fix_vllm026.py
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
-import tomllib
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,12 +26,17 @@ WHEEL_ENV = "PDSTACK_VLLM_0260_WHEEL"
 ABORTED = "FINISHED_ABORTED"
 
 
-def test_plugin_is_a_vllm_general_plugin_entry_point() -> None:
-    """vLLM finds it only as a ``vllm.general_plugins`` entry point of an installed package."""
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    plugins = project["entry-points"]["vllm.general_plugins"]
-    assert plugins == {"pdstack_offload_fix": "pdstack.vllm_offload_fix:register"}
-    assert callable(vllm_offload_fix.register)
+def test_plugin_path_names_the_entry_point(tmp_path: Path) -> None:
+    """What ``pdstack launch`` puts on an engine's PYTHONPATH: importlib.metadata (vLLM's
+    plugin discovery) finds the entry point there, and it loads this module's register."""
+    path = vllm_offload_fix.plugin_path(tmp_path)
+    assert vllm_offload_fix.plugin_path(tmp_path) == path  # again: same folder, no error
+    found = [ep for dist in importlib.metadata.distributions(path=[str(path)])
+             for ep in dist.entry_points if ep.group == "vllm.general_plugins"]
+    assert [(ep.name, ep.value) for ep in found] == [
+        ("pdstack_offload_fix", "pdstack.vllm_offload_fix:register")]
+    assert (path / "pdstack").resolve() == Path(vllm_offload_fix.__file__).resolve().parent
+    assert found[0].load() is vllm_offload_fix.register
 
 
 def storable_chunks_0260(self: Any, group_config: Any, num_offloadable_tokens: int) -> int:
@@ -142,3 +147,23 @@ def test_other_vllm_versions_are_left_alone() -> None:
                           timeout=300, check=False, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "False True"
+
+
+@pytest.mark.vllm
+def test_vllm_0260_plugin_loader_applies_it(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """vLLM 0.26.0's own plugin loader, with only ``plugin_path`` and vLLM on the path (as
+    ``pdstack launch`` runs an engine), patches the scheduler."""
+    tree = vllm_0260_tree(tmp_path_factory)
+    plugins = vllm_offload_fix.plugin_path(tmp_path_factory.mktemp("launch-logs"))
+    code = (
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+        "import vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler as s\n"
+        "print(getattr(s.RequestOffloadState.storable_chunks, '__pdstack_offload_fix__', 0))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=f"{plugins}{os.pathsep}{tree}")
+    proc = subprocess.run([str(venv_python()), "-c", code], env=env, cwd=plugins.parent,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "True"
+    assert "pdstack offload fix: vLLM 0.26.0" in proc.stdout + proc.stderr
