@@ -2,18 +2,19 @@
 native CPU KV tier (OffloadingConnector) -- vllm-project/vllm issues 52170 and 49118.
 
 The crash (0.26.0, ``vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py``):
-``request_finished`` (l. 1296) fills the request's offload keys for its whole prompt, and the
+``request_finished`` (l. 1297) fills the request's offload keys for its whole prompt, and the
 next ``schedule()`` passes it in ``finished_req_ids`` to ``_build_store_jobs`` (l. 926), which
-takes ``num_tokens_after_batch = req.num_tokens`` for any finished request (l. 948) and counts
+takes ``num_tokens_after_batch = req.num_tokens`` for any finished request (l. 942) and counts
 storable chunks from tokens alone (``RequestOffloadState.storable_chunks``, l. 308). A request
 aborted before its prompt's KV blocks were all allocated -- still queued (no blocks), preempted
-(its block ids cleared, l. 889) or part-way through a chunked prefill -- has more keys than
+(its block ids cleared, l. 891) or part-way through a chunked prefill -- has more keys than
 blocks, and ``assert len(offload_keys) == len(offload_block_ids)`` (l. 975) ends the EngineCore.
 A load generator or client that cancels its outstanding requests under overload hits it.
 
-The fix is upstream's (after 0.26.0): ``storable_chunks`` counts only chunks that have an
-offload key and allocated GPU blocks (PRs 52923, 53648), and an aborted request is stored only
-up to its computed tokens (PR 49285). ``storable_chunks`` bounds every store decision of
+The fix is upstream's (after 0.26.0; vLLM 0.32's scheduler.py l. 450-481 and 1585-1594):
+``storable_chunks`` counts only chunks that have an offload key and allocated GPU blocks (the
+key bound is PR 52923), and an aborted request is stored only up to its computed tokens (PR
+49285). ``storable_chunks`` bounds every store decision of
 ``_build_store_jobs`` (both passes and ``advance_stored_idx``), so bounding it there makes the
 two slices equal; the store cursor never moves past a chunk that was not stored, so a chunk
 whose key or blocks arrive later is still stored then. Other vLLM versions are left alone.
