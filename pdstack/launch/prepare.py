@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdstack import secrets as node_secrets
-from pdstack import sidecars
+from pdstack import sidecars, vllm_offload_fix
 from pdstack.plan import NodePlan, Plan, Service
 
 # where LMCache's API socket goes, in the log folder (pdstack.sidecars.LMCACHE_API_SOCKET)
@@ -129,6 +129,9 @@ def prepare(
         if names is not None and svc.name not in names:
             continue
         env = service_env(svc, secrets, overrides)
+        if svc.kind == "engine":  # vLLM finds pdstack's patch for 0.26.0 (vllm_offload_fix)
+            plugins = str(vllm_offload_fix.plugin_path(log_dir.resolve()))
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (plugins, env.get("PYTHONPATH")) if p)
         command = list(svc.command)
         if svc.kind == "proxy" and "--backends" in command:
             command[command.index("--backends") + 1] = str(log_dir / "backends.json")

@@ -125,7 +125,7 @@ def main() -> int:
         "started_at": time.time(),
         "env": {k: os.environ.get(k) for k in (
             "CUDA_VISIBLE_DEVICES", "VLLM_NIXL_SIDE_CHANNEL_PORT", "VLLM_NO_USAGE_STATS",
-            "FAKE_EXTRA",
+            "FAKE_EXTRA", "PYTHONPATH",
         )},
         "hf_token_sha256": hashlib.sha256(os.environ["HF_TOKEN"].encode()).hexdigest()
         if "HF_TOKEN" in os.environ else None,

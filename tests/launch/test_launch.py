@@ -297,6 +297,10 @@ def test_env_overrides_and_nixl_env(stacks: list[Stack], tmp_path: Path) -> None
     # the plan sets it; `--env VLLM_NO_USAGE_STATS=` unset it
     assert pre["env"]["VLLM_NO_USAGE_STATS"] is None
     assert pre["env"]["FAKE_EXTRA"] == "x=1"
+    # an engine finds pdstack's vLLM plugin first on its path (pdstack.vllm_offload_fix)
+    plugins = st.logs.resolve() / "vllm-plugins"
+    assert pre["env"]["PYTHONPATH"] == f"{plugins}:{st.env['PYTHONPATH']}"
+    assert (plugins / "pdstack_offload_fix-0.dist-info" / "entry_points.txt").is_file()
     st.launch("stop")
     r2 = st.launch("start")
     assert r2.returncode == 0
