@@ -21,6 +21,9 @@ log() { echo "[$GPU_TAG +$(elapsed)s $(date -u +%T)] $*" | tee -a "$W/run.log"; 
 # issue 52170 killed two in one session, with nobody to restart them) or wedges (a dead
 # EngineCore leaves /health hanging) is started again instead of failing every later sweep
 GPU_SUPERVISE=(--foreground --wedge-s "${WEDGE_S:-60}")
+# launch flags of a baseline (vLLM as users would run it instead): without pdstack's vLLM
+# plugin (pdstack.vllm_offload_fix, which `pdstack launch` gives every engine)
+GPU_STOCK=(--env VLLM_PLUGINS=none)
 
 # the issue-23 many-tenants workload (results/h200x1-tiers): 200 shared prompts of 1.5-5 k
 # tokens (~1.9x one engine's GPU KV), 85 % reuse, user 64-512, answers 48-160

@@ -87,7 +87,9 @@ stack() {  # NAME: "engine target key inventory services" of a stack, or nothing
 }
 for s in "${STACKS[@]}"; do
   read -r _ _ _ key inv svcs <<< "$s"
-  gpu_launch "$key" "$inv" "$svcs" "${GPU_SUPERVISE[@]}"
+  stock=()
+  case $key in v|n) stock=("${GPU_STOCK[@]}") ;; esac  # the baselines: stock vLLM
+  gpu_launch "$key" "$inv" "$svcs" "${GPU_SUPERVISE[@]}" "${stock[@]}"
 done
 for s in "${STACKS[@]}"; do  # a stack that failed to start: its sweeps are marked failed
   read -r _ _ _ key _ <<< "$s"

@@ -81,7 +81,7 @@ else
 fi
 case " $VARIANTS " in *" vllm-"*)
   if [ -f "$W/state/launched-v" ] || ! http_get "${ENGINE[vllm]}/health" > /dev/null; then
-    gpu_launch v inventory/h200x1-vllm engine-0 "${GPU_SUPERVISE[@]}"
+    gpu_launch v inventory/h200x1-vllm engine-0 "${GPU_SUPERVISE[@]}" "${GPU_STOCK[@]}"
   fi ;;
 esac
 gpu_wait_up iso || exit 1

@@ -1,6 +1,6 @@
 # mypy: disable-error-code="import-not-found"
 # (run by the CPU vLLM venv's Python: torch and vLLM 0.26.0 are not in pdstack's venv)
-"""Driver for test_vllm_offload_fix: vLLM 0.26.0's own OffloadingConnector scheduler
+"""Driver for gpu/check_offload_fix.py: vLLM 0.26.0's own OffloadingConnector scheduler
 (``_build_store_jobs``) on a constructed state, before and after ``pdstack.vllm_offload_fix``.
 
 Run by the CPU vLLM venv's Python with a vLLM 0.26.0 source tree first on PYTHONPATH (the
