@@ -13,13 +13,15 @@ from pathlib import Path
 
 import jinja2
 
-from pdstack import monitoring, naming, secrets, sidecars
+from pdstack import monitoring, naming, secrets, sidecars, vllm_offload_fix
 from pdstack.plan import Plan, Service, model_path
 from pdstack.topology import Topology
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "compose" / "templates"
 STACK_FILES = ("compose.yaml", ".env", "backends.json")
-STACK_DIRS = ("monitoring",)  # replaced as a whole
+STACK_DIRS = ("monitoring", vllm_offload_fix.PLUGINS_DIR)  # replaced as a whole
+# where an engine container finds pdstack's vLLM plugin (the stack's vllm-plugins/, read-only)
+PLUGINS_MOUNT = "/opt/pdstack/" + vllm_offload_fix.PLUGINS_DIR
 
 
 def env_prefix(svc: Service) -> str:
@@ -72,6 +74,9 @@ def render_node(topo: Topology, plan: Plan, node_name: str) -> dict[str, str]:
         "engine_start_period": "1800s" if d.profile == "gpu" else "600s",
         "env_prefix": env_prefix,
         "engine_command": lambda svc: engine_command(svc, model_arg),
+        "engine_env": lambda svc: {**svc.env, "PYTHONPATH": PLUGINS_MOUNT},
+        "plugins_dir": vllm_offload_fix.PLUGINS_DIR,
+        "plugins_mount": PLUGINS_MOUNT,
         "engine_wedge_s": wedge_s,
         "engine_healthcheck": lambda svc: sidecars.engine_healthcheck(
             (svc.healthcheck_url or "").removesuffix("/health"), wedge_s, svc.name,
@@ -89,6 +94,8 @@ def render_node(topo: Topology, plan: Plan, node_name: str) -> dict[str, str]:
         "compose.yaml": env.get_template("node-compose.yaml.j2").render(ctx),
         ".env": env.get_template("node.env.j2").render(ctx),
     }
+    files |= {f"{vllm_offload_fix.PLUGINS_DIR}/{rel}": text
+              for rel, text in vllm_offload_fix.plugin_files().items()}
     if has_proxy:
         files["backends.json"] = plan.backend_table.model_dump_json(indent=2) + "\n"
         files |= monitoring.render_monitoring(d, plan)

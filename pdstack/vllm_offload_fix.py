@@ -20,9 +20,12 @@ two slices equal; the store cursor never moves past a chunk that was not stored,
 whose key or blocks arrive later is still stored then. Other vLLM versions are left alone.
 
 vLLM loads ``vllm.general_plugins`` entry points in every process, in the EngineCore before
-it builds its scheduler (0.26.0 ``vllm/v1/engine/core.py`` l. 112). ``pdstack launch`` puts
-``plugin_path`` first on each engine's PYTHONPATH, so vLLM finds this one with pdstack
-installed beside it or not.
+it builds its scheduler (0.26.0 ``vllm/v1/engine/core.py`` l. 112). This module is that plugin,
+standalone (stdlib and vLLM only): ``pdstack launch`` writes it with its dist-info
+(:func:`plugin_files`) under its log folder and puts that first on each engine's PYTHONPATH;
+``pdstack render`` puts the same files in each stack's ``vllm-plugins/``, which the Compose
+engines mount read-only with PYTHONPATH set to it. ``VLLM_PLUGINS=none`` in an engine's
+environment turns it off.
 """
 
 from __future__ import annotations
@@ -109,21 +112,31 @@ def register() -> None:
         log.exception("pdstack offload fix: not applied")
 
 
+# the module's name where vLLM loads it (plugin_files): standalone, stdlib + vLLM only, so an
+# engine image without pdstack loads it too
+MODULE = "pdstack_vllm_offload_fix"
+PLUGINS_DIR = "vllm-plugins"  # under a launch's log folder, and in a rendered stack
+
+
+def plugin_files() -> dict[str, str]:
+    """What vLLM needs on its PYTHONPATH to load this plugin, by relative path: this module's
+    source as the top-level module ``MODULE`` and a dist-info naming its entry point
+    (importlib.metadata finds distributions on sys.path). ``pdstack launch`` writes them under
+    its log folder, ``pdstack render`` into each stack (mounted into the engines)."""
+    info = f"{PLUGIN_NAME}-0.dist-info"
+    return {
+        f"{info}/METADATA":
+            f"Metadata-Version: 2.1\nName: {PLUGIN_NAME.replace('_', '-')}\nVersion: 0\n",
+        f"{info}/entry_points.txt":
+            f"[{PLUGIN_GROUP}]\n{PLUGIN_NAME} = {MODULE}:{register.__name__}\n",
+        f"{MODULE}.py": Path(__file__).read_text(),
+    }
+
+
 def plugin_path(root: Path) -> Path:
-    """``root``/vllm-plugins, (re)made to hold what vLLM needs to load this plugin when the
-    folder is on its PYTHONPATH: a link to this ``pdstack`` package and a dist-info naming
-    the entry point (importlib.metadata finds distributions on sys.path)."""
-    path = root / "vllm-plugins"
-    info = path / f"{PLUGIN_NAME}-0.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: {PLUGIN_NAME.replace('_', '-')}\nVersion: 0\n")
-    (info / "entry_points.txt").write_text(
-        f"[{PLUGIN_GROUP}]\n{PLUGIN_NAME} = {__name__}:{register.__name__}\n")
-    package = Path(__file__).resolve().parent
-    link = path / package.name
-    if link.is_symlink() and link.resolve() != package:
-        link.unlink()
-    if not link.is_symlink():
-        link.symlink_to(package, target_is_directory=True)
+    """``root``/``PLUGINS_DIR``, (re)written with :func:`plugin_files`."""
+    path = root / PLUGINS_DIR
+    for rel, text in plugin_files().items():
+        (path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (path / rel).write_text(text)
     return path

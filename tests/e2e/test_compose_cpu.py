@@ -333,6 +333,39 @@ def test_lmcache_api_is_reachable_only_through_its_metrics_gate(
     assert any(k.startswith("lmcache_mp_") for k in metrics), "gate: no LMCache metrics"
 
 
+PLUGIN_PROBE = """
+import importlib.metadata as m, json, os
+from vllm.plugins import load_general_plugins
+load_general_plugins()  # what vLLM does in every process it starts
+import pdstack_vllm_offload_fix as fix
+import vllm
+found = m.entry_points(group="vllm.general_plugins")
+print(json.dumps({"pythonpath": os.environ.get("PYTHONPATH"), "file": fix.__file__,
+                  "vllm": vllm.__version__, "applied": fix.apply(),
+                  "plugins": [(e.name, e.value) for e in found]}))
+"""
+
+
+def test_engines_load_pdstacks_vllm_plugin(cpu_stack: dict[str, float]) -> None:
+    """The stack mounts pdstack's vLLM plugin (vllm-plugins/, pdstack/vllm_offload_fix.py)
+    into every engine with PYTHONPATH set to it: vLLM's own plugin discovery in the engine's
+    container finds it and loads it; on this image's vLLM (not 0.26.0) it patches nothing."""
+    import subprocess
+
+    for svc, spec in _compose_services().items():
+        if "vllm" not in " ".join(spec.get("command") or []):
+            continue
+        run = subprocess.run(["docker", "exec", _container(svc), "python3", "-c", PLUGIN_PROBE],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, (svc, run.stderr[-2000:])
+        got = json.loads(run.stdout.strip().splitlines()[-1])
+        assert got["pythonpath"] == "/opt/pdstack/vllm-plugins", (svc, got)
+        assert got["file"] == "/opt/pdstack/vllm-plugins/pdstack_vllm_offload_fix.py", (svc, got)
+        assert ["pdstack_offload_fix", "pdstack_vllm_offload_fix:register"] in [
+            list(p) for p in got["plugins"]], (svc, got)
+        assert got["vllm"] != "0.26.0" and got["applied"] is False, (svc, got)
+
+
 def test_bench_three_rate_sweep_against_the_stack(cpu_stack: dict[str, float], tmp_path) -> None:
     """`pdstack bench` against the running CPU stack: a 3-rate sweep through the proxy writes
     the JSON and both plots, and every request of it is served."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -25,17 +26,22 @@ WHEEL_ENV = "PDSTACK_VLLM_0260_WHEEL"
 ABORTED = "FINISHED_ABORTED"
 
 
-def test_plugin_path_names_the_entry_point(tmp_path: Path) -> None:
-    """What ``pdstack launch`` puts on an engine's PYTHONPATH: importlib.metadata (vLLM's
-    plugin discovery) finds the entry point there, and it loads this module's register."""
+def test_plugin_path_names_the_entry_point(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``pdstack launch`` puts on an engine's PYTHONPATH (and ``pdstack render`` mounts
+    into its engines): importlib.metadata (vLLM's plugin discovery) finds the entry point
+    there, and it loads a standalone copy of this module's register."""
     path = vllm_offload_fix.plugin_path(tmp_path)
     assert vllm_offload_fix.plugin_path(tmp_path) == path  # again: same folder, no error
     found = [ep for dist in importlib.metadata.distributions(path=[str(path)])
              for ep in dist.entry_points if ep.group == "vllm.general_plugins"]
     assert [(ep.name, ep.value) for ep in found] == [
-        ("pdstack_offload_fix", "pdstack.vllm_offload_fix:register")]
-    assert (path / "pdstack").resolve() == Path(vllm_offload_fix.__file__).resolve().parent
-    assert found[0].load() is vllm_offload_fix.register
+        ("pdstack_offload_fix", "pdstack_vllm_offload_fix:register")]
+    monkeypatch.syspath_prepend(str(path))
+    register = found[0].load()
+    assert register.__module__ == "pdstack_vllm_offload_fix"
+    assert Path(sys.modules[register.__module__].__file__ or "").parent == path
+    assert (path / "pdstack_vllm_offload_fix.py").read_text() == Path(
+        vllm_offload_fix.__file__).read_text()
 
 
 def storable_chunks_0260(self: Any, group_config: Any, num_offloadable_tokens: int) -> int:
