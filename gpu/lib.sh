@@ -164,23 +164,36 @@ PYEOF
 # gpu_quiesce ENGINE_URL: wait (<= 90 s) until the engine runs and queues nothing (a flood's
 # aborts)
 gpu_quiesce() {
-  python3 - "$1/metrics" <<'PYEOF' 2>&1 | tee -a "$W/run.log"
+  # an engine that is down (restarting under GPU_SUPERVISE: ~2-3 min) is waited for, up to
+  # 240 s while the budget allows, so the next sweep does not measure its absence
+  local down_s=$(( $(left) > 420 ? 240 : 0 ))
+  python3 - "$1/metrics" "$down_s" <<'PYEOF' 2>&1 | tee -a "$W/run.log"
 import sys, time, urllib.request
-busy = -1.0
-for i in range(90):
+url, t0 = sys.argv[1], time.monotonic()
+up_by = t0 + float(sys.argv[2])
+busy, i, down = -1.0, 0, ""
+while i < 90:
     try:
-        text = urllib.request.urlopen(sys.argv[1], timeout=10).read().decode()
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
     except OSError as e:
-        print(f"{sys.argv[1]}: {e}")
+        down = down or str(e)
+        if time.monotonic() < up_by:
+            time.sleep(2)
+            continue
+        print(f"{url}: {e}, still after {time.monotonic() - t0:.0f} s")
         break
+    if down:
+        print(f"{url}: was down ({down}), up after {time.monotonic() - t0:.0f} s")
+        down = ""
     busy = sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
                if l.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
     if busy == 0:
-        print(f"{sys.argv[1]}: idle after {i} s")
+        print(f"{url}: idle after {i} s")
         break
     time.sleep(1)
+    i += 1
 else:
-    print(f"{sys.argv[1]}: still {busy:.0f} requests after 90 s")
+    print(f"{url}: still {busy:.0f} requests after 90 s")
 PYEOF
 }
 # gpu_fits NAME RATES DURATION: 0 if a sweep of RATES x DURATION s fits in what is left (each
