@@ -45,6 +45,9 @@ MORE=${MORE:-8}            # rate step of an extension sweep (2 rates each)
 RATES_MAX=${RATES_MAX:-96}
 RATES_TURN=${RATES_TURN:-8,16,24,32}
 RATES_SEED=${RATES_SEED:-8,16,24}
+# pdstack's stack (the p engine + proxy): inventory/h200x1, or a variant on the same ports
+# (inventory/h200x1-st2: the tier's store threshold; give it its own W=/tmp/pdceil-...)
+PD_INV=${PD_INV:-inventory/h200x1}
 SWEEPS=${SWEEPS:-vllm-default vllm-native pdstack-default pdstack-default-before \
 turn-vllm-default turn-pdstack-default seed-vllm-default seed-pdstack-default \
 turn-pdstack-default-before turn-vllm-native}
@@ -59,12 +62,12 @@ OLD_PDSTACK=${OLD_PDSTACK:-$REPO/gpu/payload/old-pdstack}
 STACKS=(
   "vllm-default http://127.0.0.1:8170 http://127.0.0.1:8170 v inventory/h200x1-vllm engine-0"
   "vllm-native http://127.0.0.1:8180 http://127.0.0.1:8180 n inventory/h200x1-vllm-native engine-0"
-  "pdstack-default http://127.0.0.1:8160 http://127.0.0.1:8060 p inventory/h200x1 engine-0,proxy"
-  "pdstack-default-before http://127.0.0.1:8160 http://127.0.0.1:8061 p inventory/h200x1 engine-0,proxy"
+  "pdstack-default http://127.0.0.1:8160 http://127.0.0.1:8060 p $PD_INV engine-0,proxy"
+  "pdstack-default-before http://127.0.0.1:8160 http://127.0.0.1:8061 p $PD_INV engine-0,proxy"
   # where pdstack's extra latency comes from (run 1: slower at 8 req/s with nothing held): its
   # engine with no proxy (the engine's config), and its proxy with the gate off (the relay)
-  "pdstack-engine http://127.0.0.1:8160 http://127.0.0.1:8160 p inventory/h200x1 engine-0,proxy"
-  "pdstack-gate-off http://127.0.0.1:8160 http://127.0.0.1:8062 p inventory/h200x1 engine-0,proxy"
+  "pdstack-engine http://127.0.0.1:8160 http://127.0.0.1:8160 p $PD_INV engine-0,proxy"
+  "pdstack-gate-off http://127.0.0.1:8160 http://127.0.0.1:8062 p $PD_INV engine-0,proxy"
 )
 # the workloads (data): sweep-name prefix, rates variable, bench arguments
 declare -A WL_RATES=([mt]=RATES [turn]=RATES_TURN [seed]=RATES_SEED)

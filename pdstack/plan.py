@@ -227,14 +227,19 @@ def model_path(d: DeploymentSpec) -> str:
 # --------------------------------------------------------------------------- connectors
 
 
-def native_tier_connector(size_gb: float) -> dict:
+def native_tier_connector(size_gb: float, store_threshold: int | None = None) -> dict:
     """vLLM's native CPU tier as a connector: what ``vllm serve --kv-offloading-size GB``
     (backend ``native``) sets up itself (vLLM 0.26 ``VllmConfig._post_init_kv_transfer_config``);
-    written out so that it composes with NIXL in a MultiConnector (the flag would replace it)."""
+    written out so that it composes with NIXL in a MultiConnector (the flag would replace it).
+    ``store_threshold`` (``pdstack_kv_tier_store_threshold``): lookups before a block is
+    stored (vLLM 0.26 ``vllm/v1/kv_offload/cpu/spec.py``); None leaves vLLM's default."""
+    extra: dict[str, int] = {"cpu_bytes_to_use": int(size_gb * 2**30)}
+    if store_threshold is not None:
+        extra["store_threshold"] = store_threshold
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"cpu_bytes_to_use": int(size_gb * 2**30)},
+        "kv_connector_extra_config": extra,
     }
 
 
@@ -293,7 +298,7 @@ def kv_transfer_config(
     if mode.uses_tier(role):
         connectors.append(lmc_mp)
     if tier_gb and kvmodes.native_tier_role(d.tier, role):
-        connectors.append(native_tier_connector(tier_gb))
+        connectors.append(native_tier_connector(tier_gb, d.kv_tier_store_threshold))
     if not connectors:
         return None
     config = connectors[0] if len(connectors) == 1 else {

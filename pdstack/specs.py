@@ -158,6 +158,10 @@ class DeploymentSpec(_Strict):
     # TIER_HOST_FRACTION of its node's pdstack_host_memory_gb, split over the node's engines)
     kv_tier: KvTier | None = None
     kv_tier_size_gb: float | None = Field(default=None, gt=0)
+    # the native tier stores a block only once it was looked up this many times (vLLM 0.26's
+    # OffloadingConnector ``store_threshold``; < 2 stores every new full block): unique
+    # prompts then cost the tier no store. Unset: vLLM's default (0)
+    kv_tier_store_threshold: int | None = Field(default=None, ge=0)
     monitoring: bool = False
     observability: ObservabilitySpec = ObservabilitySpec()
 

@@ -189,6 +189,7 @@ def _deployment(allvars: dict[str, Any], inv: Path, gorigin: dict[str, str], gv_
         "proxy_admission": allvars.get("pdstack_proxy_admission"),
         "kv_tier": allvars.get("pdstack_kv_tier"),
         "kv_tier_size_gb": allvars.get("pdstack_kv_tier_size_gb"),
+        "kv_tier_store_threshold": allvars.get("pdstack_kv_tier_store_threshold"),
         "monitoring": allvars.get("pdstack_monitoring", False),
         "observability": allvars.get("pdstack_observability", {}),
     }
@@ -616,6 +617,10 @@ def _check_kv_tier(topo: Topology, hosts_file: str, vars_file: str) -> list[Prob
             problems.append(Problem(vars_file, "pdstack_kv_tier_size_gb",
                                     f"{where} sizes a native tier, but the KV tier is {tier}; "
                                     "set pdstack_kv_tier: native or drop the size"))
+        if d.kv_tier_store_threshold is not None:
+            problems.append(Problem(vars_file, "pdstack_kv_tier_store_threshold",
+                                    f"a store threshold is for the native tier, but the KV "
+                                    f"tier is {tier}; set pdstack_kv_tier: native or drop it"))
         return problems
     for node in topo.nodes:
         sizes = native_tier_sizes(d, node)

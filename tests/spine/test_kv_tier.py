@@ -105,6 +105,20 @@ def test_native_tier_splits_host_memory_and_engine_size_wins(tmp_path: Path) -> 
     assert _engines(inv)["engine-0"].kv_transfer_config == offloading(12.5)
 
 
+def test_store_threshold_reaches_the_native_tier_only_when_set(tmp_path: Path) -> None:
+    """pdstack_kv_tier_store_threshold: vLLM's OffloadingConnector stores a block only once it
+    was looked up that often (unique prompts cost no store); unset: vLLM's own default."""
+    inv = _inv(tmp_path, "colocated", [{"role": "colocated"}], 128,
+               pdstack_kv_tier_store_threshold=2)
+    want = offloading(32)
+    want["kv_connector_extra_config"]["store_threshold"] = 2
+    eng = _engines(inv)["engine-0"]
+    assert eng.kv_transfer_config == want
+    assert json.loads(eng.command[eng.command.index("--kv-transfer-config") + 1]) == want
+    unset = _engines(_inv(tmp_path / "b", "colocated", [{"role": "colocated"}], 128))
+    assert unset["engine-0"].kv_transfer_config == offloading(32)
+
+
 def test_nixl_with_native_tier_composes_a_multiconnector_on_prefillers(tmp_path: Path) -> None:
     inv = _inv(tmp_path, "nixl", [{"role": "prefill"}, {"role": "decode"}],
                pdstack_kv_tier="native")
@@ -137,6 +151,10 @@ def test_lmcache_modes_and_no_tier_plan_no_offloading(tmp_path: Path) -> None:
     ("colocated", {"pdstack_kv_tier_size_gb": "big"}, "pdstack_kv_tier_size_gb", "number"),
     ("colocated", {"pdstack_kv_tier": "none", "pdstack_kv_tier_size_gb": 8},
      "pdstack_kv_tier_size_gb", "the KV tier is none"),
+    ("colocated", {"pdstack_kv_tier_store_threshold": -1}, "pdstack_kv_tier_store_threshold",
+     "greater than or equal to 0"),
+    ("colocated", {"pdstack_kv_tier": "none", "pdstack_kv_tier_store_threshold": 2},
+     "pdstack_kv_tier_store_threshold", "the KV tier is none"),
 ])
 def test_bad_tier_settings_are_one_clear_error(tmp_path, mode, gvars, field, needle) -> None:
     engines = [{"role": "colocated"}] if "pd" not in mode else [
