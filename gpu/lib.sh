@@ -13,7 +13,16 @@ gpu_start() {
   OUTDIR=${OUT:-$W/out}
   mkdir -p "$W/results" "$W/logs" "$W/state" "$OUTDIR"
   trap gpu_pack EXIT
-  gpu_install
+  gpu_install || return 1
+  gpu_check_offload_fix
+}
+# once per machine: does pdstack's vLLM plugin fix 0.26.0's abort crash there (seconds;
+# gpu/check_offload_fix.py)? Its verdict goes into every driver's results
+gpu_check_offload_fix() {
+  local out=$SITE/offload-fix-check.txt
+  [ -f "$out" ] || python3 "$REPO/gpu/check_offload_fix.py" > "$out" 2>&1
+  cp "$out" "$W/results/"
+  log "$(tail -1 "$out")"
 }
 log() { echo "[$GPU_TAG +$(elapsed)s $(date -u +%T)] $*" | tee -a "$W/run.log"; }
 
