@@ -68,6 +68,9 @@ STACKS=(
   # engine with no proxy (the engine's config), and its proxy with the gate off (the relay)
   "pdstack-engine http://127.0.0.1:8160 http://127.0.0.1:8160 p $PD_INV engine-0,proxy"
   "pdstack-gate-off http://127.0.0.1:8160 http://127.0.0.1:8062 p $PD_INV engine-0,proxy"
+  # run 2: the gate held a queue at 24-32 req/s with the engine's KV at 0.78 mean / 0.87 peak
+  # (the old gate of results/h200x1-tiers served 32 at 32 req/s): the mark, 0.9 -> 0.97
+  "pdstack-kv97 http://127.0.0.1:8160 http://127.0.0.1:8063 p $PD_INV engine-0,proxy"
 )
 # the workloads (data): sweep-name prefix, rates variable, bench arguments
 declare -A WL_RATES=([mt]=RATES [turn]=RATES_TURN [seed]=RATES_SEED)
@@ -111,6 +114,7 @@ done
 EXTRA_PROXIES=(
   "pdstack-default-before before 8061 $OLD_PDSTACK"
   "pdstack-gate-off gate-off 8062 $REPO --admission off"
+  "pdstack-kv97 kv97 8063 $REPO --admission-kv-high 0.97"
 )
 extra_proxy() {  # up|down STACK: start/stop the stack's extra proxy (0 when it has none)
   local e name port code flags

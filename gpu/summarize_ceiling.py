@@ -25,6 +25,7 @@ STACKS = {
     "pdstack-default-before": "pdstack default, the proxy of `431b547` (the gate before issue 36)",
     "pdstack-engine": "pdstack's default engine straight (no proxy)",
     "pdstack-gate-off": "pdstack default with `--admission off` (the relay alone)",
+    "pdstack-kv97": "pdstack default with `--admission-kv-high 0.97` (the gate's mark)",
 }
 WORKLOADS = {"": "many-tenants", "turn-": "multi-turn", "seed-": "seed"}
 
