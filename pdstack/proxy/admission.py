@@ -291,6 +291,12 @@ class KvAdmission:
         if self.ledger.landed(request_id):
             self.pump()  # its tenant's prefill share has room again
 
+    def streamed(self, backend: BackendState, request_id: str, tokens: int) -> None:
+        """``tokens`` more of the request's output went to the client from ``backend``."""
+        load = self.loads.get(backend.name)
+        if load is not None and tokens:
+            load.stream(request_id, tokens)
+
     def release(self, backend: BackendState, request_id: str) -> None:
         """The request ended (or failed) on ``backend``."""
         load = self.loads.get(backend.name)

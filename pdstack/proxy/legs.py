@@ -260,6 +260,7 @@ class Legs:
                 rewrite = ctx.ticket.meter.wrap(rewrite, first)
             await response.write(first)
             self.admission.landed(backend, ctx.request_id)
+            self.admission.streamed(backend, ctx.request_id, first.count(b"data: {"))
             self.metrics.leg_decode_first.observe(self._first_byte(ctx) - started)
             client = request.transport
             if client is None or client.is_closing():
@@ -267,8 +268,10 @@ class Legs:
             streaming = proto
             backend.streaming.add(streaming)
 
-            def progress() -> None:
+            def progress(chunk: bytes) -> None:
                 backend.last_success = time.monotonic()
+                # its KV grows by a token per event: the gate's output still to come shrinks
+                self.admission.streamed(backend, ctx.request_id, chunk.count(b"data: {"))
 
             failure = await relay_body(proto, client, chunked, pending,
                                        self.config.stream_idle_timeout_s, rewrite, progress)

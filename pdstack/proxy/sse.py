@@ -74,11 +74,11 @@ async def relay_body(
     pending: bytes,
     idle_s: float,
     rewrite: Callable[[bytes], bytes] | None = None,
-    progress: Callable[[], None] | None = None,
+    progress: Callable[[bytes], None] | None = None,
 ) -> str:
     """Forward the rest of the body, event-aligned, straight from the upstream
     protocol's callbacks to the client transport. Returns a failure text or "".
-    ``progress()`` is called on each chunk from upstream."""
+    ``progress(chunk)`` is called on each chunk from upstream."""
     loop = asyncio.get_running_loop()
     write = client.write  # type: ignore[attr-defined]
     buffer_size = client.get_write_buffer_size  # type: ignore[attr-defined]
@@ -99,7 +99,7 @@ async def relay_body(
     def sink(data: bytes) -> None:
         watchdog.last = loop.time()
         if progress is not None:
-            progress()
+            progress(data)
         held = state["pending"]
         if held:
             data = held + data

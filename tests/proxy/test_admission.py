@@ -211,6 +211,35 @@ async def test_a_request_that_would_overfill_kv_waits_for_an_end_not_a_scrape() 
     assert gate.admitted_after_wait == 1
 
 
+async def test_output_already_streamed_leaves_the_projection() -> None:
+    """A running request's KV grows by its output token by token; what it has streamed by a
+    scrape is in that scrape's usage, so only the rest of its ``max_tokens`` is still to
+    come. Running: 200 prompt tokens, 300 expected, 200 of them streamed (then it stalls,
+    its KV held). A 400-token request goes at once: 200 + 100 + 404 <= 819 (the 0.8 mark of
+    1,024); counted as if nothing had streamed (200 + 300 + 404) it would wait."""
+    async with ph.engines("e0", kv_capacity_tokens=CAPACITY, output_tokens=300) as e:
+        eng = e["e0"]
+        async with ph.running_proxy(colocated("e0", e=e), admission=admission()) as rp:
+            gate = rp.proxy.admission
+            eng.faults = Faults(hang_after_chunks=200, times=1)
+            running = asyncio.create_task(
+                ph.stream_completion(rp.session, rp.url, words(200, "a"), max_tokens=300)
+            )
+            try:
+                await ph.until(
+                    lambda: (load := load_of(rp, "e0")) is not None and load.base
+                    and load.base_output <= 100, "a scrape after 200 streamed tokens")
+                load = load_of(rp, "e0")
+                assert load.base_output == 100 and load.projected(True) == pytest.approx(300)
+                status, _, data = await asyncio.wait_for(post(rp, words(400, "b")), 20)
+                assert status == 200, data
+                assert gate.held == {} and gate.admitted_after_wait == 0
+            finally:
+                running.cancel()
+                with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                    await running
+
+
 async def test_a_burst_never_waits_for_a_scrape() -> None:
     """30 requests at once on a busy engine, no scrape after the first: every one that
     fits goes at once (the proxy counts each at admission), the rest go as earlier ones
@@ -491,6 +520,31 @@ async def test_running_cap_holds_the_next_request_until_one_ends() -> None:
     assert status == 200, data
     assert len(data["choices"][0]["text"].split()) == 4
     assert eng.seen()[1].received_at >= ended_at, "sent while the first still ran"
+
+
+def test_streamed_tokens_count_from_the_scrape_that_saw_them() -> None:
+    """Unit: a base request's output still to come is its expected output less what it had
+    streamed when the scrape began; tokens streamed after that scrape are not in its usage,
+    so they change nothing until the next one; its end frees what was left."""
+    gate, engine = _gate(output_tokens=100)
+    engine.in_flight = 1
+    load = _scraped(gate, 0.0)
+    gate.expect("a", 100)
+    gate.reserve(engine, "a", 300)
+    gate.landed(engine, "a")
+    gate.streamed(engine, "a", 40)
+    assert load.projected(False) == 400, "the proxy's own count: prompt + expected output"
+    load.rebase(0.25, 0, time.monotonic() + 1e-3, load.streamed_now())  # 250 tokens in KV
+    assert load.projected(True) == 250 + 60
+    gate.streamed(engine, "a", 50)
+    assert load.projected(True) == 250 + 60, "streamed after the scrape: not in its usage yet"
+    load.rebase(0.30, 0, time.monotonic() + 1e-3, load.streamed_now())
+    assert load.projected(True) == 300 + 10
+    gate.streamed(engine, "a", 500)  # never below nothing to come
+    load.rebase(0.31, 0, time.monotonic() + 1e-3, load.streamed_now())
+    assert load.base_output == 0
+    gate.release(engine, "a")
+    assert load.base_output == 0 and load.projected(True) == 0
 
 
 def test_stale_scrape_falls_back_to_the_proxys_count() -> None:
