@@ -27,16 +27,18 @@ later test needs the earlier state):
    single engine; node2's decoder takes the prompt from ``external_kv_transfer`` (NIXL), its
    NIXL byte counter and node2's eth0 ``rx_bytes`` show at least the KV's bytes arriving,
    while node1's pair (shared LMCache store) moves nothing across;
-4. node2's link goes down in the middle of a KV pull (issue 38, item 5: node2's decoder
+4. ``upgrade.yml -e model_revision=rev2`` under steady traffic: 0 failed requests, no
+   request served by a mixed-generation pair (the proxy's per-pair counter), a bounded wait,
+   every engine on rev2 after; no LMCache hit crossed revisions on node1;
+5. node2's link goes down in the middle of a KV pull (issue 38, item 5: node2's decoder
    holds the request, its pull from node1's prefiller held open by node2's firewall, when
    the link goes down): the request is answered (re-routed to node1's decoder) or ends with
    an OpenAI error within the health budget plus its work, node1's pair answers every
    request within 5 s (issue 38: 2 s; 1.2-3.0 s measured) throughout node1's prefiller's
    30 s KV lease, nothing hangs; link up:
-   node2 serves again (``PDSTACK_LINK_LOSS_ROUNDS=5`` repeats it);
-5. ``upgrade.yml -e model_revision=rev2`` under steady traffic: 0 failed requests, no
-   request served by a mixed-generation pair (the proxy's per-pair counter), a bounded wait,
-   every engine on rev2 after; no LMCache hit crossed revisions on node1;
+   node2 serves again (``PDSTACK_LINK_LOSS_ROUNDS=5`` repeats it). After the upgrade: a
+   decoder that lost its NIXL peer may die at a later request (once in CI it took the
+   upgrade's only other decoder's place and failed it); test 6 redeploys every engine;
 6. the inventory switched to kv_mode ``nixl`` (and rev2, as a user records the upgrade):
    ``site.yml`` redeploys both nodes, the LMCache services go, and both pairs move KV over
    NIXL: node2's across the bridge, node1's within node1 (nothing of its size on node2).
@@ -442,7 +444,77 @@ def test_kv_crosses_nodes_and_tokens_match_a_single_engine(nodes: TwoNodes) -> N
     assert rx1["node2"] < KV_BYTES_PER_TOKEN * n_tokens / 4, rx1
 
 
-# --------------------------------------------------------------------------- 4. node lost
+# --------------------------------------------------------------------------- 4. upgrade
+
+
+def test_upgrade_yml_rolls_both_nodes_under_traffic(nodes: TwoNodes) -> None:
+    _need(nodes, "deployed")
+    lab = nodes.lab
+    ref1 = signature("node1/decode-0")
+    assert classify(signature("proxy"), {"rev1": ref1}) == "rev1"
+    x_prompt = long_prompt("xrev")
+    engine("node1/prefill-0", "POST", "/v1/completions",
+           {"model": "tiny", "prompt": x_prompt, "max_tokens": 1, "temperature": 0})
+    time.sleep(2.0)  # LMCache stores asynchronously
+    assert external_hits_after("node1/decode-0", x_prompt) > 0, "the probe cannot see a hit"
+
+    client = SteadyClient(PROXY, workers=1, pause_s=STEADY_PAUSE_S, api_key=CLIENT_KEY)
+    client.start()
+    time.sleep(5)
+    t0 = time.monotonic()
+    run = playbook(lab, "upgrade.yml", nodes.inv, "-e", "model_revision=rev2", timeout=1800)
+    upgrade_s = time.monotonic() - t0
+    time.sleep(5)
+    client.stop()
+    print(f"\nupgrade.yml {upgrade_s:.0f}s; requests {client.sent}, failed "
+          f"{len(client.failed)}; slowest request {max(o.seconds for o in client.outcomes):.1f}s")
+    assert run.rc == 0, run.tail(150)
+    assert ADMIN not in run.out
+    assert client.sent >= 20, client.sent
+    assert not client.failed, "failed requests:\n" + "\n".join(
+        f"{o.detail} (stream={o.stream}, id={o.request_id})" for o in client.failed[:10])
+    during = [o for o in client.outcomes if t0 <= o.started <= t0 + upgrade_s]
+    assert len(during) >= 10, len(during)
+    # a bounded wait: no request waited longer than one engine restart's health budget
+    assert max(o.seconds for o in client.outcomes) < 60, sorted(
+        o.seconds for o in client.outcomes)[-5:]
+
+    for name in ENGINES:
+        root = engine(name, "GET", "/v1/models")["data"][0]["root"]
+        assert root == REV["rev2"], (name, root)
+    ref2 = signature("node1/decode-0")
+    refs = {"rev1": ref1, "rev2": ref2}
+    assert ref1 != ref2
+    for name in ENGINES:
+        assert classify(signature(name), refs) == "rev2", name
+    for _ in range(4):
+        assert classify(signature("proxy"), refs) == "rev2"
+
+    metrics = proxy("GET", "/metrics")
+    pairs = []
+    for line in metrics.splitlines():
+        if line.startswith("pdstack_proxy_pairs_total{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            pairs.append((labels, float(line.rsplit(" ", 1)[1])))
+    mixed = [(lab_, n) for lab_, n in pairs
+             if lab_["prefill_generation"] != lab_["decode_generation"] and n > 0]
+    assert not mixed, f"requests served by a mixed-generation pair: {mixed}"
+    served = {lab_["prefill_generation"].split("@")[0] for lab_, n in pairs if n > 0}
+    assert served == {"rev1", "rev2"}, pairs
+    # no LMCache hit crossed revisions on node1's shared store; rev2 -> rev2 still hits
+    assert external_hits_after("node1/decode-0", x_prompt) == 0
+    y_prompt = long_prompt("yrev")
+    engine("node1/prefill-0", "POST", "/v1/completions",
+           {"model": "tiny", "prompt": y_prompt, "max_tokens": 1, "temperature": 0})
+    time.sleep(2.0)
+    assert external_hits_after("node1/decode-0", y_prompt) > 0
+    env_text = node_path(lab, "node2", f"/opt/pdstack/{nodes.plan['deployment']}/.env").read_text()
+    assert "rev1" not in env_text, env_text
+
+
+# --------------------------------------------------------------------------- 5. node lost
+# (after the upgrade: a decoder that lost its NIXL peer may die at a later request, and the
+# prefiller keeps the cut pull's state; test 6 redeploys every engine)
 
 
 @pytest.mark.parametrize("round_", range(1, LINK_LOSS_ROUNDS + 1))
@@ -562,74 +634,6 @@ def engine_queue(name: str) -> float:
     text = engine(name, "GET", "/metrics")
     return (metric_value(text, "vllm:num_requests_waiting")
             + metric_value(text, "vllm:num_requests_running"))
-
-
-# --------------------------------------------------------------------------- 5. upgrade
-
-
-def test_upgrade_yml_rolls_both_nodes_under_traffic(nodes: TwoNodes) -> None:
-    _need(nodes, "deployed")
-    lab = nodes.lab
-    ref1 = signature("node1/decode-0")
-    assert classify(signature("proxy"), {"rev1": ref1}) == "rev1"
-    x_prompt = long_prompt("xrev")
-    engine("node1/prefill-0", "POST", "/v1/completions",
-           {"model": "tiny", "prompt": x_prompt, "max_tokens": 1, "temperature": 0})
-    time.sleep(2.0)  # LMCache stores asynchronously
-    assert external_hits_after("node1/decode-0", x_prompt) > 0, "the probe cannot see a hit"
-
-    client = SteadyClient(PROXY, workers=1, pause_s=STEADY_PAUSE_S, api_key=CLIENT_KEY)
-    client.start()
-    time.sleep(5)
-    t0 = time.monotonic()
-    run = playbook(lab, "upgrade.yml", nodes.inv, "-e", "model_revision=rev2", timeout=1800)
-    upgrade_s = time.monotonic() - t0
-    time.sleep(5)
-    client.stop()
-    print(f"\nupgrade.yml {upgrade_s:.0f}s; requests {client.sent}, failed "
-          f"{len(client.failed)}; slowest request {max(o.seconds for o in client.outcomes):.1f}s")
-    assert run.rc == 0, run.tail(150)
-    assert ADMIN not in run.out
-    assert client.sent >= 20, client.sent
-    assert not client.failed, "failed requests:\n" + "\n".join(
-        f"{o.detail} (stream={o.stream}, id={o.request_id})" for o in client.failed[:10])
-    during = [o for o in client.outcomes if t0 <= o.started <= t0 + upgrade_s]
-    assert len(during) >= 10, len(during)
-    # a bounded wait: no request waited longer than one engine restart's health budget
-    assert max(o.seconds for o in client.outcomes) < 60, sorted(
-        o.seconds for o in client.outcomes)[-5:]
-
-    for name in ENGINES:
-        root = engine(name, "GET", "/v1/models")["data"][0]["root"]
-        assert root == REV["rev2"], (name, root)
-    ref2 = signature("node1/decode-0")
-    refs = {"rev1": ref1, "rev2": ref2}
-    assert ref1 != ref2
-    for name in ENGINES:
-        assert classify(signature(name), refs) == "rev2", name
-    for _ in range(4):
-        assert classify(signature("proxy"), refs) == "rev2"
-
-    metrics = proxy("GET", "/metrics")
-    pairs = []
-    for line in metrics.splitlines():
-        if line.startswith("pdstack_proxy_pairs_total{"):
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
-            pairs.append((labels, float(line.rsplit(" ", 1)[1])))
-    mixed = [(lab_, n) for lab_, n in pairs
-             if lab_["prefill_generation"] != lab_["decode_generation"] and n > 0]
-    assert not mixed, f"requests served by a mixed-generation pair: {mixed}"
-    served = {lab_["prefill_generation"].split("@")[0] for lab_, n in pairs if n > 0}
-    assert served == {"rev1", "rev2"}, pairs
-    # no LMCache hit crossed revisions on node1's shared store; rev2 -> rev2 still hits
-    assert external_hits_after("node1/decode-0", x_prompt) == 0
-    y_prompt = long_prompt("yrev")
-    engine("node1/prefill-0", "POST", "/v1/completions",
-           {"model": "tiny", "prompt": y_prompt, "max_tokens": 1, "temperature": 0})
-    time.sleep(2.0)
-    assert external_hits_after("node1/decode-0", y_prompt) > 0
-    env_text = node_path(lab, "node2", f"/opt/pdstack/{nodes.plan['deployment']}/.env").read_text()
-    assert "rev1" not in env_text, env_text
 
 
 # --------------------------------------------------------------------------- 6. kv_mode nixl
