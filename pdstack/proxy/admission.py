@@ -44,6 +44,7 @@ from pdstack.proxy.backends import BackendState
 from pdstack.proxy.fair_queue import AdmissionRejected, FairQueue, Waiter, tenant_name
 from pdstack.proxy.kv_gate import GATED_ROLES, EngineLoad, prompt_tokens
 from pdstack.proxy.periodic import every
+from pdstack.proxy.routing import block_hashes
 from pdstack.proxy.scrape_pace import ScrapePace
 from pdstack.proxy.shares import TenantLedger
 from pdstack.proxy.tenants import TenantState
@@ -79,6 +80,8 @@ class AdmissionConfig:
     queue_max: int = 4096
     queue_timeout_s: float = 60.0
     fairness: bool = True  # per-tenant fair queuing + priorities (False: one FIFO)
+    # prompt blocks (characters) the gate compares to count a shared prefix once per engine
+    block_chars: int = 256
 
 
 class KvAdmission:
@@ -97,6 +100,8 @@ class KvAdmission:
         self.ledger = TenantLedger(lambda tenant, delta: self._queue.settle(tenant, delta))
         self._queue = FairQueue(config.fairness, cost=self.ledger.cost_of)
         self._expected: dict[str, int] = {}  # request id -> expected output tokens
+        # request id -> its prompt's block hashes and length in characters
+        self._prompts: dict[str, tuple[tuple[int, ...], int]] = {}
         # admitted from the queue, not yet placed (hold/reserve): pump waits for them, so
         # two waiters never take the same headroom
         self._unplaced: set[str] = set()
@@ -165,11 +170,15 @@ class KvAdmission:
         self.pump()
 
     # ------------------------------------------------------------ decisions
-    def expect(self, request_id: str, max_tokens: int) -> None:
-        """The output ``request_id`` is expected to add (its ``max_tokens``, 0 = unset)."""
+    def expect(self, request_id: str, max_tokens: int, text: str = "") -> None:
+        """The output ``request_id`` is expected to add (its ``max_tokens``, 0 = unset), and
+        its prompt's ``text`` (its blocks: a prefix shared on an engine counts once there)."""
         if self.config.enabled and request_id:
             cap = self.config.output_tokens
             self._expected[request_id] = min(max_tokens, cap) if max_tokens > 0 else cap
+            if text:
+                blocks = tuple(block_hashes(text, self.config.block_chars))
+                self._prompts[request_id] = (blocks, len(text))
 
     def output_of(self, request_id: str) -> int:
         return self._expected.get(request_id, self.config.output_tokens)
@@ -258,7 +267,9 @@ class KvAdmission:
                 if name != backend.name:
                     other.drop(request_id)  # its hold, or an earlier try
             load = self.loads.setdefault(backend.name, EngineLoad())
-            load.add(request_id, tokens, self.output_of(request_id))
+            blocks, chars = self._prompts.get(request_id, ((), 0))
+            per_block = tokens * self.config.block_chars / chars if chars else 0.0
+            load.add(request_id, tokens, self.output_of(request_id), blocks, per_block)
             self.pump()  # the next waiter sees this reservation
 
     def hold(self, candidates: Iterable[BackendState], request_id: str, tokens: int) -> None:
@@ -308,6 +319,7 @@ class KvAdmission:
         unplaced = request_id in self._unplaced  # admitted, and ended before its hold
         self._unplaced.discard(request_id)
         self._expected.pop(request_id, None)
+        self._prompts.pop(request_id, None)
         ended = self.ledger.end(request_id)
         dropped = [load.drop(request_id) for load in self.loads.values()]
         if unplaced or ended or any(dropped):

@@ -380,7 +380,7 @@ class Proxy(AdminAPI, EngineRoutes, Flows):
                 session=affinity.session_key(request.headers, body),
             )
             ctx.text = prompt_text(body)
-            self.admission.expect(rid, max_tokens_of(body))  # its expected KV growth
+            self.admission.expect(rid, max_tokens_of(body), ctx.text)  # its expected KV
             ctx.budget_s = self.leg_budget.for_chars(len(ctx.text))
             ctx.upstream_headers = {
                 "Content-Type": "application/json",

@@ -97,6 +97,17 @@ def pick_p2c(candidates: Sequence[BackendState], rng: random.Random) -> BackendS
     return a if a.in_flight <= b.in_flight else b
 
 
+def block_hashes(text: str, block_chars: int) -> list[int]:
+    """``text`` cut into ``block_chars``-character blocks, hashed as a chain: a block's hash
+    stands for the whole prefix up to it (like vLLM's block hashes). In-process only."""
+    hashes: list[int] = []
+    prev = 0
+    for start in range(0, len(text) - block_chars + 1, block_chars):
+        prev = hash((prev, text[start : start + block_chars]))
+        hashes.append(prev)
+    return hashes
+
+
 class PrefixIndex:
     """Which prompt prefixes each (node, generation) LMCache store probably holds.
 
@@ -113,13 +124,7 @@ class PrefixIndex:
         self._stores: dict[tuple[str, str], OrderedDict[int, None]] = {}
 
     def block_hashes(self, text: str) -> list[int]:
-        hashes: list[int] = []
-        prev = 0
-        step = self.block_chars
-        for start in range(0, len(text) - step + 1, step):
-            prev = hash((prev, text[start : start + step]))
-            hashes.append(prev)
-        return hashes
+        return block_hashes(text, self.block_chars)
 
     def cached_chars(self, store: tuple[str, str], hashes: list[int]) -> int:
         entries = self._stores.get(store)

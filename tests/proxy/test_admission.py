@@ -269,6 +269,69 @@ async def test_a_burst_never_waits_for_a_scrape() -> None:
     assert gate.admitted.get("fits", 0) >= 30
 
 
+async def test_a_shared_prompt_counts_once_on_an_engine() -> None:
+    """Six requests sharing a system prompt all go at once where six of the same length
+    with their own prompts do not: on one engine the shared prefix's KV counts once (vLLM
+    shares its blocks), so the gate does not hold what the engine has room for. No scrape
+    after the first: the proxy's own count decides."""
+    async with ph.engines("e0", kv_capacity_tokens=CAPACITY, output_tokens=2) as e:
+        eng = e["e0"]
+        config = admission(scrape_interval_s=HOUR, scrape_idle_interval_s=HOUR)
+        async with ph.running_proxy(colocated("e0", e=e), admission=config) as rp:
+            gate = rp.proxy.admission
+            async with hanging(rp, eng, "a"):
+                eng.faults = Faults(hang=True)  # every request stays on the engine
+                system = words(150, "s")  # 599 characters: two 256-character blocks
+                # ~160 tokens + 4 each: 6 x 164 = 984 > 0.8 x 1,024 unshared; shared:
+                # 2 blocks (128 tokens) once + 6 x (32 + 4) = 344
+                shared = [asyncio.create_task(post(rp, f"{system} {words(10, f'u{i}')}"))
+                          for i in range(6)]  # fmt: skip
+                await ph.until(lambda: len(eng.seen()) == 7, "six shared-prompt requests sent")
+                assert gate.queued == 0 and gate.held == {}
+                own = [asyncio.create_task(post(rp, words(160, f"d{i}"))) for i in range(6)]
+                await ph.until(lambda: gate.queued >= 3, "the unshared ones to wait")
+                await asyncio.sleep(0.2)
+                assert len(eng.seen()) <= 9 and gate.held.get("kv_full", 0) >= 1
+                for task in shared + own:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                        await task
+                eng.faults = Faults()
+
+
+def test_shared_blocks_count_once_and_free_with_their_last_holder() -> None:
+    """Unit: three requests with one 900-character system prompt (9 of their 10 blocks):
+    the shared blocks count once in the proxy's own count and not at all in a fresh
+    request's KV when a scrape already holds them (a landed request's); a block frees
+    with the last request that holds it, and counts again when a request takes it back
+    (vLLM's cached blocks are free until reused)."""
+    gate, engine = _gate(output_tokens=10, block_chars=100)
+    engine.in_flight = 1
+    load = _scraped(gate, 0.0)
+    system = "s" * 900
+
+    def send(rid: str) -> None:
+        gate.expect(rid, 10, system + rid * 100)  # 1,000 characters, 250 tokens: 25 a block
+        gate.reserve(engine, rid, 250)
+
+    for rid in "abc":
+        send(rid)
+    assert load.total == pytest.approx(260 + 35 + 35), "9 shared blocks once, 1 own each"
+    gate.landed(engine, "a")
+    load.rebase(0.25, 0, time.monotonic() + 1e-3, load.streamed_now())  # a's 250 in KV
+    # a's 250 + its 10 to come + b's and c's own block and output (shared: in the scrape)
+    assert load.projected(True) == pytest.approx(250 + 10 + 2 * 35)
+    gate.release(engine, "a")  # b and c still hold the shared blocks: a frees its own
+    assert load.projected(True) == pytest.approx(225 + 2 * 35)
+    gate.release(engine, "b")
+    gate.release(engine, "c")  # the last holders: the shared blocks free
+    assert load.projected(True) == pytest.approx(0) and load.total == pytest.approx(0)
+    send("d")  # takes the shared blocks back: they count again, in use
+    assert load.projected(True) == pytest.approx(225 + 35)
+    gate.forget("d")
+    assert load.projected(True) == pytest.approx(0) and load.blocks.keys() <= load.base_blocks
+
+
 # ------------------------------------------------------------------ (c) 503s
 
 
