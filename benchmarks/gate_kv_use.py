@@ -10,8 +10,11 @@ than the KV holds, in alternating blocks (a new cache salt each): served, TTFT, 
 the engine's KV usage and running requests (sampled every second by the bench) and the
 gate's holds, per variant.
 
-  flock /tmp/pdstack-heavy.lock .venv/bin/python benchmarks/gate_kv_use.py
+  .venv/bin/python benchmarks/gate_kv_use.py      # takes the heavy lock itself
   # results: benchmarks/results/gate_kv_use.json (+ .txt with the printed table)
+  .venv/bin/python benchmarks/gate_kv_use.py --before-rev REV --label gate_kv_use_dedup
+  # adds the variant ``kv-before``: the proxy of git revision REV (a throw-away worktree),
+  # its 0.9 mark, in the same run (a before/after of the gate on the same engine)
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -92,6 +96,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=30.0)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--label", default="gate_kv_use")
+    p.add_argument("--before-rev", default="",
+                   help="also run the proxy of this git revision (variant kv-before)")
     return p.parse_args(argv)
 
 
@@ -114,15 +120,25 @@ def main(argv: list[str] | None = None) -> int:
                               "url": eng.url}],
                 "pairings": [], "skip_prefill_threshold_tokens": 0}))
             ports = {}
-            for name, flags in VARIANTS.items():
+            variants = dict(VARIANTS)
+            env: dict[str, dict[str, str]] = {}
+            if args.before_rev:
+                before = Path(tmp) / "before"
+                subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach",
+                                str(before), args.before_rev], check=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                variants["kv-before"] = ["--admission", "kv"]
+                env["kv-before"] = {**os.environ, "PYTHONPATH": str(before)}
+            for name, flags in variants.items():
                 ports[name] = ve.free_port()
                 proxies[name] = subprocess.Popen(
-                    [str(REPO / ".venv" / "bin" / "pdstack"), "proxy", "--backends",
-                     str(table_file), "--host", "127.0.0.1", "--port", str(ports[name]), *flags],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                    [str(REPO / ".venv" / "bin" / "python"), "-m", "pdstack.cli", "proxy",
+                     "--backends", str(table_file), "--host", "127.0.0.1",
+                     "--port", str(ports[name]), *flags],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env.get(name))
             time.sleep(3)
             for rnd in range(args.rounds):
-                order = list(VARIANTS) if rnd % 2 == 0 else list(reversed(VARIANTS))
+                order = list(variants) if rnd % 2 == 0 else list(reversed(variants))
                 for name in order:
                     out = Path(tmp) / f"{name}-{rnd}.json"
                     target = f"http://127.0.0.1:{ports[name]}"
@@ -145,11 +161,14 @@ def main(argv: list[str] | None = None) -> int:
             for p in proxies.values():
                 p.terminate()
             eng.stop()
+            if args.before_rev:
+                subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force",
+                                str(Path(tmp) / "before")], check=False)
     text = table(rows)
     print("\n" + text)
     RESULTS.mkdir(exist_ok=True)
     meta = {"when": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "args": vars(args), "variants": VARIANTS}
+            "args": vars(args), "variants": variants}
     (RESULTS / f"{args.label}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
     (RESULTS / f"{args.label}.txt").write_text(text + "\n")
     return 0

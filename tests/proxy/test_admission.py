@@ -240,31 +240,41 @@ async def test_output_already_streamed_leaves_the_projection() -> None:
                     await running
 
 
+@contextlib.asynccontextmanager
+async def busy_unscraped() -> AsyncIterator[tuple[ph.RunningProxy, FakeEngine]]:
+    """A gated proxy in front of one fake engine that it scrapes once (at its start), with
+    one request hanging there (an idle engine is always open): the proxy's own count
+    decides every admission."""
+    async with ph.engines("e0", kv_capacity_tokens=CAPACITY, output_tokens=2) as e:
+        config = admission(scrape_interval_s=HOUR, scrape_idle_interval_s=HOUR)
+        async with (
+            ph.running_proxy(colocated("e0", e=e), admission=config) as rp,
+            hanging(rp, e["e0"], "a"),
+        ):
+            yield rp, e["e0"]
+
+
 async def test_a_burst_never_waits_for_a_scrape() -> None:
     """30 requests at once on a busy engine, no scrape after the first: every one that
     fits goes at once (the proxy counts each at admission), the rest go as earlier ones
     end; none waits for a scrape (there is none)."""
-    async with ph.engines("e0", kv_capacity_tokens=CAPACITY, output_tokens=2) as e:
-        eng = e["e0"]
-        config = admission(scrape_interval_s=HOUR, scrape_idle_interval_s=HOUR)
-        async with ph.running_proxy(colocated("e0", e=e), admission=config) as rp:
-            gate = rp.proxy.admission
-            async with hanging(rp, eng, "a"):
-                scraped_at = load_of(rp, "e0").scraped_at
-                # <= 15 prompt + 2 expected each: 30 x 17 + 14 < 0.8 x 1,024
-                results = await asyncio.wait_for(
-                    asyncio.gather(*(post(rp, words(10, f"b{i}"), max_tokens=2)
-                                     for i in range(30))),
-                    60,
-                )  # fmt: skip
-                assert gate.held == {} and gate.queued == 0
-                # past the watermark: 40 x 17 more; the ones over it wait for ends only
-                results += await asyncio.wait_for(
-                    asyncio.gather(*(post(rp, words(10, f"c{i}"), max_tokens=2)
-                                     for i in range(40))),
-                    60,
-                )  # fmt: skip
-                assert load_of(rp, "e0").scraped_at == scraped_at, "a scrape happened"
+    async with busy_unscraped() as (rp, _):
+        gate = rp.proxy.admission
+        scraped_at = load_of(rp, "e0").scraped_at
+        # <= 15 prompt + 2 expected each: 30 x 17 + 14 < 0.8 x 1,024
+        results = await asyncio.wait_for(
+            asyncio.gather(*(post(rp, words(10, f"b{i}"), max_tokens=2)
+                             for i in range(30))),
+            60,
+        )  # fmt: skip
+        assert gate.held == {} and gate.queued == 0
+        # past the watermark: 40 x 17 more; the ones over it wait for ends only
+        results += await asyncio.wait_for(
+            asyncio.gather(*(post(rp, words(10, f"c{i}"), max_tokens=2)
+                             for i in range(40))),
+            60,
+        )  # fmt: skip
+        assert load_of(rp, "e0").scraped_at == scraped_at, "a scrape happened"
     assert [r[0] for r in results] == [200] * 70
     assert gate.admitted.get("fits", 0) >= 30
 
@@ -274,29 +284,25 @@ async def test_a_shared_prompt_counts_once_on_an_engine() -> None:
     with their own prompts do not: on one engine the shared prefix's KV counts once (vLLM
     shares its blocks), so the gate does not hold what the engine has room for. No scrape
     after the first: the proxy's own count decides."""
-    async with ph.engines("e0", kv_capacity_tokens=CAPACITY, output_tokens=2) as e:
-        eng = e["e0"]
-        config = admission(scrape_interval_s=HOUR, scrape_idle_interval_s=HOUR)
-        async with ph.running_proxy(colocated("e0", e=e), admission=config) as rp:
-            gate = rp.proxy.admission
-            async with hanging(rp, eng, "a"):
-                eng.faults = Faults(hang=True)  # every request stays on the engine
-                system = words(150, "s")  # 599 characters: two 256-character blocks
-                # ~160 tokens + 4 each: 6 x 164 = 984 > 0.8 x 1,024 unshared; shared:
-                # 2 blocks (128 tokens) once + 6 x (32 + 4) = 344
-                shared = [asyncio.create_task(post(rp, f"{system} {words(10, f'u{i}')}"))
-                          for i in range(6)]  # fmt: skip
-                await ph.until(lambda: len(eng.seen()) == 7, "six shared-prompt requests sent")
-                assert gate.queued == 0 and gate.held == {}
-                own = [asyncio.create_task(post(rp, words(160, f"d{i}"))) for i in range(6)]
-                await ph.until(lambda: gate.queued >= 3, "the unshared ones to wait")
-                await asyncio.sleep(0.2)
-                assert len(eng.seen()) <= 9 and gate.held.get("kv_full", 0) >= 1
-                for task in shared + own:
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
-                        await task
-                eng.faults = Faults()
+    async with busy_unscraped() as (rp, eng):
+        gate = rp.proxy.admission
+        eng.faults = Faults(hang=True)  # every request stays on the engine
+        system = words(150, "s")  # 599 characters: two 256-character blocks
+        # ~160 tokens + 4 each: 6 x 164 = 984 > 0.8 x 1,024 unshared; shared:
+        # 2 blocks (128 tokens) once + 6 x (32 + 4) = 344
+        shared = [asyncio.create_task(post(rp, f"{system} {words(10, f'u{i}')}"))
+                  for i in range(6)]  # fmt: skip
+        await ph.until(lambda: len(eng.seen()) == 7, "six shared-prompt requests sent")
+        assert gate.queued == 0 and gate.held == {}
+        own = [asyncio.create_task(post(rp, words(160, f"d{i}"))) for i in range(6)]
+        await ph.until(lambda: gate.queued >= 3, "the unshared ones to wait")
+        await asyncio.sleep(0.2)
+        assert len(eng.seen()) <= 9 and gate.held.get("kv_full", 0) >= 1
+        for task in shared + own:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                await task
+        eng.faults = Faults()
 
 
 def test_shared_blocks_count_once_and_free_with_their_last_holder() -> None:
