@@ -96,6 +96,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=30.0)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--label", default="gate_kv_use")
+    p.add_argument("--system-prompts", type=int, default=12, help="distinct shared prompts")
+    p.add_argument("--system-len", default="uniform:300:700", help="their length, tokens")
+    p.add_argument("--shared-share", type=float, default=0.85,
+                   help="the share of requests that start with one of them")
     p.add_argument("--before-rev", default="",
                    help="also run the proxy of this git revision (variant kv-before)")
     return p.parse_args(argv)
@@ -145,8 +149,9 @@ def main(argv: list[str] | None = None) -> int:
                     subprocess.run(
                         [str(REPO / ".venv" / "bin" / "pdstack"), "bench", "--target", target,
                          "--model", ve.SERVED_NAME, "--token-ids", "--token-id-range", "10:4000",
-                         "--system-prompts", "12", "--system-len", "uniform:300:700",
-                         "--shared-share", "0.85", "--user-len", "uniform:32:96",
+                         "--system-prompts", str(args.system_prompts),
+                         "--system-len", args.system_len,
+                         "--shared-share", f"{args.shared_share:g}", "--user-len", "uniform:32:96",
                          "--output-len", "uniform:96:192", "--rates", f"{args.rate:g}",
                          "--duration", f"{args.duration:g}", "--warmup", "5",
                          "--drain-timeout", "60", "--seed", str(rnd + 1),
