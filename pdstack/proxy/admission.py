@@ -183,11 +183,23 @@ class KvAdmission:
     def output_of(self, request_id: str) -> int:
         return self._expected.get(request_id, self.config.output_tokens)
 
+    def _prompt(self, request_id: str, tokens: int) -> tuple[tuple[int, ...], float]:
+        """The request's prompt blocks and the tokens of one (none known: no blocks)."""
+        blocks, chars = self._prompts.get(request_id, ((), 0))
+        return blocks, (tokens * self.config.block_chars / chars if chars else 0.0)
+
     def check(
-        self, backend: BackendState, tokens: int, output: int, tenant: str | None = None
+        self,
+        backend: BackendState,
+        tokens: int,
+        output: int,
+        tenant: str | None = None,
+        request_id: str = "",
     ) -> tuple[bool, str]:
         """May ``backend`` take a request of ``tokens`` prompt + ``output`` now (of
-        ``tenant``: see :meth:`_first_of_tenant`)? (yes/no, the reason)."""
+        ``tenant``: see :meth:`_first_of_tenant`)? (yes/no, the reason). With the
+        ``request_id`` of a request whose prompt the gate knows (:meth:`expect`), its
+        prefix that the engine's requests hold already does not count."""
         if not self.config.enabled:
             return True, kv_gate.OPEN_IDLE
         if tenant and self._over_share(tenant, tokens):  # its share of all the engines
@@ -201,13 +213,16 @@ class KvAdmission:
         if load.capacity_tokens <= 0:
             return True, kv_gate.OPEN_UNKNOWN
         fresh = time.monotonic() - load.scraped_at <= self.config.stale_after_s
-        if load.projected(fresh) + tokens + output <= self.config.kv_high * load.capacity_tokens:
+        adds = load.adds(tokens, *self._prompt(request_id, tokens)) + output
+        if load.projected(fresh) + adds <= self.config.kv_high * load.capacity_tokens:
             return True, kv_gate.OPEN_FITS
         return False, kv_gate.HELD_KV
 
-    def is_open(self, backend: BackendState, tokens: int, tenant: str | None = None) -> bool:
+    def is_open(
+        self, backend: BackendState, tokens: int, tenant: str | None = None, request_id: str = ""
+    ) -> bool:
         """``backend`` may take a request of ``tokens`` prompt (and the expected output)."""
-        return self.check(backend, tokens, self.config.output_tokens, tenant)[0]
+        return self.check(backend, tokens, self.output_of(request_id), tenant, request_id)[0]
 
     def _over_share(self, tenant: str, tokens: int) -> bool:
         """One more request would take ``tenant`` past its share of the engines (running
@@ -232,16 +247,27 @@ class KvAdmission:
             return False
         return not self.ledger.running(tenant)
 
-    def open_among(self, candidates: Iterable[BackendState], tokens: int) -> list[BackendState]:
-        return [b for b in candidates if b.usable and self.is_open(b, tokens)]
+    def open_among(
+        self, candidates: Iterable[BackendState], tokens: int, request_id: str = ""
+    ) -> list[BackendState]:
+        return [
+            b for b in candidates if b.usable and self.is_open(b, tokens, request_id=request_id)
+        ]
 
-    def prefer_open(self, candidates: list[BackendState], tokens: int) -> list[BackendState]:
+    def prefer_open(
+        self, candidates: list[BackendState], tokens: int, request_id: str = ""
+    ) -> list[BackendState]:
         """The candidates with KV headroom for ``tokens``, or all of them when none has:
         routing then picks among these (admission already decided the request goes)."""
-        return self.open_among(candidates, tokens) or candidates
+        return self.open_among(candidates, tokens, request_id) or candidates
 
     def _fits(
-        self, candidates: list[BackendState], tokens: int, output: int, tenant: str | None
+        self,
+        candidates: list[BackendState],
+        tokens: int,
+        output: int,
+        tenant: str | None,
+        request_id: str = "",
     ) -> tuple[bool, str]:
         """Some usable candidate is open (to ``tenant``), or there is none at all (then
         routing answers 503 at once: admission never holds a request that no engine could
@@ -252,7 +278,7 @@ class KvAdmission:
             return True, kv_gate.OPEN_UNKNOWN
         closed = ""
         for b in usable:
-            ok, reason = self.check(b, tokens, output, tenant)
+            ok, reason = self.check(b, tokens, output, tenant, request_id)
             if ok:
                 return True, reason
             if not closed or reason == kv_gate.HELD_KV:
@@ -267,8 +293,7 @@ class KvAdmission:
                 if name != backend.name:
                     other.drop(request_id)  # its hold, or an earlier try
             load = self.loads.setdefault(backend.name, EngineLoad())
-            blocks, chars = self._prompts.get(request_id, ((), 0))
-            per_block = tokens * self.config.block_chars / chars if chars else 0.0
+            blocks, per_block = self._prompt(request_id, tokens)
             load.add(request_id, tokens, self.output_of(request_id), blocks, per_block)
             self.pump()  # the next waiter sees this reservation
 
@@ -281,7 +306,7 @@ class KvAdmission:
             return
         self._unplaced.discard(request_id)
         gated = [b for b in candidates if b.role in GATED_ROLES and b.usable]
-        pool = self.prefer_open(gated, tokens)
+        pool = self.prefer_open(gated, tokens, request_id)
         if pool:
             self.reserve(min(pool, key=self._fill), request_id, tokens)
         else:
@@ -359,7 +384,7 @@ class KvAdmission:
         output = self.output_of(request_id)
         reason = kv_gate.HELD_QUEUE
         if not self._queue:
-            ok, reason = self._fits(candidates(), tokens, output, name)
+            ok, reason = self._fits(candidates(), tokens, output, name, request_id)
             if ok:
                 self._go(request_id, name, 0.0, tokens, reason)
                 return
@@ -455,7 +480,9 @@ class KvAdmission:
             if head.future.done():
                 queue.discard(head)
                 continue
-            ok, reason = self._fits(head.candidates(), head.tokens, head.output, tenant_name(head))
+            ok, reason = self._fits(
+                head.candidates(), head.tokens, head.output, tenant_name(head), head.request_id
+            )
             if ok:
                 self._admit(head, reason)
                 return
@@ -464,7 +491,9 @@ class KvAdmission:
             for w in queue.flow_heads():
                 if w is head or w.future.done():
                     continue
-                ok, reason = self._fits(w.candidates(), w.tokens, w.output, tenant_name(w))
+                ok, reason = self._fits(
+                    w.candidates(), w.tokens, w.output, tenant_name(w), w.request_id
+                )
                 if ok:
                     self._admit(w, reason)
             return

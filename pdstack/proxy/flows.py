@@ -109,7 +109,9 @@ class Flows(LmcachePdFlow):
         return await self._final_leg(
             request,
             ctx,
-            lambda tried: self._pick_affinity("colocated", key_hash, tried, ctx.tokens),
+            lambda tried: self._pick_affinity(
+                "colocated", key_hash, tried, ctx.tokens, ctx.request_id
+            ),
             lambda backend: ctx.raw,
         )
 
@@ -310,7 +312,7 @@ class Flows(LmcachePdFlow):
     ) -> BackendState | None:
         """A decoder among ``decoders``: those with KV headroom first; by session affinity
         (bounded load) when the request names a session, else power of two choices."""
-        open_ones = self.admission.prefer_open(decoders, ctx.tokens)
+        open_ones = self.admission.prefer_open(decoders, ctx.tokens, ctx.request_id)
         if ctx.session is not None:
             ring = self._ring_for("decode")
             chosen = pick_bounded_load(
@@ -350,7 +352,12 @@ class Flows(LmcachePdFlow):
         return path, decoder
 
     def _pick_affinity(
-        self, role: str, key_hash: int, tried: set[str], tokens: int | None = None
+        self,
+        role: str,
+        key_hash: int,
+        tried: set[str],
+        tokens: int | None = None,
+        request_id: str = "",
     ) -> BackendState | None:
         """Bounded-load consistent hashing over usable ``role`` backends; with ``tokens``
         (gated roles) the ones with KV headroom for it come first."""
@@ -368,7 +375,8 @@ class Flows(LmcachePdFlow):
             }
         if tokens is not None:
             candidates = {
-                b.name: b for b in self.admission.prefer_open(list(candidates.values()), tokens)
+                b.name: b
+                for b in self.admission.prefer_open(list(candidates.values()), tokens, request_id)
             }
         return pick_bounded_load(ring, key_hash, candidates, self.config.load_factor)
 

@@ -180,6 +180,17 @@ class EngineLoad:
             self.fresh -= r.own + r.output
         return True
 
+    def adds(self, prompt: int, blocks: tuple[int, ...], block_tokens: float) -> float:
+        """The prompt KV a new request (``prompt`` tokens, its ``blocks``) would add here:
+        all but its leading blocks that a request here holds (vLLM shares them)."""
+        held = 0
+        for h in blocks:
+            b = self.blocks.get(h)
+            if b is None or not b.held:
+                break  # a chain: no later block of it can be held
+            held += 1
+        return max(0.0, prompt - held * block_tokens)
+
     def streamed_now(self) -> dict[str, int]:
         """Each request's relayed output now (what a scrape starting now counts in KV)."""
         return {rid: r.streamed for rid, r in self.requests.items()}

@@ -280,30 +280,50 @@ async def test_a_burst_never_waits_for_a_scrape() -> None:
 
 
 async def test_a_shared_prompt_counts_once_on_an_engine() -> None:
-    """Six requests sharing a system prompt all go at once where six of the same length
-    with their own prompts do not: on one engine the shared prefix's KV counts once (vLLM
-    shares its blocks), so the gate does not hold what the engine has room for. No scrape
-    after the first: the proxy's own count decides."""
+    """17 requests sharing a system prompt all go at once where not one of the same length
+    with its own prompt does after them: on one engine the shared prefix's KV counts once
+    (vLLM shares its blocks), in the gate's count and in what a new request would add, so
+    the gate does not hold what the engine has room for. No scrape after the first: the
+    proxy's own count decides."""
     async with busy_unscraped() as (rp, eng):
         gate = rp.proxy.admission
         eng.faults = Faults(hang=True)  # every request stays on the engine
         system = words(150, "s")  # 599 characters: two 256-character blocks
-        # ~160 tokens + 4 each: 6 x 164 = 984 > 0.8 x 1,024 unshared; shared:
-        # 2 blocks (128 tokens) once + 6 x (32 + 4) = 344
+        # ~160 tokens + 4 each; shared: 2 blocks (128 tokens) once + 32 + 4 each: the
+        # hanging one's 14 + 128 + 17 x 36 = 754 <= 0.8 x 1,024 (the 17th adds 36, not 164)
         shared = [asyncio.create_task(post(rp, f"{system} {words(10, f'u{i}')}"))
-                  for i in range(6)]  # fmt: skip
-        await ph.until(lambda: len(eng.seen()) == 7, "six shared-prompt requests sent")
+                  for i in range(17)]  # fmt: skip
+        await ph.until(lambda: len(eng.seen()) == 18, "17 shared-prompt requests sent")
         assert gate.queued == 0 and gate.held == {}
         own = [asyncio.create_task(post(rp, words(160, f"d{i}"))) for i in range(6)]
-        await ph.until(lambda: gate.queued >= 3, "the unshared ones to wait")
+        await ph.until(lambda: gate.queued == 6, "the unshared ones to wait")
         await asyncio.sleep(0.2)
-        assert len(eng.seen()) <= 9 and gate.held.get("kv_full", 0) >= 1
+        assert len(eng.seen()) == 18 and gate.held.get("kv_full", 0) == 1
         for task in shared + own:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
                 await task
         eng.faults = Faults()
 
+
+def test_a_new_request_adds_only_what_the_engine_does_not_hold() -> None:
+    """Unit: on an engine near its mark, a request whose system prompt the engine's
+    requests hold goes (it adds its own block and output: 35 tokens), one of the same
+    length with its own prompt waits (260)."""
+    gate, engine = _gate(output_tokens=10, block_chars=100)
+    engine.in_flight = 1
+    _scraped(gate, 0.0)
+    system = "s" * 900
+    for rid in "abc":  # 260 + 35 + 35
+        gate.expect(rid, 10, system + rid * 100)  # 1,000 characters, 250 tokens
+        gate.reserve(engine, rid, 250)
+    gate.reserve(engine, "x", 470)  # no prompt text: 470 + 10
+    assert gate.loads["d0"].projected(True) == pytest.approx(810)  # the mark: 850
+    gate.expect("d", 10, system + "d" * 100)
+    assert gate.check(engine, 250, 10, None, "d") == (True, "fits")
+    gate.expect("e", 10, "e" * 1000)
+    assert gate.check(engine, 250, 10, None, "e") == (False, "kv_full")
+    assert not gate.is_open(engine, 250), "a request the gate knows nothing of: all of it"
 
 def test_shared_blocks_count_once_and_free_with_their_last_holder() -> None:
     """Unit: three requests with one 900-character system prompt (9 of their 10 blocks):
