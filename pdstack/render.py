@@ -72,6 +72,11 @@ def render_node(topo: Topology, plan: Plan, node_name: str) -> dict[str, str]:
         "model_cache": "/var/lib/pdstack/hf-cache" if d.profile == "gpu" else "./.hf-cache",
         "shm_size": d.shm_size,
         "engine_start_period": "1800s" if d.profile == "gpu" else "600s",
+        # while an engine starts (before its first passing check, within start_period) Docker
+        # checks it this often, then every interval (10 s): a restarted engine is "healthy"
+        # within ~1 s of its /health, not up to 5 s later (issue 38 item 6). Docker >= 25:
+        # 20.10 (Debian 12's docker.io) drops start_interval and checks every interval
+        "engine_start_interval": "1s",
         "env_prefix": env_prefix,
         "engine_command": lambda svc: engine_command(svc, model_arg),
         "engine_env": lambda svc: {**svc.env, "PYTHONPATH": PLUGINS_MOUNT},

@@ -105,6 +105,7 @@ class Proxy(AdminAPI, EngineRoutes, Flows):
             self.metrics.watch_tenants(self.tenants, ledger)
             self.admission.on_wait = lambda t, s: self.metrics.tenant_waited(t, s)
         self._health_task: asyncio.Task[None] | None = None
+        self._readmit_task: asyncio.Task[None] | None = None
         self._probing: set[str] = set()
         threshold = self.config.skip_prefill_threshold_tokens
         if threshold is None:
@@ -153,6 +154,9 @@ class Proxy(AdminAPI, EngineRoutes, Flows):
         self._health_task = asyncio.create_task(
             every(lambda: self.config.health_interval_s, self.probe_all, "health round failed")
         )
+        self._readmit_task = asyncio.create_task(
+            every(self._readmit_pace, self.probe_down, "re-admission round failed")
+        )
         await self.admission.start(self.session)
 
     async def _start_notifier(self) -> None:
@@ -179,10 +183,11 @@ class Proxy(AdminAPI, EngineRoutes, Flows):
         if self.notifier is not None:
             await self.notifier.close()
             self.notifier = None
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
+        for task in (self._health_task, self._readmit_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         self.breaker.close()
         self.progress.close()
         if self.session is not None:
@@ -206,6 +211,25 @@ class Proxy(AdminAPI, EngineRoutes, Flows):
         backends = [b for b in self.registry.backends.values() if b.name not in self._probing]
         await asyncio.gather(*(self.probe(b) for b in backends))
         self.progress.round()  # wedged engines: stuck legs, confirmed by a generation
+
+    def _readmit_pace(self) -> float:
+        """The re-admission loop's sleep: readmit_interval_s, or the health round's when that
+        is shorter or the loop is off (0: it then finds nothing the rounds do not probe)."""
+        fast = self.config.readmit_interval_s
+        slow = self.config.health_interval_s
+        return fast if 0 < fast < slow else slow
+
+    async def probe_down(self) -> None:
+        """Probe the backends out of rotation between health rounds (never admitted yet, or
+        ejected; not wedged, not removed): a restarted engine is routable again within about
+        readmit_after x readmit_interval_s of its /health passing, not readmit_after health
+        rounds."""
+        fast = self.config.readmit_interval_s
+        if not 0 < fast < self.config.health_interval_s:
+            return
+        down = [b for b in self.registry.backends.values()
+                if not b.healthy and not b.wedged and not b.removed and b.name not in self._probing]
+        await asyncio.gather(*(self.probe(b) for b in down))
 
     async def probe(self, backend: BackendState) -> bool:
         """Check the engine's /health now (and record it); True when it passed."""

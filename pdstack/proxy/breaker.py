@@ -12,7 +12,7 @@ What counts against a backend, and what does not:
 - ``eject_after`` consecutive counted failures eject it too.
 
 States: closed (healthy) -> open (ejected: no traffic; ``/health`` probed every
-``health_interval_s``) -> half-open after ``readmit_after`` passing probes (traffic
+``readmit_interval_s``, 0.5 s) -> half-open after ``readmit_after`` passing probes (traffic
 again; one counted failure re-opens it at once) -> closed after ``close_after``
 successful legs. Ejection aborts the backend's legs that have sent nothing to the
 client, so their requests are re-routed at once instead of waiting out a timeout.

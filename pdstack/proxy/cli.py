@@ -65,6 +65,11 @@ _TUNING = (
     Flag("health_timeout_s"),
     Flag("eject_after", "consecutive failures before a backend is ejected"),
     Flag("readmit_after", "consecutive passing health checks before re-admission"),
+    Flag(
+        "readmit_interval_s",
+        "probe a backend out of rotation (starting or ejected, not wedged) this often between "
+        "health rounds; 0 = health rounds only (default %(default)s)",
+    ),
     Flag("close_after", "successful legs before a re-admitted (half-open) backend is closed again"),
     Flag(
         "wedge_after_s",

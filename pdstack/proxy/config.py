@@ -61,6 +61,11 @@ class ProxyConfig:
     health_timeout_s: float = 2.0
     eject_after: int = 3
     readmit_after: int = 2  # passing probes: ejected -> half-open
+    # a backend out of rotation (never admitted yet, or ejected; not a wedged one, whose
+    # re-admission needs a generation) is probed this often between health rounds, so a
+    # restarted engine is routable again about readmit_after x this after its /health passes
+    # (with health_interval_s alone: 2.6 s on the CPU stack); 0 = health rounds only
+    readmit_interval_s: float = 0.5
     close_after: int = 2  # successful legs: half-open -> closed
     # wedged engines (pdstack.proxy.progress): a leg waiting this long with no answer from
     # its backend since makes it a suspect (0 = off), confirmed by a 1-token generation

@@ -127,7 +127,7 @@ async def test_eject_after_consecutive_failures_and_readmit() -> None:
 
 async def test_passive_ejection_from_request_failures() -> None:
     async with ph.engines("p0", "d0", "d1") as e:
-        cfg = {"eject_after": 2, "health_interval_s": 60}
+        cfg = {"eject_after": 2, "health_interval_s": 60, "readmit_interval_s": 0}
         async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0", "d1"]), **cfg) as rp:
             e["d0"].faults = Faults(close_after_chunks=0)  # dies before its first byte
             # decoders are picked by power of two choices (random when idle): send until d0
@@ -420,7 +420,8 @@ async def test_engine_still_starting_admitted_on_its_first_passing_probe() -> No
     the decoders serve whole requests because the prefiller still waited to be re-admitted)."""
     async with ph.engines("p0", "d0") as e:
         e["p0"].faults = Faults(health_status=503)
-        cfg = {"readmit_after": 5, "health_interval_s": 60}  # no health round in the test
+        # no health round, no re-admission probe in the test: only the probes it makes
+        cfg = {"readmit_after": 5, "health_interval_s": 60, "readmit_interval_s": 0}
         async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"]), **cfg) as rp:
             p0 = rp.registry.backends["p0"]
             assert not p0.healthy and p0.state == "down"
@@ -437,3 +438,41 @@ async def test_engine_still_starting_admitted_on_its_first_passing_probe() -> No
             assert not p0.healthy
             assert await rp.proxy.probe(p0)
             assert p0.healthy and p0.half_open
+
+
+async def _until(cond, budget: float) -> float:  # type: ignore[no-untyped-def]
+    """Seconds until ``cond()`` holds, or ``budget`` when it never does within it."""
+    t0 = time.monotonic()
+    while not cond() and time.monotonic() - t0 < budget:
+        await asyncio.sleep(0.05)
+    return time.monotonic() - t0
+
+
+async def test_restarted_backend_readmitted_between_health_rounds() -> None:
+    """An ejected backend whose /health passes again (a restarted engine) is re-admitted,
+    on trial, within readmit_after x readmit_interval_s, not after readmit_after health
+    rounds (issue 38 item 6: 2.6 s of a CPU engine's restart with the 2 s rounds); a wedged
+    one is left to the health rounds (its re-admission needs a generation); 0 turns it off."""
+    async with ph.engines("p0", "d0", "d1") as e:
+        cfg = {"health_interval_s": 30.0, "readmit_after": 2, "readmit_interval_s": 0.2}
+        async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0", "d1"]), **cfg) as rp:
+            d0 = rp.registry.backends["d0"]
+            assert d0.healthy
+            rp.registry.eject(d0, "test: its engine was restarted")
+            took = await _until(lambda: d0.healthy, 5.0)
+            assert d0.healthy and d0.half_open, f"not re-admitted within {took:.1f} s"
+            assert took >= 0.3  # two passing probes, 0.2 s apart, not the first one alone
+            results = [await ph.stream_completion(rp.session, rp.url, f"q{i}") for i in range(8)]
+            assert all(r.status == 200 for r in results)
+            assert e["d0"].seen(), "the re-admitted decoder takes requests again"
+            d0.wedged = True
+            rp.registry.eject(d0, "test: wedged")
+            await _until(lambda: d0.healthy, 1.5)
+            assert not d0.healthy  # a wedged one waits for a health round (and a generation)
+    async with ph.engines("p0", "d0") as e:
+        cfg = {"health_interval_s": 30.0, "readmit_interval_s": 0}
+        async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"]), **cfg) as rp:
+            d0 = rp.registry.backends["d0"]
+            rp.registry.eject(d0, "test")
+            await _until(lambda: d0.healthy, 1.5)
+            assert not d0.healthy  # 0: the health rounds only
