@@ -235,7 +235,7 @@ class Proxy(AdminAPI, EngineRoutes, Flows):
         """Check the engine's /health now (and record it); True when it passed."""
         assert self.session is not None
         self._probing.add(backend.name)
-        ok, error = False, ""
+        ok, error, unreachable = False, "", False
         started = time.monotonic()
         try:
             timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
@@ -251,14 +251,40 @@ class Proxy(AdminAPI, EngineRoutes, Flows):
                 # it answered real requests meanwhile: a slow probe (busy event loop or
                 # busy engine) is no evidence of death
                 return True
+            unreachable = True
         except aiohttp.ClientError as exc:
             error = f"/health failed: {exc.__class__.__name__} {exc}".strip()
+            unreachable = True
         finally:
             self._probing.discard(backend.name)
         self.registry.record_probe(backend, ok, error, self.config)
         if not ok and not backend.healthy:
             self._end_silent_streams(backend)  # ejected before its streams went quiet
+        elif unreachable:
+            self._eject_if_unreachable(backend, error)
         return ok
+
+    def _eject_if_unreachable(self, backend: BackendState, error: str) -> None:
+        """A backend whose /health could not be reached (timed out, refused) while a leg has
+        waited on it longer than the wedge budget with nothing from it since it was sent: its
+        host is lost (a link down, a machine gone), so it is ejected now and its waiting legs
+        re-routed (``_on_eject``), at this probe, not after ``eject_after`` probes or a wedge
+        probe's timeout (issue 38: a cut KV pull waited 12 s). Not the last usable backend of
+        its role (its legs could go nowhere; the health budget decides for it), and not on a
+        probe alone: a backend with no leg stuck on it, or that answered since, stays in."""
+        after = self.config.wedge_after_s
+        if after <= 0 or not backend.healthy:
+            return
+        oldest = backend.pending.oldest()
+        now = time.monotonic()
+        if oldest is None or now - oldest <= after or backend.last_success >= oldest:
+            return
+        if not any(b.usable and b is not backend for b in self.registry.by_role(backend.role)):
+            return
+        self.registry.eject(
+            backend, f"unreachable: {error}, and a leg waited {now - oldest:.1f}s with nothing "
+            f"from it"
+        )
 
     def _on_eject(self, backend: BackendState) -> None:
         self.metrics.ejections.labels(backend.name).inc()

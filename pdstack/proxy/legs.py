@@ -165,6 +165,7 @@ class Legs:
             except Retryable as exc:
                 last_error = str(exc)
                 timed_out = exc.timed_out
+                log.info("%s leg of request %s failed (%s)", leg, ctx.request_id, last_error)
                 if on_retryable is not None:
                     on_retryable()
             except Passthrough as exc:

@@ -76,6 +76,8 @@ Faults (``FakeEngine.faults``, a :class:`Faults`; applies to generation requests
   stays 200: a "bad request" that makes an engine fail without the engine being sick.
   Independent of the other faults and of ``times``.
 - ``health_status``: what ``/health`` answers (e.g. 503).
+- ``health_hang``: ``/health`` never answers (the engine's host cannot be reached: its link
+  is down), until the client goes away.
 
 In-process use (tests)
 ----------------------
@@ -129,6 +131,7 @@ class Faults:
     close_after_chunks: int | None = None
     times: int | None = None
     health_status: int = 200
+    health_hang: bool = False
     poison: str | None = None
     poison_status: int = 500
 
@@ -368,6 +371,7 @@ class FakeEngine:
             if faults.times == 0:
                 self.faults = Faults(
                     health_status=faults.health_status,
+                    health_hang=faults.health_hang,
                     poison=faults.poison,
                     poison_status=faults.poison_status,
                 )
@@ -449,6 +453,8 @@ class FakeEngine:
         return web.json_response({"prompt": " ".join(words.get(t, "<unk>") for t in tokens)})
 
     async def _handle_health(self, request: web.Request) -> web.Response:
+        if self.faults.health_hang:
+            await asyncio.Event().wait()  # until the client goes away (cancelled)
         return web.Response(status=self.faults.health_status)
 
     async def _handle_metrics(self, request: web.Request) -> web.Response:

@@ -239,3 +239,63 @@ async def test_prefiller_crash_mid_prefill_costs_no_request() -> None:
     assert all("kv_transfer_params" not in r.body for r in decoded)
     assert ph.metric_value(text, "pdstack_proxy_decode_fallback_total") == 4
     assert ph.metric_value(text, "pdstack_proxy_requests_total", outcome="ok") == 4
+
+
+async def test_unreachable_decoder_ejected_at_a_failed_probe_and_its_legs_rerouted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """d0's link is lost while requests wait on it (no byte ever comes back, its /health
+    never answers): once a leg has waited past the wedge budget, the first /health probe
+    that cannot reach d0 ejects it and its requests go to d1, not after ``eject_after``
+    failed probes or the wedge probe's timeout (issue 38, item 5: the two-node lab's cut KV
+    pull waited 12 s for three probes)."""
+    caplog.set_level(logging.WARNING, logger="pdstack.proxy")
+    async with ph.engines("p0", "d0", "d1", output_tokens=3) as e:
+        cfg = {"leg_budget_base_s": 10.0, "wedge_after_s": 0.5, "wedge_probe_timeout_s": 10.0,
+               "eject_after": 100}
+        async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0", "d1"]), **cfg) as rp:
+            e["d0"].faults = Faults(hang=True, health_hang=True)
+            t0 = time.monotonic()
+            results = await asyncio.gather(
+                *(ph.stream_completion(rp.session, rp.url, f"q{i}", max_tokens=3) for i in range(6))
+            )
+            took = time.monotonic() - t0
+            assert all(r.status == 200 and r.events[-1] == "[DONE]" for r in results), [
+                r.text for r in results
+            ]
+            assert e["d0"].seen("/v1/completions"), "no request went to d0: nothing tested"
+            assert took < 4.0, f"requests on the unreachable decoder waited {took:.1f}s"
+            d0 = rp.registry.backends["d0"]
+            assert not d0.healthy and not d0.wedged  # not the wedge probe's doing
+            assert any("ejected backend d0" in r.getMessage() and "unreachable: /health timed"
+                       in r.getMessage() for r in caplog.records)
+
+
+async def test_sole_decoder_with_unreachable_health_keeps_its_legs() -> None:
+    """d0's /health cannot be reached but it still answers, late (a first token after 1.5 s,
+    past the wedge budget): with no other decoder, its leg is not cut for a re-route that
+    could go nowhere; the request is answered."""
+    async with ph.engines("p0", "d0", output_tokens=3) as e:
+        cfg = {"leg_budget_base_s": 10.0, "wedge_after_s": 0.5, "wedge_probe_timeout_s": 10.0,
+               "eject_after": 100}
+        async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"]), **cfg) as rp:
+            await ph.until(lambda: rp.registry.backends["d0"].healthy, "d0 admitted")
+            e["d0"].faults = Faults(delay_ms=1500, health_hang=True)
+            res = await ph.stream_completion(rp.session, rp.url, "slow", max_tokens=3)
+            assert res.status == 200 and res.events[-1] == "[DONE]", res.text
+            assert not res.error_events
+            text = await rp.metrics()
+        assert ph.metric_value(text, "pdstack_proxy_retries_total", leg="decode") == 0
+
+
+async def test_unreachable_health_alone_ejects_nothing() -> None:
+    """d0's /health never answers, and no request waits on d0: the probes that cannot reach
+    it eject it only by the health budget (``eject_after``), not at once."""
+    async with ph.engines("p0", "d0", "d1", output_tokens=2) as e:
+        cfg = {"wedge_after_s": 0.3, "eject_after": 100}
+        async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0", "d1"]), **cfg) as rp:
+            d0 = rp.registry.backends["d0"]
+            await ph.until(lambda: d0.healthy, "d0 admitted")
+            e["d0"].faults = Faults(health_hang=True)
+            await ph.until(lambda: d0.probe_failures >= 3, "three failed probes", timeout=10)
+            assert d0.healthy and not d0.ejections
