@@ -36,8 +36,11 @@ def goodput(run: dict[str, Any]) -> float:
 
 
 def table(runs: dict[str, dict[str, Any]], prefix: str) -> str:
+    # ITL and output tok/s beside served: run 2's cap was the engine's step at the same
+    # batch (results/h200x1-ceiling/run2), not what the gate let in
     lines = ["| stack | asked req/s | served req/s | TTFT P50 ms | TTFT P99 ms | preemptions "
-             "| goodput req/s | JSON |", "|---|---|---|---|---|---|---|---|"]
+             "| ITL P50 ms | output tok/s | goodput req/s | JSON |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     named = [(name, what + label) for key, what in STACKS.items()
              for name, label in repeats(runs, prefix + key)]
     for name, what in named:
@@ -46,7 +49,8 @@ def table(runs: dict[str, dict[str, Any]], prefix: str) -> str:
         def j(f: str, s: str = ".0f", rs: list[dict[str, Any]] = rs) -> str:
             return " / ".join(fmt(r[f], s) for r in rs)
         lines.append(f"| {what} | {j('rate')} | {j('served', '.1f')} | {j('p50')} | {j('p99')} "
-                     f"| {j('preempt')} | {goodput(runs[name]):.0f} | `{name}.json` |")
+                     f"| {j('preempt')} | {j('itl', '.1f')} | {j('out')} "
+                     f"| {goodput(runs[name]):.0f} | `{name}.json` |")
     return "\n".join(lines)
 
 

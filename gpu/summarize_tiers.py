@@ -53,6 +53,7 @@ def rows(run: dict[str, Any]) -> list[dict[str, Any]]:
             "p50": r["p50_ttft_ms"], "p99": r["p99_ttft_ms"],
             "ext": r.get("external_prefix_cache_hit_ratio"),
             "preempt": r.get("preemptions"), "computed": src.get("local_compute"),
+            "itl": r.get("p50_itl_ms"), "out": r.get("output_throughput"),
         })
     return out
 
