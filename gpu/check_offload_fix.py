@@ -44,7 +44,13 @@ def wheel_tree(wheel: Path, into: Path) -> Path:
 
 def run(python: str, code_or_file: list[str], path: list[str], cwd: Path | None = None,
         level: str = "INFO") -> str:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), VLLM_LOGGING_LEVEL=level)
+    # the GPU host's payload puts vLLM on PYTHONPATH ($SITE, gpu/lib.sh): keep what the caller
+    # had there (a replaced PYTHONPATH lost vLLM in the fifth session's run), but not the repo
+    # (the plugin loader check must find pdstack's plugin in its own folder only)
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                 if p and Path(p).resolve() != REPO]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*path, *inherited]),
+               VLLM_LOGGING_LEVEL=level)
     proc = subprocess.run([python, *code_or_file], env=env, cwd=cwd, capture_output=True,
                           text=True, timeout=300, check=False)
     if proc.returncode != 0:

@@ -20,6 +20,8 @@
 #        batch unique 4-6 k-token prompts, answers 64-256 tokens, at a multiple of CAP
 #      batch-alone runs first: BATCH_RATES (or BATCH_CAP alone); CAP = its highest served
 #      req/s (the batch tenant's throughput yardstick)
+#      *-chunk variants (chat-alone-chunk over-chunk flood-chunk batch-alone-chunk): the same on
+#      inventory/h200x1-isolation-chunk (vLLM --long-prefill-token-threshold 1024; :8190 + :8067)
 #   5. when every variant is done: its engines stopped; pack results + logs into
 #      $OUT/results.tar.gz (always)
 #
@@ -53,8 +55,11 @@ BATCH=(--system-prompts 1 --shared-share 0 --system-len uniform:4096:6144 --user
        --output-len uniform:64:256)
 
 # the stacks (data): name, engine URL, target URL
-declare -A ENGINE=([pd]=http://127.0.0.1:8160 [vllm]=http://127.0.0.1:8170)
-declare -A TARGET=([pd]=http://127.0.0.1:8066 [vllm]=http://127.0.0.1:8170)
+# pdc: the same stack with vLLM's --long-prefill-token-threshold 1024 (the per-step prefill
+# lever, inventory/h200x1-isolation-chunk), started only when a *-chunk variant is asked
+declare -A ENGINE=([pd]=http://127.0.0.1:8160 [vllm]=http://127.0.0.1:8170 [pdc]=http://127.0.0.1:8190)
+declare -A TARGET=([pd]=http://127.0.0.1:8066 [vllm]=http://127.0.0.1:8170 [pdc]=http://127.0.0.1:8067)
+INV_CHUNK=inventory/h200x1-isolation-chunk
 # the variants (data): name, stack, batch beside chat (- none, else a multiple of CAP)
 VARIANT_TABLE=(
   "chat-alone pd -"
@@ -63,6 +68,9 @@ VARIANT_TABLE=(
   "vllm-chat-alone vllm -"
   "vllm-over vllm $OVER_X"
   "vllm-flood vllm $FLOOD_X"
+  "chat-alone-chunk pdc -"
+  "over-chunk pdc $OVER_X"
+  "flood-chunk pdc $FLOOD_X"
 )
 
 if [ ! -f "$W/results/machine.txt" ]; then
@@ -84,7 +92,11 @@ case " $VARIANTS " in *" vllm-"*)
     gpu_launch v inventory/h200x1-vllm engine-0 "${GPU_SUPERVISE[@]}" "${GPU_STOCK[@]}"
   fi ;;
 esac
+case " $VARIANTS " in *"-chunk "*)
+  gpu_launch isoc "$INV_CHUNK" engine-0,proxy --secrets-env "$GPU_SECRETS" "${GPU_SUPERVISE[@]}" ;;
+esac
 gpu_wait_up iso || exit 1
+[ -f "$W/state/launched-isoc" ] && { gpu_wait_up isoc || ENGINE[pdc]=""; }
 [ -f "$W/state/launched-v" ] && { gpu_wait_up v || ENGINE[vllm]=""; }
 
 cap() {  # the batch tenant's capacity, req/s: BATCH_CAP, else what batch-alone served
@@ -119,6 +131,11 @@ pair() {  # NAME STACK BATCH: chat (and batch) at once; 3 when it does not fit n
 
 pending=0
 for v in $VARIANTS; do
+  if [ "$v" = batch-alone-chunk ]; then  # the batch tenant's throughput with the chunking
+    gpu_sweep "$v" "${ENGINE[pdc]}" "${TARGET[pdc]}" "${BATCH_CAP:-$BATCH_RATES}" \
+      $((DURATION * 2 / 3)) --tenant batch:1 "${BATCH[@]}" || pending=1
+    continue
+  fi
   if [ "$v" = batch-alone ]; then
     rates=${BATCH_CAP:-$BATCH_RATES}
     gpu_sweep batch-alone "${ENGINE[pd]}" "${TARGET[pd]}" "$rates" $((DURATION * 2 / 3)) \
@@ -144,4 +161,5 @@ done
 [ $pending = 1 ] && { log "variants left for the next call"; exit 0; }
 log "all variants done"
 gpu_stop iso "$INV"; gpu_stop v inventory/h200x1-vllm  # (v: only if this driver started it)
+gpu_stop isoc "$INV_CHUNK"
 touch "$W/state/all-done"

@@ -746,7 +746,7 @@ def test_admission_flags_new_and_removed() -> None:
     cli.register(parser.add_subparsers(), "proxy", "the proxy")
     args = parser.parse_args(["proxy", "--admission", "kv", "--admission-output-tokens", "64"])
     config = cli.admission_from_args(args)
-    assert config.enabled and config.output_tokens == 64 and config.kv_high == 0.9
+    assert config.enabled and config.output_tokens == 64 and config.kv_high == 0.97
     args = parser.parse_args(["proxy", "--admission-max-waiting", "2"])
     with pytest.raises(SystemExit, match="--admission-max-waiting was removed"):
         cli.admission_from_args(args)
