@@ -160,6 +160,10 @@ PYEOF
 done
 [ $pending = 1 ] && { log "variants left for the next call"; exit 0; }
 log "all variants done"
-gpu_stop iso "$INV"; gpu_stop v inventory/h200x1-vllm  # (v: only if this driver started it)
+# its launches stopped (each only if this driver started it), but KEEP's: "iso v" leaves the
+# isolation engine (:8160, inventory/h200x1's command) and vLLM (:8170) up for
+# gpu/run_ceiling.sh, which reuses an engine it finds up (isoc is always stopped: GPU memory)
+stop_unless_kept() { case " ${KEEP-} " in *" $1 "*) log "$1 kept running" ;; *) gpu_stop "$1" "$2" ;; esac; }
+stop_unless_kept iso "$INV"; stop_unless_kept v inventory/h200x1-vllm
 gpu_stop isoc "$INV_CHUNK"
 touch "$W/state/all-done"
