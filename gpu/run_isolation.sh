@@ -22,6 +22,8 @@
 #      req/s (the batch tenant's throughput yardstick)
 #      *-chunk variants (chat-alone-chunk over-chunk flood-chunk batch-alone-chunk): the same on
 #      inventory/h200x1-isolation-chunk (vLLM --long-prefill-token-threshold 1024; :8190 + :8067)
+#      *-p1 variants (over-p1 flood-p1): the same engine behind a proxy with a small prefill
+#      budget (--admission-prefill-tokens P1_TOKENS, :8068): batch prefills one prompt at a time
 #   5. when every variant is done: its engines stopped; pack results + logs into
 #      $OUT/results.tar.gz (always)
 #
@@ -57,8 +59,14 @@ BATCH=(--system-prompts 1 --shared-share 0 --system-len uniform:4096:6144 --user
 # the stacks (data): name, engine URL, target URL
 # pdc: the same stack with vLLM's --long-prefill-token-threshold 1024 (the per-step prefill
 # lever, inventory/h200x1-isolation-chunk), started only when a *-chunk variant is asked
-declare -A ENGINE=([pd]=http://127.0.0.1:8160 [vllm]=http://127.0.0.1:8170 [pdc]=http://127.0.0.1:8190)
-declare -A TARGET=([pd]=http://127.0.0.1:8066 [vllm]=http://127.0.0.1:8170 [pdc]=http://127.0.0.1:8067)
+# pdp: the isolation engine behind a second proxy (:8068) with the isolation proxy's own
+# arguments and --admission-prefill-tokens P1_TOKENS (2048: two active tenants' share is 1,024
+# tokens, so the batch tenant prefills one prompt at a time while chat is active)
+declare -A ENGINE=([pd]=http://127.0.0.1:8160 [vllm]=http://127.0.0.1:8170 [pdc]=http://127.0.0.1:8190
+                   [pdp]=http://127.0.0.1:8160)
+declare -A TARGET=([pd]=http://127.0.0.1:8066 [vllm]=http://127.0.0.1:8170 [pdc]=http://127.0.0.1:8067
+                   [pdp]=http://127.0.0.1:8068)
+P1_TOKENS=${P1_TOKENS:-2048}
 INV_CHUNK=inventory/h200x1-isolation-chunk
 # the variants (data): name, stack, batch beside chat (- none, else a multiple of CAP)
 VARIANT_TABLE=(
@@ -71,6 +79,8 @@ VARIANT_TABLE=(
   "chat-alone-chunk pdc -"
   "over-chunk pdc $OVER_X"
   "flood-chunk pdc $FLOOD_X"
+  "over-p1 pdp $OVER_X"
+  "flood-p1 pdp $FLOOD_X"
 )
 
 if [ ! -f "$W/results/machine.txt" ]; then
@@ -116,6 +126,11 @@ pair() {  # NAME STACK BATCH: chat (and batch) at once; 3 when it does not fit n
     [ -n "$(cap)" ] || { log "no CAP (batch-alone) yet: $name waits"; return 3; }
     brate=$(times "$(cap)" "$mult")
   fi
+  if [ "$st" = pdp ]; then  # its own proxy, up only during its sweeps
+    # shellcheck disable=SC2046
+    gpu_proxy p1 8068 "$REPO" $(gpu_proxy_args iso) --admission-prefill-tokens "$P1_TOKENS" \
+      || { log "no proxy for $name"; touch "$W/state/failed-$name"; return 0; }
+  fi
   gpu_quiesce "$engine"
   log "$name via $target: chat $CHAT_RATE req/s, batch ${brate:-none} req/s"
   if [ -n "$brate" ]; then
@@ -127,6 +142,8 @@ pair() {  # NAME STACK BATCH: chat (and batch) at once; 3 when it does not fit n
     "${CHAT[@]}" || ok=0
   [ -n "$brate" ] && { wait "$bpid" || ok=0; }
   if [ $ok = 1 ]; then touch "$W/state/swept-$name"; else touch "$W/state/failed-$name"; fi
+  [ "$st" = pdp ] && { gpu_proxy_stop p1; rm -f "$W/state/proxy-p1"; }
+  return 0
 }
 
 pending=0
