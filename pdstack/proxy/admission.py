@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -44,7 +44,6 @@ from pdstack.proxy.backends import BackendState
 from pdstack.proxy.fair_queue import AdmissionRejected, FairQueue, Waiter, tenant_name
 from pdstack.proxy.kv_gate import GATED_ROLES, EngineLoad, prompt_tokens
 from pdstack.proxy.periodic import every
-from pdstack.proxy.routing import block_hashes
 from pdstack.proxy.scrape_pace import ScrapePace
 from pdstack.proxy.shares import TenantLedger
 from pdstack.proxy.tenants import TenantState
@@ -83,8 +82,6 @@ class AdmissionConfig:
     queue_max: int = 4096
     queue_timeout_s: float = 60.0
     fairness: bool = True  # per-tenant fair queuing + priorities (False: one FIFO)
-    # prompt blocks (characters) the gate compares to count a shared prefix once per engine
-    block_chars: int = 256
 
 
 class KvAdmission:
@@ -95,8 +92,12 @@ class KvAdmission:
         config: AdmissionConfig,
         backends: Callable[[], Iterable[BackendState]],
         headers: Callable[[], dict[str, str]] | None = None,
+        block_chars: int = 256,
     ) -> None:
+        """``block_chars``: the characters of one prompt block that :meth:`expect` is given
+        (the prefix index's: the proxy hashes each prompt once, for both)."""
         self.config = config
+        self.block_chars = block_chars
         self._backends = backends
         self._headers = headers or dict
         self.loads: dict[str, EngineLoad] = {}
@@ -173,15 +174,17 @@ class KvAdmission:
         self.pump()
 
     # ------------------------------------------------------------ decisions
-    def expect(self, request_id: str, max_tokens: int, text: str = "") -> None:
+    def expect(
+        self, request_id: str, max_tokens: int, blocks: Sequence[int] = (), chars: int = 0
+    ) -> None:
         """The output ``request_id`` is expected to add (its ``max_tokens``, 0 = unset), and
-        its prompt's ``text`` (its blocks: a prefix shared on an engine counts once there)."""
+        its prompt's ``blocks`` (chain-hashed, ``block_chars`` each, of a prompt of ``chars``
+        characters: a prefix shared on an engine counts once there)."""
         if self.config.enabled and request_id:
             cap = self.config.output_tokens
             self._expected[request_id] = min(max_tokens, cap) if max_tokens > 0 else cap
-            if text:
-                blocks = tuple(block_hashes(text, self.config.block_chars))
-                self._prompts[request_id] = (blocks, len(text))
+            if chars:
+                self._prompts[request_id] = (tuple(blocks), chars)
 
     def output_of(self, request_id: str) -> int:
         return self._expected.get(request_id, self.config.output_tokens)
@@ -189,7 +192,7 @@ class KvAdmission:
     def _prompt(self, request_id: str, tokens: int) -> tuple[tuple[int, ...], float]:
         """The request's prompt blocks and the tokens of one (none known: no blocks)."""
         blocks, chars = self._prompts.get(request_id, ((), 0))
-        return blocks, (tokens * self.config.block_chars / chars if chars else 0.0)
+        return blocks, (tokens * self.block_chars / chars if chars else 0.0)
 
     def check(
         self,

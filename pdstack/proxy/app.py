@@ -94,6 +94,7 @@ class Proxy(AdminAPI, EngineRoutes, Flows):
             self.config.admission,
             lambda: self.registry.backends.values(),
             self._auth_headers,
+            block_chars=self.config.index_block_chars,
         )
         if self.config.admission.enabled:
             self.metrics.watch_admission(self.admission)
@@ -430,7 +431,8 @@ class Proxy(AdminAPI, EngineRoutes, Flows):
                 session=affinity.session_key(request.headers, body),
             )
             ctx.text = prompt_text(body)
-            self.admission.expect(rid, max_tokens_of(body), ctx.text)  # its expected KV
+            if self.config.admission.enabled:  # its expected KV (its prompt hashed once)
+                self.admission.expect(rid, max_tokens_of(body), self._hashes(ctx), len(ctx.text))
             ctx.budget_s = self.leg_budget.for_chars(len(ctx.text))
             ctx.upstream_headers = {
                 "Content-Type": "application/json",

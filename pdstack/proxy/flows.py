@@ -331,7 +331,11 @@ class Flows(LmcachePdFlow):
         return ring
 
     def _hashes(self, ctx: RequestContext) -> list[int]:
-        return self.index.block_hashes(self._key_text_full(ctx))
+        """The prompt's chain-hashed blocks (the prefix index's size), computed once a
+        request: admission's KV count and the prefix index both read them."""
+        if ctx.blocks is None:
+            ctx.blocks = self.index.block_hashes(self._key_text_full(ctx))
+        return ctx.blocks
 
     def _paired_decoders(self, prefill: BackendState) -> list[tuple[BackendState, str]]:
         """Usable paired decoders, preferring shared-l1 (same-node) pairings first."""

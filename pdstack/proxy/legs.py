@@ -67,6 +67,7 @@ class RequestContext:
     started: float
     route: str = "pd"
     text: str | None = None
+    blocks: list[int] | None = None  # its prompt's block hashes (flows._hashes: once)
     outcome: str = "ok"
     session: str | None = None  # session affinity key (X-Session-ID header or `user`)
     tokens: int = 0  # prompt tokens (exact for token-id prompts, else estimated)

@@ -30,7 +30,7 @@ from pdstack.proxy.admission import (
 )
 from pdstack.proxy.backends import BackendState
 from pdstack.proxy.kv_gate import parse_engine_metrics
-from pdstack.proxy.routing import stable_hash
+from pdstack.proxy.routing import block_hashes, stable_hash
 from pdstack.testing import proxy_harness as ph
 from pdstack.testing.fake_engine import FakeEngine, Faults
 
@@ -315,13 +315,13 @@ def test_a_new_request_adds_only_what_the_engine_does_not_hold() -> None:
     _scraped(gate, 0.0)
     system = "s" * 900
     for rid in "abc":  # 260 + 35 + 35
-        gate.expect(rid, 10, system + rid * 100)  # 1,000 characters, 250 tokens
+        gate.expect(rid, 10, *_text(system + rid * 100))  # 1,000 characters, 250 tokens
         gate.reserve(engine, rid, 250)
     gate.reserve(engine, "x", 470)  # no prompt text: 470 + 10
     assert gate.loads["d0"].projected(True) == pytest.approx(810)  # the mark: 850
-    gate.expect("d", 10, system + "d" * 100)
+    gate.expect("d", 10, *_text(system + "d" * 100))
     assert gate.check(engine, 250, 10, None, "d") == (True, "fits")
-    gate.expect("e", 10, "e" * 1000)
+    gate.expect("e", 10, *_text("e" * 1000))
     assert gate.check(engine, 250, 10, None, "e") == (False, "kv_full")
     assert not gate.is_open(engine, 250), "a request the gate knows nothing of: all of it"
 
@@ -337,7 +337,7 @@ def test_shared_blocks_count_once_and_free_with_their_last_holder() -> None:
     system = "s" * 900
 
     def send(rid: str) -> None:
-        gate.expect(rid, 10, system + rid * 100)  # 1,000 characters, 250 tokens: 25 a block
+        gate.expect(rid, 10, *_text(system + rid * 100))  # 1,000 characters, 250 tokens: 25 a block
         gate.reserve(engine, rid, 250)
 
     for rid in "abc":
@@ -504,8 +504,14 @@ def _gate(**kw: Any) -> tuple[KvAdmission, BackendState]:
     engine = BackendState(
         name="d0", role="decode", node="n1", url="http://127.0.0.1:9", healthy=True
     )
+    block_chars = kw.pop("block_chars", 256)
     config = admission(**{"kv_high": 0.85, "stale_after_s": 2.0, "output_tokens": 50, **kw})
-    return KvAdmission(config, lambda: [engine]), engine
+    return KvAdmission(config, lambda: [engine], block_chars=block_chars), engine
+
+
+def _text(text: str, block_chars: int = 100) -> tuple[list[int], int]:
+    """``expect``'s prompt arguments for ``text``: its chain-hashed blocks and length."""
+    return block_hashes(text, block_chars), len(text)
 
 
 def _scraped(gate: KvAdmission, usage: float, capacity: int = 1000) -> EngineLoad:
