@@ -17,6 +17,8 @@
 set -uo pipefail
 T0=$(date +%s) B=${1:-550} LAST=${2:-}
 BASE=${OUT:-/tmp/pdsession}
+# each driver's own state folder (never one W for both: a W in the environment would be)
+CW=${CEIL_W:-/tmp/pdceil} IW=${ISO_W:-/tmp/pdiso}
 left() { echo $(( B - ($(date +%s) - T0) )); }
 up() { python3 -c "import sys, urllib.request as u; u.urlopen(sys.argv[1], timeout=2)" "$1" 2>/dev/null; }
 say() { echo "[session +$(( $(date +%s) - T0 ))s $(date -u +%T)] $*"; }
@@ -28,39 +30,39 @@ pdstack-kv97 turn-vllm-default turn-pdstack-default turn-pdstack-engine}
 export BATCH_CAP=${BATCH_CAP:-7} RATES=${RATES:-20,24,28,32} RATES_MAX=${RATES_MAX:-48} \
   RATES_TURN=${RATES_TURN:-16,24}
 ceiling() {  # BUDGET [SWEEPS [KEEP]]
-  OUT=$BASE/ceiling DURATION=${CEIL_DURATION:-20} SWEEPS=${2:-$CEIL_SWEEPS} KEEP=${3-v p} \
+  W=$CW OUT=$BASE/ceiling DURATION=${CEIL_DURATION:-20} SWEEPS=${2:-$CEIL_SWEEPS} KEEP=${3-v p} \
     bash gpu/run_ceiling.sh "$1"
 }
 isolation() {  # BUDGET VARIANTS
-  OUT=$BASE/isolation DURATION=${ISO_DURATION:-30} VARIANTS=$2 bash gpu/run_isolation.sh "$1"
+  W=$IW OUT=$BASE/isolation DURATION=${ISO_DURATION:-30} VARIANTS=$2 bash gpu/run_isolation.sh "$1"
 }
 
-if [ ! -f /tmp/pdceil/state/times-p ]; then
+if [ ! -f "$CW"/state/times-p ]; then
   say "1. the ceiling's engines"
   ceiling "$(( $(left) < 330 ? $(left) : 330 ))" " " "v n p"
-  rm -f /tmp/pdceil/state/all-done
+  rm -f "$CW"/state/all-done
 fi
 for _ in $(seq 60); do up http://127.0.0.1:8160/health && break; sleep 3; done
 up http://127.0.0.1:8160/health || { say "pdstack's engine :8160 is not up: call again"; exit 0; }
-if [ ! -f /tmp/pdiso/state/first-done ] && [ "$(left)" -gt 90 ]; then
+if [ ! -f "$IW"/state/first-done ] && [ "$(left)" -gt 90 ]; then
   say "2. isolation: $ISO_FIRST"
   isolation "$(( $(left) - 10 ))" "$ISO_FIRST" | tail -3
   all=1
   for v in $ISO_FIRST; do
-    [ -f "/tmp/pdiso/state/swept-$v" ] || [ -f "/tmp/pdiso/state/failed-$v" ] || all=0
+    [ -f "$IW/state/swept-$v" ] || [ -f "$IW/state/failed-$v" ] || all=0
   done
-  [ $all = 1 ] && touch /tmp/pdiso/state/first-done
+  [ $all = 1 ] && touch "$IW"/state/first-done
 fi
-if [ ! -f /tmp/pdceil/state/all-done ] && [ "$(left)" -gt 90 ]; then
+if [ ! -f "$CW"/state/all-done ] && [ "$(left)" -gt 90 ]; then
   # batch-alone's time is kept back in the last call
-  keep=0; [ "$LAST" = last ] && [ ! -f /tmp/pdiso/state/swept-batch-alone ] && keep=95
+  keep=0; [ "$LAST" = last ] && [ ! -f "$IW"/state/swept-batch-alone ] && keep=95
   say "3. ceiling: $CEIL_SWEEPS ($keep s kept for batch-alone)"
   ceiling "$(( $(left) - 10 - keep ))"
 fi
-if { [ -f /tmp/pdceil/state/all-done ] || [ "$LAST" = last ]; } && [ "$(left)" -gt 70 ]; then
+if { [ -f "$CW"/state/all-done ] || [ "$LAST" = last ]; } && [ "$(left)" -gt 70 ]; then
   say "4. isolation: $ISO_LAST"
-  if [ -f /tmp/pdiso/state/stopped-iso ]; then  # step 2's end stopped its proxy: start it again
-    rm -f /tmp/pdiso/state/{launched,stopped}-iso /tmp/pdiso/state/launch-iso.rc /tmp/pdiso/state/all-done
+  if [ -f "$IW"/state/stopped-iso ]; then  # step 2's end stopped its proxy: start it again
+    rm -f "$IW"/state/{launched,stopped}-iso "$IW"/state/launch-iso.rc "$IW"/state/all-done
   fi
   isolation "$(( $(left) - 5 ))" "$ISO_FIRST $ISO_LAST"
 fi
