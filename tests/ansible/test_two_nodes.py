@@ -67,7 +67,7 @@ from anshelpers import REPO, VENV_BIN, Lab, node_path, playbook
 from pdstack.testing.canaries import canaries, check_stack
 from pdstack.testing.heavy import CPU_STACK_IMAGES, heavy_lock, http_json, require_docker
 from pdstack.testing.proxy_harness import metric_value
-from pdstack.testing.steady import SteadyClient
+from pdstack.testing.steady import SteadyClient, SteadyClientProcess
 
 pytestmark = [pytest.mark.netns, pytest.mark.docker]
 
@@ -581,8 +581,10 @@ def test_link_lost_mid_kv_pull_and_readmitted(nodes: TwoNodes, round_: int) -> N
     unreachable_before = logs(lab, "node1", "proxy", tail=5000).count(UNREACHABLE)
     # node1's pair under steady traffic while node2 is lost and node1's prefiller holds the
     # cut pull's KV (its lease: 30 s, no heartbeat renews it)
-    pair = SteadyClient(PROXY, workers=1, max_tokens=4, pause_s=0.25, timeout_s=30,
-                        api_key=CLIENT_KEY)
+    # its own process at real-time priority: a client on a machine of its own (a thread of
+    # this process waited ~1 s for a core at every request while node1's engines spun)
+    pair = SteadyClientProcess(PROXY, workers=1, max_tokens=4, pause_s=0.25, timeout_s=30,
+                               api_key=CLIENT_KEY)
     pair.start()
     t.join(timeout=90)
     assert not t.is_alive(), "the request whose KV pull was cut hangs"
