@@ -158,6 +158,12 @@ class SteadyClientProcess:
                                f"{err[-2000:]}")
         self.outcomes = [Outcome(**o) for o in json.loads(out)]
 
+    def kill(self) -> None:
+        """End the process without its outcomes (a test that failed before stop)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.communicate(timeout=30)
+
     @property
     def sent(self) -> int:
         return len(self.outcomes)

@@ -589,16 +589,19 @@ def test_link_lost_mid_kv_pull_and_readmitted(nodes: TwoNodes, round_: int) -> N
     pair = SteadyClientProcess(PROXY, workers=1, max_tokens=4, pause_s=0.25, timeout_s=30,
                                api_key=CLIENT_KEY)
     pair.start()
-    t.join(timeout=90)
-    assert not t.is_alive(), "the request whose KV pull was cut hangs"
-    answered = time.monotonic() - t_down
+    try:
+        t.join(timeout=90)
+        assert not t.is_alive(), "the request whose KV pull was cut hangs"
+        answered = time.monotonic() - t_down
+        time.sleep(max(0.0, PAIR_WATCH_S - (time.monotonic() - t_down)))
+        pair.stop()
+    finally:
+        pair.kill()  # only where stop did not end it
     events = outcome.get("events", [])
     errors = [e for e in events if "error" in e]
     tokens = stream_tokens(events)
     saw = (f"{len(tokens)} tokens" if not errors and "error" not in outcome
            else f"{len(tokens)} tokens, then {errors[-1] if errors else outcome['error']}")
-    time.sleep(max(0.0, PAIR_WATCH_S - (time.monotonic() - t_down)))
-    pair.stop()
     lab.cpu_shares("node2", 1024)
     # the re-routed request on node1's decoder: its prompt's full 256-token chunks come from
     # node1's LMCache store (node1's prefiller stored them), not recomputed
