@@ -29,8 +29,20 @@ class Outcome:
     request_id: str = ""
 
 
+class _Tally:
+    outcomes: list[Outcome]
+
+    @property
+    def sent(self) -> int:
+        return len(self.outcomes)
+
+    @property
+    def failed(self) -> list[Outcome]:
+        return [o for o in self.outcomes if not o.ok]
+
+
 @dataclass
-class SteadyClient:
+class SteadyClient(_Tally):
     base_url: str
     model: str = "tiny"
     workers: int = 2
@@ -53,14 +65,6 @@ class SteadyClient:
         self._stop.set()
         for t in self._threads:
             t.join(self.timeout_s + 10)
-
-    @property
-    def sent(self) -> int:
-        return len(self.outcomes)
-
-    @property
-    def failed(self) -> list[Outcome]:
-        return [o for o in self.outcomes if not o.ok]
 
     def _loop(self, worker: int) -> None:
         n = 0
@@ -118,7 +122,7 @@ API_KEY_ENV = "PDSTACK_STEADY_API_KEY"  # the key reaches the client process by 
 
 
 @dataclass
-class SteadyClientProcess:
+class SteadyClientProcess(_Tally):
     """A :class:`SteadyClient` in a process of its own whose threads run at real-time
     priority (``SCHED_FIFO`` 1), as a client on a machine of its own: an answer is read as
     soon as it arrives. In a lab whose nodes share this machine's cores, a client thread of
@@ -163,14 +167,6 @@ class SteadyClientProcess:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
             self._proc.communicate(timeout=30)
-
-    @property
-    def sent(self) -> int:
-        return len(self.outcomes)
-
-    @property
-    def failed(self) -> list[Outcome]:
-        return [o for o in self.outcomes if not o.ok]
 
 
 def main(argv: list[str] | None = None) -> int:
