@@ -34,8 +34,10 @@ later test needs the earlier state):
    holds the request, its pull from node1's prefiller held open by node2's firewall, when
    the link goes down): the proxy ejects node2's decoder as unreachable at its first failed
    probe after the wedge budget and the request is answered (re-routed to node1's decoder)
-   or ends with an OpenAI error, node1's pair answers every request within 5 s (issue 38:
-   2 s; 1.2-2.7 s measured, the proxy's share of it 0.05-0.2 s) throughout node1's
+   or ends with an OpenAI error, node1's pair (a client process of its own at real-time
+   priority, as on a machine of its own) answers every request within 2 s (issue 38;
+   0.84-1.50 s measured in 9 rounds; 1.2-2.7 s with the client a thread of this process,
+   which waited for a core ~1 s a request) throughout node1's
    prefiller's 30 s KV lease, nothing hangs; link up:
    node2 serves again (``PDSTACK_LINK_LOSS_ROUNDS=5`` repeats it). After the upgrade: a
    decoder that lost its NIXL peer may die at a later request (once in CI it took the
@@ -67,7 +69,7 @@ from anshelpers import REPO, VENV_BIN, Lab, node_path, playbook
 from pdstack.testing.canaries import canaries, check_stack
 from pdstack.testing.heavy import CPU_STACK_IMAGES, heavy_lock, http_json, require_docker
 from pdstack.testing.proxy_harness import metric_value
-from pdstack.testing.steady import SteadyClient
+from pdstack.testing.steady import SteadyClient, SteadyClientProcess
 
 pytestmark = [pytest.mark.netns, pytest.mark.docker]
 
@@ -92,15 +94,16 @@ STEADY_PAUSE_S = 3.0
 # link loss mid-KV-pull (issue 38, item 5): the prompt whose KV node2's decoder pulls when its
 # link goes down (~3 MB), the answer's length, how long node1's pair is watched after the
 # link went down (past node1's prefiller's 30 s lease on the cut pull's KV) and the slowest
-# answer allowed to it meanwhile: issue 38 asks 2 s; measured 1.21-2.70 s in 13 runs on a
-# loaded 2-core machine (2 s or less in 8), of which the proxy's handler took 0.05-0.2 s (the
-# rest passed between the proxy and this test's client); below the wedge budget; the stall it
-# guards against: 10.8-12.9 s and 503s.
+# answer allowed to it meanwhile: issue 38 asks 2 s; measured 1.21-2.70 s in 13 runs with the
+# pair a thread of this process, which waited ~1 s for a core at each request (run-queue wait,
+# node1's engines spinning on the same 2 cores); in a process of its own at SCHED_FIFO 1
+# (SteadyClientProcess): 1.31 / 0.88 / 1.34 / 1.04 / 0.98 s (5 rounds in one run) and 0.84 /
+# 1.50 / 0.88 / 1.24 s; the stall it guards against: 10.8-12.9 s and 503s.
 # PDSTACK_LINK_LOSS_ROUNDS repeats the test (issue 38: 5)
 PULL_PROMPT_TOKENS = 1500
 PULL_ANSWER_TOKENS = 32
 PAIR_WATCH_S = 35.0
-PAIR_ANSWER_S = 5.0
+PAIR_ANSWER_S = 2.0
 LINK_LOSS_ROUNDS = int(os.environ.get("PDSTACK_LINK_LOSS_ROUNDS", "1"))
 KV_EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
 TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
@@ -581,19 +584,24 @@ def test_link_lost_mid_kv_pull_and_readmitted(nodes: TwoNodes, round_: int) -> N
     unreachable_before = logs(lab, "node1", "proxy", tail=5000).count(UNREACHABLE)
     # node1's pair under steady traffic while node2 is lost and node1's prefiller holds the
     # cut pull's KV (its lease: 30 s, no heartbeat renews it)
-    pair = SteadyClient(PROXY, workers=1, max_tokens=4, pause_s=0.25, timeout_s=30,
-                        api_key=CLIENT_KEY)
+    # its own process at real-time priority: a client on a machine of its own (a thread of
+    # this process waited ~1 s for a core at every request while node1's engines spun)
+    pair = SteadyClientProcess(PROXY, workers=1, max_tokens=4, pause_s=0.25, timeout_s=30,
+                               api_key=CLIENT_KEY)
     pair.start()
-    t.join(timeout=90)
-    assert not t.is_alive(), "the request whose KV pull was cut hangs"
-    answered = time.monotonic() - t_down
+    try:
+        t.join(timeout=90)
+        assert not t.is_alive(), "the request whose KV pull was cut hangs"
+        answered = time.monotonic() - t_down
+        time.sleep(max(0.0, PAIR_WATCH_S - (time.monotonic() - t_down)))
+        pair.stop()
+    finally:
+        pair.kill()  # only where stop did not end it
     events = outcome.get("events", [])
     errors = [e for e in events if "error" in e]
     tokens = stream_tokens(events)
     saw = (f"{len(tokens)} tokens" if not errors and "error" not in outcome
            else f"{len(tokens)} tokens, then {errors[-1] if errors else outcome['error']}")
-    time.sleep(max(0.0, PAIR_WATCH_S - (time.monotonic() - t_down)))
-    pair.stop()
     lab.cpu_shares("node2", 1024)
     # the re-routed request on node1's decoder: its prompt's full 256-token chunks come from
     # node1's LMCache store (node1's prefiller stored them), not recomputed
