@@ -62,12 +62,16 @@ BATCH=(--system-prompts 1 --shared-share 0 --system-len uniform:4096:6144 --user
 # pdp: the isolation engine behind a second proxy (:8068) with the isolation proxy's own
 # arguments and --admission-prefill-tokens P1_TOKENS (2048: two active tenants' share is 1,024
 # tokens, so the batch tenant prefills one prompt at a time while chat is active)
+# pdcp: the INV_CHUNK engine behind a second proxy (:8069) with its proxy's arguments and
+# --admission-prefill-tokens P1_TOKENS (*-chunk-p1 variants)
 declare -A ENGINE=([pd]=http://127.0.0.1:8160 [vllm]=http://127.0.0.1:8170 [pdc]=http://127.0.0.1:8190
-                   [pdp]=http://127.0.0.1:8160)
+                   [pdp]=http://127.0.0.1:8160 [pdcp]=http://127.0.0.1:8190)
 declare -A TARGET=([pd]=http://127.0.0.1:8066 [vllm]=http://127.0.0.1:8170 [pdc]=http://127.0.0.1:8067
-                   [pdp]=http://127.0.0.1:8068)
+                   [pdp]=http://127.0.0.1:8068 [pdcp]=http://127.0.0.1:8069)
 P1_TOKENS=${P1_TOKENS:-2048}
-INV_CHUNK=inventory/h200x1-isolation-chunk
+# the -chunk engine's inventory: h200x1-isolation-chunk (--long-prefill-token-threshold 1024)
+# or h200x1-isolation-step (a 2,048-token step as well)
+INV_CHUNK=${INV_CHUNK:-inventory/h200x1-isolation-chunk}
 # the variants (data): name, stack, batch beside chat (- none, else a multiple of CAP)
 VARIANT_TABLE=(
   "chat-alone pd -"
@@ -81,6 +85,8 @@ VARIANT_TABLE=(
   "flood-chunk pdc $FLOOD_X"
   "over-p1 pdp $OVER_X"
   "flood-p1 pdp $FLOOD_X"
+  "over-chunk-p1 pdcp $OVER_X"
+  "flood-chunk-p1 pdcp $FLOOD_X"
 )
 
 if [ ! -f "$W/results/machine.txt" ]; then
@@ -102,7 +108,7 @@ case " $VARIANTS " in *" vllm-"*)
     gpu_launch v inventory/h200x1-vllm engine-0 "${GPU_SUPERVISE[@]}" "${GPU_STOCK[@]}"
   fi ;;
 esac
-case " $VARIANTS " in *"-chunk "*)
+case " $VARIANTS " in *"-chunk "*|*"-chunk-p1 "*)
   gpu_launch isoc "$INV_CHUNK" engine-0,proxy --secrets-env "$GPU_SECRETS" "${GPU_SUPERVISE[@]}" ;;
 esac
 gpu_wait_up iso || exit 1
@@ -131,6 +137,11 @@ pair() {  # NAME STACK BATCH: chat (and batch) at once; 3 when it does not fit n
     gpu_proxy p1 8068 "$REPO" $(gpu_proxy_args iso) --admission-prefill-tokens "$P1_TOKENS" \
       || { log "no proxy for $name"; touch "$W/state/failed-$name"; return 0; }
   fi
+  if [ "$st" = pdcp ]; then
+    # shellcheck disable=SC2046
+    gpu_proxy p1c 8069 "$REPO" $(gpu_proxy_args isoc) --admission-prefill-tokens "$P1_TOKENS" \
+      || { log "no proxy for $name"; touch "$W/state/failed-$name"; return 0; }
+  fi
   gpu_quiesce "$engine"
   log "$name via $target: chat $CHAT_RATE req/s, batch ${brate:-none} req/s"
   if [ -n "$brate" ]; then
@@ -143,6 +154,7 @@ pair() {  # NAME STACK BATCH: chat (and batch) at once; 3 when it does not fit n
   [ -n "$brate" ] && { wait "$bpid" || ok=0; }
   if [ $ok = 1 ]; then touch "$W/state/swept-$name"; else touch "$W/state/failed-$name"; fi
   [ "$st" = pdp ] && { gpu_proxy_stop p1; rm -f "$W/state/proxy-p1"; }
+  [ "$st" = pdcp ] && { gpu_proxy_stop p1c; rm -f "$W/state/proxy-p1c"; }
   return 0
 }
 
