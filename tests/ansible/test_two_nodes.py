@@ -105,6 +105,9 @@ PULL_ANSWER_TOKENS = 32
 PAIR_WATCH_S = 35.0
 PAIR_ANSWER_S = 2.0
 LINK_LOSS_ROUNDS = int(os.environ.get("PDSTACK_LINK_LOSS_ROUNDS", "1"))
+# tries a round may take when node2's decoder answered before its link went down (then the
+# try cut nothing: test_link_lost_mid_kv_pull_and_readmitted)
+LINK_LOSS_TRIES = 3
 KV_EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
 TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 UNREACHABLE = f"ejected backend node2/decode-0 ({ENGINES['node2/decode-0']}): unreachable:"
@@ -522,6 +525,22 @@ def test_upgrade_yml_rolls_both_nodes_under_traffic(nodes: TwoNodes) -> None:
 # prefiller keeps the cut pull's state; test 6 redeploys every engine)
 
 
+@dataclass
+class CutPull:
+    """One try at cutting node2's link mid-KV-pull (:func:`cut_pull`): what it measured.
+    ``answered_first`` says why the try did not exercise the scenario ("" when it did)."""
+
+    answered_first: str
+    outcome: dict[str, Any]
+    tokens: list[int]
+    errors: list[dict]
+    answered: float
+    unreachable: int
+    expired: float
+    pair: SteadyClientProcess
+    slowest: float
+
+
 @pytest.mark.parametrize("round_", range(1, LINK_LOSS_ROUNDS + 1))
 def test_link_lost_mid_kv_pull_and_readmitted(nodes: TwoNodes, round_: int) -> None:
     """node2's link goes down while its decoder pulls a request's KV from node1's prefiller
@@ -529,13 +548,47 @@ def test_link_lost_mid_kv_pull_and_readmitted(nodes: TwoNodes, round_: int) -> N
     past the wedge budget; the request gets its answer (re-routed to node1's decoder, no byte
     having reached the client) or an OpenAI error;
     node1's pair answers every request meanwhile within PAIR_ANSWER_S; link up: node2 is
-    readmitted and serves again."""
+    readmitted and serves again.
+    A try in which node2's decoder answered the request before its link went down (its
+    answer, an error or tokens, came back through the proxy: nothing of node2's crosses
+    once the link is down) did not cut anything: it is told and done again, up to
+    LINK_LOSS_TRIES in all; the assertions hold for the try that cut the pull."""
     _need(nodes, "deployed")
-    lab = nodes.lab
-    prompt = long_prompt(f"pull{round_}", tokens=PULL_PROMPT_TOKENS)
+    why = []
+    for attempt in range(1, LINK_LOSS_TRIES + 1):
+        cut = cut_pull(nodes.lab, round_, attempt)
+        if not cut.answered_first:
+            break
+        why.append(f"try {attempt}: {cut.answered_first}")
+    else:
+        pytest.fail(f"in {LINK_LOSS_TRIES} tries node2's decoder answered the request before "
+                    f"its link went down every time (its KV pull was not held, or the link "
+                    f"went down late):\n" + "\n".join(why), pytrace=False)
+    # the KV never reached node2: node1's prefiller let the cut pull's lease expire
+    assert cut.expired >= 1, cut.expired
+    assert len(cut.tokens) == PULL_ANSWER_TOKENS or cut.errors or "error" in cut.outcome, (
+        cut.outcome)
+    # node2's decoder ejected as unreachable (its /health timed out with the cut leg waiting
+    # past the wedge budget: ~7 s), not by three failed probes (12 s) or a wedge probe
+    assert cut.unreachable > 0, "node2's decoder not ejected as unreachable"
+    # then the request's own work on node1 (its prompt and answer on 2 busy cores)
+    assert cut.answered < 40, f"the request ended {cut.answered:.0f} s after the link went down"
+    pair = cut.pair
+    assert pair.sent >= 10, pair.sent
+    assert not pair.failed, "node1's pair failed:\n" + "\n".join(
+        f"{o.detail} (stream={o.stream}, id={o.request_id})" for o in pair.failed[:10])
+    assert cut.slowest < PAIR_ANSWER_S, sorted(o.seconds for o in pair.outcomes)[-5:]
+
+
+def cut_pull(lab: Lab, round_: int, attempt: int) -> CutPull:
+    """One try of the link-loss test: hold node2's KV pull, cut node2's link while its
+    decoder holds the request, watch node1's pair, bring the link up and wait until node2
+    serves again; prints what it saw."""
+    prompt = long_prompt(f"pull{round_}.{attempt}", tokens=PULL_PROMPT_TOKENS)
     n_tokens = token_count(prompt)
     expired_before = metric_value(engine("node1/prefill-0", "GET", "/metrics"), KV_EXPIRED)
     restarts_before = decoder_restarts(lab)
+    served_before = backend("node2/decode-0")["served"]
     outcome: dict[str, Any] = {}
     started = threading.Event()
 
@@ -552,7 +605,12 @@ def test_link_lost_mid_kv_pull_and_readmitted(nodes: TwoNodes, round_: int) -> N
     # the answer in 2 of 5 tries). node1's decoder is drained, so the decode leg can only
     # go to node2's; the proxy counts it in node2's in_flight once the prefill answered.
     # Once node2's decoder holds the request (no first token: its KV has not come), the
-    # link goes down, through an `ip` armed beforehand (Lab.link_down_armed).
+    # link goes down, through a socket opened in node2's namespace beforehand
+    # (Lab.link_down_armed: ~0.3 ms; an `ip` armed beforehand took 5.7 s once in CI, and
+    # node2's decoder answered first). It must go down within seconds: a decoder that
+    # has to handshake with node1's prefiller first (NIXL's side channel, e.g. its first
+    # pull from a restarted prefiller) gives up after 5 s (vLLM's handshake receive
+    # timeout) and answers with an error, which is then node2's answer.
     fire = lab.link_down_armed("node2")
     lab.hold_from("node2", "node1", but_port=ENGINE_PORT["node2/decode-0"])
     # node2 is another machine: its decoder, spinning on a KV that never comes (vLLM steps
@@ -571,12 +629,14 @@ def test_link_lost_mid_kv_pull_and_readmitted(nodes: TwoNodes, round_: int) -> N
             time.sleep(0.01)
         t_leg = time.monotonic() - t_sent
         try:  # vLLM's gauges follow its steps: a moment late, or not at all while it waits
-            held = f"{wait_for('', lambda: engine_queue('node2/decode-0') >= 1, 5, 0.1):.2f} s"
+            held = f"{wait_for('', lambda: engine_queue('node2/decode-0') >= 1, 2, 0.1):.2f} s"
         except AssertionError:
-            held = "not in its metrics within 5 s"
-        assert not started.is_set(), f"node2 answered with its KV pull held: {outcome}"
+            held = "not in its metrics within 2 s"
         fired_in = fire()
         t_down = time.monotonic()
+        # node2's answer already here: it came before the link went down
+        answered_first = ("its answer had reached the client when the link went down"
+                          if started.is_set() or not t.is_alive() else "")
     finally:
         proxy("POST", "/admin/backends/node1/decode-0/undrain")
     lab.unhold("node2")  # the link is down: nothing passes either way
@@ -609,7 +669,14 @@ def test_link_lost_mid_kv_pull_and_readmitted(nodes: TwoNodes, round_: int) -> N
                                source="external_kv_transfer")
                   - metric_value(decoder1_before, TOKENS_BY_SOURCE, source="external_kv_transfer"))
     unreachable_after = logs(lab, "node1", "proxy", tail=5000).count(UNREACHABLE)
-    assert backend("node2/decode-0")["healthy"] is False
+    node2 = backend("node2/decode-0")
+    # node2 served the request through the proxy: its answer crossed before the link went
+    # down (nothing of node2's crosses after; the proxy counts an answer streamed to its end,
+    # an error event of the engine's included)
+    if node2["served"] > served_before and not answered_first:
+        answered_first = (f"node2's decoder served it (served +{node2['served'] - served_before}"
+                          f") before the link went down")
+    assert node2["healthy"] is False
     expired = metric_value(engine("node1/prefill-0", "GET", "/metrics"), KV_EXPIRED)
     lab.link_up("node2")
     # vLLM's decoder may not survive its NIXL peer's loss (its EngineCore fails, at once or
@@ -625,27 +692,20 @@ def test_link_lost_mid_kv_pull_and_readmitted(nodes: TwoNodes, round_: int) -> N
     slowest_one = max(pair.outcomes, key=lambda o: o.seconds, default=None)
     slowest = slowest_one.seconds if slowest_one is not None else 0.0
     slowest_at = slowest_one.started - t_down if slowest_one is not None else 0.0
-    print(f"\nlink loss mid-KV-pull, round {round_}: the decode leg went to node2 "
+    tried = f" (try {attempt})" if attempt > 1 else ""
+    print(f"\nlink loss mid-KV-pull, round {round_}{tried}: the decode leg went to node2 "
           f"{t_leg:.2f} s after the request ({n_tokens} prompt tokens), node2's decoder held "
-          f"it (its KV pull held open) {held} later, the link down {fired_in * 1000:.0f} "
+          f"it (its KV pull held open) {held} later, the link down {fired_in * 1000:.1f} "
           f"ms after that; the request ended {answered:.1f} s after the link went down ({saw};"
           f" node1's decoder +{from_store:g} prompt tokens from node1's LMCache store); "
           f"node1's pair: {pair.sent} requests, {len(pair.failed)} failed, slowest "
           f"{slowest:.2f} s (sent {slowest_at:.1f} s after the link went down); node1's "
           f"prefiller expired KV leases +{expired - expired_before:g};"
-          f" node2 serving again {back:.1f} s after link up (decoder restarts +{restarts})")
-    # the KV never reached node2: node1's prefiller let the cut pull's lease expire
-    assert expired - expired_before >= 1, (expired_before, expired)
-    assert len(tokens) == PULL_ANSWER_TOKENS or errors or "error" in outcome, outcome
-    # node2's decoder ejected as unreachable (its /health timed out with the cut leg waiting
-    # past the wedge budget: ~7 s), not by three failed probes (12 s) or a wedge probe
-    assert unreachable_after > unreachable_before, "node2's decoder not ejected as unreachable"
-    # then the request's own work on node1 (its prompt and answer on 2 busy cores)
-    assert answered < 40, f"the request ended {answered:.0f} s after the link went down"
-    assert pair.sent >= 10, pair.sent
-    assert not pair.failed, "node1's pair failed:\n" + "\n".join(
-        f"{o.detail} (stream={o.stream}, id={o.request_id})" for o in pair.failed[:10])
-    assert slowest < PAIR_ANSWER_S, sorted(o.seconds for o in pair.outcomes)[-5:]
+          f" node2 serving again {back:.1f} s after link up (decoder restarts +{restarts})"
+          + (f"; NOT EXERCISED: {answered_first}, trying again" if answered_first else ""))
+    return CutPull(answered_first, outcome, tokens, errors, answered,
+                   unreachable_after - unreachable_before, expired - expired_before, pair,
+                   slowest)
 
 
 def decoder_restarts(lab: Lab) -> int:
