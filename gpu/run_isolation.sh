@@ -50,7 +50,10 @@ ulimit -n 1048576 2>/dev/null || ulimit -n 65536 2>/dev/null
 # shellcheck source=gpu/lib.sh
 source "$(pwd)/gpu/lib.sh"
 gpu_start isolation /tmp/pdiso "${1:-}" || exit 1
-INV=inventory/h200x1-isolation
+# ISO_INV / PD_PORTS (ENGINE:PROXY) put another inventory in the plain stack's place, e.g. on a
+# card that holds one engine: ISO_INV=inventory/h200x1-isolation-step PD_PORTS=8190:8067
+INV=${ISO_INV:-inventory/h200x1-isolation}
+PD_PORTS=${PD_PORTS:-8160:8066}
 gpu_tenant_keys chat batch
 CHAT=(--system-prompts 4 --system-len 2000 --shared-share 1 --user-len uniform:32:128 --output-len 64)
 BATCH=(--system-prompts 1 --shared-share 0 --system-len uniform:4096:6144 --user-len uniform:64:256
@@ -64,9 +67,10 @@ BATCH=(--system-prompts 1 --shared-share 0 --system-len uniform:4096:6144 --user
 # tokens, so the batch tenant prefills one prompt at a time while chat is active)
 # pdcp: the INV_CHUNK engine behind a second proxy (:8069) with its proxy's arguments and
 # --admission-prefill-tokens P1_TOKENS (*-chunk-p1 variants)
-declare -A ENGINE=([pd]=http://127.0.0.1:8160 [vllm]=http://127.0.0.1:8170 [pdc]=http://127.0.0.1:8190
-                   [pdp]=http://127.0.0.1:8160 [pdcp]=http://127.0.0.1:8190)
-declare -A TARGET=([pd]=http://127.0.0.1:8066 [vllm]=http://127.0.0.1:8170 [pdc]=http://127.0.0.1:8067
+declare -A ENGINE=([pd]=http://127.0.0.1:${PD_PORTS%:*} [vllm]=http://127.0.0.1:8170
+                   [pdc]=http://127.0.0.1:8190 [pdp]=http://127.0.0.1:${PD_PORTS%:*}
+                   [pdcp]=http://127.0.0.1:8190)
+declare -A TARGET=([pd]=http://127.0.0.1:${PD_PORTS#*:} [vllm]=http://127.0.0.1:8170 [pdc]=http://127.0.0.1:8067
                    [pdp]=http://127.0.0.1:8068 [pdcp]=http://127.0.0.1:8069)
 P1_TOKENS=${P1_TOKENS:-2048}
 # the -chunk engine's inventory: h200x1-isolation-chunk (--long-prefill-token-threshold 1024)
