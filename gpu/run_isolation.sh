@@ -72,6 +72,9 @@ declare -A ENGINE=([pd]=http://127.0.0.1:${PD_PORTS%:*} [vllm]=http://127.0.0.1:
                    [pdcp]=http://127.0.0.1:8190)
 declare -A TARGET=([pd]=http://127.0.0.1:${PD_PORTS#*:} [vllm]=http://127.0.0.1:8170 [pdc]=http://127.0.0.1:8067
                    [pdp]=http://127.0.0.1:8068 [pdcp]=http://127.0.0.1:8069)
+# the stacks whose proxy is a second one of a launch's (pdp, pdcp): its name and the launch
+# whose proxy arguments it takes (its port is the stack's TARGET)
+declare -A P1_PROXY=([pdp]="p1 iso" [pdcp]="p1c isoc")
 P1_TOKENS=${P1_TOKENS:-2048}
 # the -chunk engine's inventory: h200x1-isolation-chunk (--long-prefill-token-threshold 1024)
 # or h200x1-isolation-step (a 2,048-token step as well)
@@ -136,14 +139,11 @@ pair() {  # NAME STACK BATCH: chat (and batch) at once; 3 when it does not fit n
     [ -n "$(cap)" ] || { log "no CAP (batch-alone) yet: $name waits"; return 3; }
     brate=$(times "$(cap)" "$mult")
   fi
-  if [ "$st" = pdp ]; then  # its own proxy, up only during its sweeps
+  local p1=${P1_PROXY[$st]:-}  # "NAME LAUNCH": its own proxy, up only during its sweeps
+  if [ -n "$p1" ]; then
     # shellcheck disable=SC2046
-    gpu_proxy p1 8068 "$REPO" $(gpu_proxy_args iso) --admission-prefill-tokens "$P1_TOKENS" \
-      || { log "no proxy for $name"; touch "$W/state/failed-$name"; return 0; }
-  fi
-  if [ "$st" = pdcp ]; then
-    # shellcheck disable=SC2046
-    gpu_proxy p1c 8069 "$REPO" $(gpu_proxy_args isoc) --admission-prefill-tokens "$P1_TOKENS" \
+    gpu_proxy "${p1% *}" "${target##*:}" "$REPO" $(gpu_proxy_args "${p1#* }") \
+      --admission-prefill-tokens "$P1_TOKENS" \
       || { log "no proxy for $name"; touch "$W/state/failed-$name"; return 0; }
   fi
   gpu_quiesce "$engine"
@@ -157,8 +157,7 @@ pair() {  # NAME STACK BATCH: chat (and batch) at once; 3 when it does not fit n
     "${CHAT[@]}" || ok=0
   [ -n "$brate" ] && { wait "$bpid" || ok=0; }
   if [ $ok = 1 ]; then touch "$W/state/swept-$name"; else touch "$W/state/failed-$name"; fi
-  [ "$st" = pdp ] && { gpu_proxy_stop p1; rm -f "$W/state/proxy-p1"; }
-  [ "$st" = pdcp ] && { gpu_proxy_stop p1c; rm -f "$W/state/proxy-p1c"; }
+  [ -n "$p1" ] && { gpu_proxy_stop "${p1% *}"; rm -f "$W/state/proxy-${p1% *}"; }
   return 0
 }
 
