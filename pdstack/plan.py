@@ -148,12 +148,17 @@ class BackendTable(_Model):
     lmcache_pd_notify: LmcachePdNotify | None = None
     # pdstack_tenants: the proxy's per-tenant weights and limits (omitted when none)
     tenants: dict[str, TenantSpec] = Field(default_factory=dict)
+    # every engine runs vLLM's --scheduling-policy priority: the proxy sets each request's
+    # ``priority`` from its tenant's class (:func:`engine_priority`; omitted when false)
+    engine_priority: bool = False
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict:
         data = _drop_none(handler(self), "lmcache_pd_notify")
         if not data.get("tenants"):
             data.pop("tenants", None)
+        if not data.get("engine_priority"):
+            data.pop("engine_priority", None)
         return data
 
     @classmethod
@@ -536,10 +541,29 @@ def admission_max_running(topo: Topology) -> int:
     return min((v for v in limits if v), default=0)
 
 
+def engine_priority(topo: Topology) -> bool:
+    """Every engine runs vLLM's ``--scheduling-policy priority`` (its last value), so the
+    proxy sets each request's ``priority``. With vLLM's default (fcfs) a priority does
+    nothing in 0.26 (older versions refuse a non-zero one with a 400): one such engine
+    turns it off for all, and a client's own ``priority`` then reaches the engines as sent."""
+    d = topo.deployment
+    policies = [
+        _flag_values([*d.model.extra_args, *eng.extra_args], "--scheduling-policy")
+        for node in topo.nodes
+        for eng in node.engines
+    ]
+    return bool(policies) and all(p and p[-1] == "priority" for p in policies)
+
+
 def _flag_values(args: list[str], flag: str) -> list[str]:
-    """The values of ``flag`` in an argv list (``--flag V`` and ``--flag=V``)."""
-    out = [b for a, b in itertools.pairwise(args) if a == flag]
-    return out + [a.split("=", 1)[1] for a in args if a.startswith(flag + "=")]
+    """The values of ``flag`` in an argv list (``--flag V`` and ``--flag=V``), in order."""
+    out = []
+    for a, b in itertools.pairwise([*args, ""]):
+        if a == flag:
+            out.append(b)
+        elif a.startswith(flag + "="):
+            out.append(a.split("=", 1)[1])
+    return out
 
 
 def _proxy_service(topo: Topology, node: NodeSpec) -> Service:
@@ -661,6 +685,7 @@ def make_plan(topo: Topology) -> Plan:
             else None
         ),
         tenants=topo.tenants,
+        engine_priority=engine_priority(topo),
     )
     return Plan(
         deployment=d.name,

@@ -8,7 +8,9 @@ A request goes straight to its engine unless, at the moment it arrives,
   running limit, from the plan): the engine would queue it itself, in arrival order;
   held here, the fair queue decides who goes next; or
 - its tenant holds its weight's share of the engines while another tenant is active
-  (running requests, prompt tokens in prefill: :mod:`pdstack.proxy.shares`); or
+  (running requests, prompt tokens in prefill: :mod:`pdstack.proxy.shares`; a prompt's
+  prefix that an earlier request sent the engines counts as cached, not as prefill: a chat
+  tenant's 2 k-token system prompt costs its ~100 new tokens, not 2 k); or
 - earlier requests wait already: it goes behind them (fair order, :mod:`.fair_queue`).
 
 The state behind each decision is the proxy's own accounting, current at the decision
@@ -44,9 +46,12 @@ from pdstack.proxy.backends import BackendState
 from pdstack.proxy.fair_queue import AdmissionRejected, FairQueue, Waiter, tenant_name
 from pdstack.proxy.kv_gate import GATED_ROLES, EngineLoad, prompt_tokens
 from pdstack.proxy.periodic import every
+from pdstack.proxy.routing import PrefixIndex
 from pdstack.proxy.scrape_pace import ScrapePace
 from pdstack.proxy.shares import TenantLedger
 from pdstack.proxy.tenants import TenantState
+
+_SENT = ("engines", "")  # the one store of KvAdmission._sent
 
 __all__ = [
     "AdmissionConfig",
@@ -72,6 +77,10 @@ class AdmissionConfig:
     # prompt tokens in prefill at once per engine that active tenants share by weight
     # (pdstack.proxy.shares); 0 = no prefill share
     prefill_tokens: int = 16384
+    # prompt blocks the gate remembers as sent to the engines (least recently used dropped):
+    # a prefix among them counts as cached for the prefill share. ~4 M characters, about one
+    # engine's GPU KV and host tier (one H200: 345 k tokens on GPU + ~1 M in 32 GiB of host)
+    sent_blocks: int = 16384
     scrape_interval_s: float = 0.25  # the engines' /metrics: a correction, not the gate
     # ... while an engine is far below the mark and nobody waits (.scrape_pace)
     scrape_idle_interval_s: float = 2.0
@@ -106,6 +115,9 @@ class KvAdmission:
         self._expected: dict[str, int] = {}  # request id -> expected output tokens
         # request id -> its prompt's block hashes and length in characters
         self._prompts: dict[str, tuple[tuple[int, ...], int]] = {}
+        # the prompt blocks sent to the engines lately (one store: the prefill share is
+        # judged before an engine is picked), for :meth:`to_prefill`
+        self._sent = PrefixIndex(block_chars, config.sent_blocks)
         # admitted from the queue, not yet placed (hold/reserve): pump waits for them, so
         # two waiters never take the same headroom
         self._unplaced: set[str] = set()
@@ -194,6 +206,16 @@ class KvAdmission:
         blocks, chars = self._prompts.get(request_id, ((), 0))
         return blocks, (tokens * self.block_chars / chars if chars else 0.0)
 
+    def to_prefill(self, request_id: str, tokens: int) -> int:
+        """The prompt tokens of ``request_id`` that an engine has to compute: its ``tokens``
+        less the leading blocks that earlier requests sent the engines (their prefix cache
+        holds them, or the proxy believes so); all of them when its prompt is not known."""
+        blocks, chars = self._prompts.get(request_id, ((), 0))
+        if not blocks or not chars:
+            return tokens
+        cached = self._sent.cached_chars(_SENT, list(blocks))
+        return max(0, round(tokens * (chars - cached) / chars))
+
     def check(
         self,
         backend: BackendState,
@@ -208,7 +230,7 @@ class KvAdmission:
         prefix that the engine's requests hold already does not count."""
         if not self.config.enabled:
             return True, kv_gate.OPEN_IDLE
-        if tenant and self._over_share(tenant, tokens):  # its share of all the engines
+        if tenant and self._over_share(tenant, self.to_prefill(request_id, tokens)):
             return False, kv_gate.HELD_SHARE
         load = self.loads.get(backend.name)
         if load is None or (not load.requests and backend.in_flight == 0):
@@ -231,8 +253,9 @@ class KvAdmission:
         return self.check(backend, tokens, self.output_of(request_id), tenant, request_id)[0]
 
     def _over_share(self, tenant: str, tokens: int) -> bool:
-        """One more request would take ``tenant`` past its share of the engines (running
-        slots, prompt tokens in prefill) while another tenant is active."""
+        """One more request (``tokens`` to prefill) would take ``tenant`` past its share of
+        the engines (running slots, prompt tokens in prefill) while another tenant is
+        active."""
         if not self.config.fairness:
             return False
         engines = max(1, len(self.loads))
@@ -516,7 +539,10 @@ class KvAdmission:
     def _go(self, request_id: str, tenant: str, charged: float, tokens: int, reason: str) -> None:
         """An admitted request: counted (by reason) and measured until :meth:`forget`."""
         self.admitted[reason] = self.admitted.get(reason, 0) + 1
-        self.ledger.start(request_id, tenant, charged, tokens)
+        self.ledger.start(request_id, tenant, charged, self.to_prefill(request_id, tokens))
+        blocks = self._prompts.get(request_id, ((), 0))[0]
+        if blocks:  # sent: the next request with this prefix finds it cached
+            self._sent.insert(_SENT, list(blocks))
 
     @property
     def queued(self) -> int:

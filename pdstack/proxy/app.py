@@ -55,6 +55,7 @@ from pdstack.proxy.tenants import (
 )
 
 log = logging.getLogger("pdstack.proxy")
+_ABSENT = object()  # a key missing from a body (not even null)
 
 PROXY_KEY: web.AppKey[Proxy] = web.AppKey("pdstack_proxy", object)  # type: ignore[arg-type]
 
@@ -417,9 +418,7 @@ class Proxy(AdminAPI, EngineRoutes, Flows):
         self.in_flight += 1
         ctx: RequestContext | None = None
         try:
-            if "kv_transfer_params" in body:
-                # only the proxy decides where KV comes from: never a client
-                del body["kv_transfer_params"]
+            if self._decide(body, tenant):
                 raw = json.dumps(body).encode()
             ctx = RequestContext(
                 request_id=rid,
@@ -459,6 +458,18 @@ class Proxy(AdminAPI, EngineRoutes, Flows):
                     self._tenant_done(ctx, ctx.ticket.tenant)
 
     # ------------------------------------------------------------------ tenants
+    def _decide(self, body: dict[str, Any], tenant: TenantState | None) -> bool:
+        """What only the proxy decides, never a client: where KV comes from (a client's
+        ``kv_transfer_params`` dropped) and, on engines with vLLM's priority scheduling, who
+        goes first (``priority`` = the tenant's class rank: interactive 0, batch 1; lower
+        is earlier). True when ``body`` changed."""
+        changed = body.pop("kv_transfer_params", _ABSENT) is not _ABSENT
+        if self.config.engine_priority:
+            rank = tenant.policy.rank if tenant is not None else 0
+            changed = changed or body.get("priority") != rank
+            body["priority"] = rank
+        return changed
+
     async def _serve_tenant(
         self, request: web.Request, ctx: RequestContext, tenant: TenantState
     ) -> web.StreamResponse:

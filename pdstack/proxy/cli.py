@@ -253,6 +253,7 @@ def config_from_args(args: argparse.Namespace, table: Any = None) -> ProxyConfig
         max_body_bytes_held=int(args.max_body_held_mb * MIB),
         admission=admission_from_args(args),
         tenants={name: TenantPolicy.from_spec(name, spec) for name, spec in tenants.items()},
+        engine_priority=bool(getattr(table, "engine_priority", False)),
     )
     env_file = args.env_file
     if env_file is None and Path(DEFAULT_ENV_FILE).exists():

@@ -94,6 +94,9 @@ class ProxyConfig:
     lmcache_pd_notify_host: str | None = None
     lmcache_pd_notify_port: int | None = None
     lmcache_pd_notify_timeout_s: float = 5.0
+    # the engines run vLLM's priority scheduling (the backend table's ``engine_priority``):
+    # each request's ``priority`` is its tenant's class rank (interactive 0 before batch 1)
+    engine_priority: bool = False
     # tenants (pdstack.proxy.tenants): policies by name (the backend table's ``tenants``)
     tenants: dict[str, TenantPolicy] = field(default_factory=dict)
     tenant_window_s: float = 60.0  # the rpm / tpm window (tests shorten it)

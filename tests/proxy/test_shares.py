@@ -18,8 +18,9 @@ import aiohttp
 import pytest
 
 from pdstack.proxy import shares
-from pdstack.proxy.admission import AdmissionConfig
+from pdstack.proxy.admission import AdmissionConfig, KvAdmission
 from pdstack.proxy.fair_queue import FairQueue, Waiter
+from pdstack.proxy.routing import block_hashes
 from pdstack.proxy.shares import TenantLedger
 from pdstack.proxy.tenants import TenantPolicy, TenantState, digest
 from pdstack.testing import proxy_harness as ph
@@ -199,8 +200,10 @@ async def test_a_flood_runs_at_its_share_while_another_is_active_and_alone_takes
                         await task
 
 
-async def _one(rp: ph.RunningProxy, key: str, **headers: str) -> tuple[int, Any]:
-    body = {"model": "fake", "prompt": "hello there", "max_tokens": 4, "stream": True}
+async def _one(
+    rp: ph.RunningProxy, key: str, prompt: str = "hello there", **headers: str
+) -> tuple[int, Any]:
+    body = {"model": "fake", "prompt": prompt, "max_tokens": 4, "stream": True}
     async with rp.session.post(f"{rp.url}/v1/completions", json=body,
                                headers={"Authorization": f"Bearer {key}", **headers}) as r:
         return r.status, r.headers.copy() if r.status != 200 else await r.read()
@@ -227,3 +230,93 @@ async def test_a_batch_tenant_that_waits_too_long_gets_429_never_5xx() -> None:
                     with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
                         await task
     assert status == 429 and int(headers["Retry-After"]) >= 1
+
+
+# ------------------------------------------------------------------ prefill: cached prefixes
+SYSTEM = " ".join(f"sys{i}" for i in range(1600))  # ~10 k characters: ~2.5 k tokens
+
+
+async def test_a_prompt_counts_only_what_the_engines_have_not_seen() -> None:
+    """The prefill share counts a request's uncached tokens: its prompt less the leading
+    blocks an earlier admitted request sent the engines (a chat tenant's system prompt)."""
+    gate = KvAdmission(AdmissionConfig(enabled=True), lambda: [], block_chars=256)
+    first, second = SYSTEM + " user one", SYSTEM + " another user question"
+    tokens = len(second) // 4
+    for rid, text in (("r1", first), ("r2", second)):
+        gate.expect(rid, 64, block_hashes(text, 256), len(text))
+    assert gate.to_prefill("r2", tokens) == tokens, "nothing sent yet: all of it"
+    await gate.wait_open(lambda: [], len(first) // 4, None, "r1")  # admitted (no engine)
+    cached = len(SYSTEM) // 256 * 256  # the system prompt's full blocks
+    assert gate.to_prefill("r2", tokens) == round(tokens * (len(second) - cached) / len(second))
+    assert gate.to_prefill("r2", tokens) < 0.05 * tokens
+    assert gate.to_prefill("unknown", tokens) == tokens, "a prompt it was not told of"
+
+
+async def test_a_tenants_cached_prompts_pass_its_prefill_share_and_fresh_ones_do_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Prefill budget 2,000 tokens, two active tenants: each may have 1,000 tokens in
+    prefill (no first byte yet). The quiet tenant's ~2.5 k-token prompts share a system
+    prompt that its first request sent: two of them prefill at once (counted whole, the
+    second would wait for the first's first byte). A fresh prompt of the same length is
+    held for the share (``tenant_share``) while they are in prefill."""
+    monkeypatch.setattr(shares, "PREFILL_MAX_S", 30.0)
+    async with ph.engines("e0", output_tokens=4) as e:
+        eng = e["e0"]
+        cfg = {"api_keys": frozenset({QUIET, LOUD}),
+               "admission": AdmissionConfig(enabled=True, prefill_tokens=2000),
+               "wedge_after_s": 0.0}  # requests hang on purpose
+        async with ph.running_proxy(table(eng), **cfg) as rp:
+            gate = rp.proxy.admission
+            tasks: list[asyncio.Task[Any]] = []
+
+            def send(key: str, prompt: str) -> None:
+                tasks.append(asyncio.create_task(_one(rp, key, prompt=prompt)))
+
+            try:
+                eng.faults = Faults(hang_after_chunks=1, times=2)  # first byte, then hang
+                send(LOUD, "loud " * 50)
+                send(QUIET, SYSTEM + " first question")
+                await ph.until(lambda: eng.running == 2 and not gate.ledger.prefill.get(
+                    "key-" + digest(QUIET)[:10]), "two requests past their first byte")
+                eng.faults = Faults(hang=True, times=3)  # no first byte: in prefill
+                send(QUIET, SYSTEM + " second question")
+                send(QUIET, SYSTEM + " third question")
+                sent = eng.counters  # a request hanging before its first byte is not running
+                await ph.until(lambda: sent["requests"] == 4 or bool(gate.queued), "two more")
+                assert sent["requests"] == 4 and not gate.queued, (gate.held, gate.ledger.prefill)
+                send(QUIET, " ".join(f"fresh{i}" for i in range(1600)))
+                await ph.until(lambda: gate.queued == 1, "the fresh prompt held")
+                await asyncio.sleep(0.2)
+                assert sent["requests"] == 4 and gate.held == {"tenant_share": 1}, gate.held
+            finally:
+                for task in tasks:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                        await task
+
+
+# ------------------------------------------------------------------ the engine's priorities
+@pytest.mark.parametrize("engine_priority", [True, False])
+async def test_engines_with_priority_scheduling_get_the_tenants_class(
+    engine_priority: bool,
+) -> None:
+    """``engine_priority`` (the plan's: every engine runs vLLM's --scheduling-policy
+    priority): each request reaches the engine with its tenant's class rank as
+    ``priority`` (interactive 0, batch 1), whatever the client sent; without it the
+    client's body goes as sent."""
+    async with ph.engines("e0", output_tokens=2) as e:
+        eng = e["e0"]
+        cfg = {"tenants": {"nightly": TenantPolicy("nightly", priority="batch")},
+               "tenant_keys": {digest("sk-nightly"): "nightly", digest(QUIET): "default"},
+               "engine_priority": engine_priority}
+        async with ph.running_proxy(table(eng), **cfg) as rp:
+            for key, claimed in (("sk-nightly", -5), (QUIET, None), (QUIET, 3)):
+                body = {"model": "fake", "prompt": "hi", "max_tokens": 2}
+                if claimed is not None:
+                    body["priority"] = claimed
+                async with rp.session.post(f"{rp.url}/v1/completions", json=body,
+                                           headers={"Authorization": f"Bearer {key}"}) as r:
+                    assert r.status == 200, await r.text()
+    seen = [r.body.get("priority", "unset") for r in eng.seen("/v1/completions") if r.body]
+    assert seen == ([1, 0, 0] if engine_priority else [-5, "unset", 3])

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdstack.plan import admission_max_running, make_plan
+from pdstack.plan import admission_max_running, engine_priority, make_plan
 from pdstack.topology import load_topology
 
 REPO = Path(__file__).resolve().parents[2]
@@ -88,6 +88,22 @@ def test_running_cap_is_the_smallest_limit_of_the_gated_engines(tmp_path: Path) 
     # the CUDA-graph limit of the seed's runs
     inv = engine_args(tmp_path / "c", [], ["--max-cudagraph-capture-size", "128"])
     assert admission_max_running(load_topology(inv)) == 128
+
+
+def test_the_proxy_sets_priorities_only_when_every_engine_schedules_by_them(
+    tmp_path: Path,
+) -> None:
+    """vLLM's --scheduling-policy priority on every engine (its last value counts) puts
+    ``engine_priority`` in the proxy's backend table; one fcfs engine, and it is left out."""
+    prio = ["--scheduling-policy", "priority"]
+    inv = engine_args(tmp_path / "a", prio, ["--scheduling-policy=fcfs", *prio])
+    assert engine_priority(load_topology(inv))
+    assert plan_of(inv).backend_table.model_dump()["engine_priority"] is True
+    last_fcfs = [*prio, "--scheduling-policy", "fcfs"]
+    for i, (pre, dec) in enumerate([(prio, []), ([], prio), (prio, last_fcfs)]):
+        inv = engine_args(tmp_path / f"b{i}", pre, dec)
+        assert not engine_priority(load_topology(inv))
+        assert "engine_priority" not in plan_of(inv).backend_table.model_dump()
 
 
 @pytest.mark.parametrize(("args", "profile", "gpu", "want"), [
