@@ -6,6 +6,12 @@ What counts against a backend, and what does not:
   (it is confirmed): then the backend is ejected and the request retried elsewhere;
   with a passing ``/health`` the request was the problem, and its 5xx goes back to the
   client as is (so no client input can eject a healthy backend);
+- an engine's error event that a stream opens with (answered 200, then no token: vLLM's
+  generation failed, e.g. its NIXL KV pull) is a failure before the first byte: a 4xx as
+  an engine's 4xx; a 5xx is retried elsewhere whatever ``/health`` says (vLLM's
+  "retryable request-level internal error"), and counts only when ``/health`` fails too;
+  an error event after tokens reached the client is passed on (rewritten as the proxy's
+  error), never retried, and its 5xx counts the same way;
 - a connection error or a timeout counts at once, and the backend is *suspected*: its
   ``/health`` is probed right away, and a failing probe ejects it then (a frozen engine
   is out after one timeout, not after three);

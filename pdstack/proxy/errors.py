@@ -42,6 +42,25 @@ ERROR_TYPES = {
 # every ``type`` a client can see (OpenAI's API reference and its Python client)
 OPENAI_TYPES = frozenset({*ERROR_TYPES.values(), "server_error", "not_found_error"})
 
+# the status an error ``type`` comes with, for an engine's error event that names no
+# ``code`` (its HTTP status was 200): vLLM's names (its exception classes) and OpenAI's
+TYPE_STATUS = {
+    "BadRequestError": 400,
+    "UnauthorizedError": 401,
+    "NotFoundError": 404,
+    "UnprocessableEntityError": 422,
+    "InternalServerError": 500,
+    "NotImplementedError": 501,
+    "ServiceUnavailableError": 503,
+    "invalid_request_error": 400,
+    "authentication_error": 401,
+    "permission_error": 403,
+    "not_found_error": 404,
+    "timeout_error": 408,
+    "rate_limit_error": 429,
+    "server_error": 500,
+}
+
 
 def describe_failure(exc: BaseException, timeout: float | None = None) -> str:
     """A transport failure or timeout of an upstream leg, for its error message."""
@@ -93,6 +112,40 @@ def engine_error(status: int, data: bytes) -> bytes:
         message, openai_type(given, status), status, param if isinstance(param, str) else None
     )
     return json.dumps(body).encode()
+
+
+def error_event_status(payload: bytes) -> int | None:
+    """The HTTP status an engine's SSE error event stands for (the stream itself was
+    answered 200: vLLM's error during generation, e.g. a failed NIXL KV pull, is
+    ``{"error": {"message", "type", "param", "code"}}``): its ``code`` when that is an
+    error status, else its ``type``'s (:data:`TYPE_STATUS`), else 500. None when
+    ``payload`` (an event's JSON) is no error: neither that shape, nor vLLM's
+    ``{"error": "..."}``, nor its older flat ``{"object": "error", ...}``."""
+    try:
+        doc = json.loads(payload)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    inner = doc.get("error")
+    if isinstance(inner, dict):
+        fields = inner
+    elif isinstance(inner, str) or doc.get("object") == "error":
+        fields = doc
+    else:
+        return None
+    code = fields.get("code")
+    if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 600:
+        return code
+    given = fields.get("type")
+    return TYPE_STATUS.get(given, 500) if isinstance(given, str) else 500
+
+
+def engine_error_event(status: int, payload: bytes) -> bytes:
+    """An engine's SSE error event (``payload``: its JSON; ``status``: what it stands
+    for, :func:`error_event_status`) as the proxy's own (:func:`engine_error`): its
+    ``data:`` line, without the blank line that ends the event."""
+    return b"data: " + engine_error(status, payload)
 
 
 def error_response(

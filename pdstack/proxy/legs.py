@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -21,14 +21,23 @@ from pdstack.proxy.admission import KvAdmission
 from pdstack.proxy.backends import BackendRegistry, BackendState
 from pdstack.proxy.breaker import Breaker
 from pdstack.proxy.config import ProxyConfig
-from pdstack.proxy.errors import describe_failure, engine_error, error_event, error_response
+from pdstack.proxy.errors import (
+    describe_failure,
+    engine_error,
+    error_event,
+    error_event_status,
+    error_response,
+)
 from pdstack.proxy.metrics import ProxyMetrics
 from pdstack.proxy.relay import RelayError, RelayPool, RelayProtocol, build_request, split_url
 from pdstack.proxy.sse import (
+    ErrorEvents,
     cached_tokens,
     first_event,
+    leading_error,
     relay_body,
     start_stream,
+    stream_rewriter,
     usage_rewriter,
 )
 from pdstack.proxy.tenants import Ticket, tenant_note
@@ -232,6 +241,7 @@ class Legs:
         streaming: RelayProtocol | None = None
         response: web.StreamResponse | None = None
         timeout = self.config.decode_first_byte_timeout_s or ctx.budget_s
+        confirm: str | None = None  # a 5xx error event mid-stream, for /health to confirm
         try:
             # ---------- before the first byte: everything here may be retried elsewhere
             try:
@@ -251,13 +261,16 @@ class Legs:
             if proto.status != 200:
                 await self._upstream_status(backend, proto.status, proto.take_buffered(),
                                             proto.headers)
+            opened_with = leading_error(first)
+            if opened_with is not None:
+                await self._leading_error(backend, opened_with)
 
             # ---------- first byte: from here on, never retry
             backend.last_success = time.monotonic()  # it answers: progress (not wedged)
             response, chunked = await start_stream(request, ctx.request_id, proto)
-            rewrite = usage_rewriter(ctx.cached_tokens)
-            if rewrite is not None:
-                first, pending = rewrite(first), rewrite(pending) if pending else pending
+            engine_errors = ErrorEvents()
+            rewrite: Callable[[bytes], bytes] = stream_rewriter(ctx.cached_tokens, engine_errors)
+            first, pending = rewrite(first), rewrite(pending) if pending else pending
             if ctx.ticket is not None:  # the tenant's real usage (tpm settles with it)
                 rewrite = ctx.ticket.meter.wrap(rewrite, first)
             await response.write(first)
@@ -283,6 +296,17 @@ class Legs:
                 self.breaker.failure(backend, message)
                 ctx.outcome = "stream_error"
                 await response.write(error_event(message))
+            elif engine_errors.status is not None:
+                # the engine's own error event after tokens (passed on, rewritten): a 4xx
+                # is the request's fault; a 5xx counts once /health confirms it (below)
+                status = engine_errors.status
+                message = (f"{backend.role} {backend.name} sent an error mid-stream "
+                           f"({status}): {engine_errors.text}")
+                log.warning("%s (request %s%s)", message, ctx.request_id, tenant_note(ctx.ticket))
+                ctx.outcome = "client_error" if status < 500 else "stream_error"
+                confirm = message if status >= 500 else None
+                self.relay.release(host, port, proto)
+                proto = None
             else:
                 self.breaker.success(backend)
                 backend.last_success = time.monotonic()
@@ -303,6 +327,8 @@ class Legs:
                 backend.streaming.discard(streaming)
             if proto is not None:
                 proto.abort()  # the engine sees a disconnect and aborts the request
+            if confirm is not None:  # after the client's answer ended
+                await self.breaker.confirm_5xx(backend, confirm)
 
     async def _open(
         self, backend: BackendState, path: str, payload: bytes, headers: dict[str, str]
@@ -392,6 +418,19 @@ class Legs:
             raise Retryable(error)
         log.info("%s; its /health passes: answering the client as is", error)
         raise passthrough
+
+    async def _leading_error(self, backend: BackendState, payload: bytes) -> NoReturn:
+        """Raise for an error event that a stream opened with (``payload``: its JSON; no
+        token reached the client): a 4xx passed through, a 5xx retried elsewhere and
+        confirmed by /health (what counts: :mod:`pdstack.proxy.breaker`)."""
+        status = error_event_status(payload)
+        assert status is not None
+        if status < 500:
+            raise Passthrough(status, payload, "application/json")
+        error = (f"{backend.role} {backend.name} streamed an error ({status}) before its "
+                 "first token: " + payload[:200].decode(errors="replace"))
+        await self.breaker.confirm_5xx(backend, error)
+        raise Retryable(error)
 
     async def _unary_leg(
         self, ctx: RequestContext, backend: BackendState, payload: bytes

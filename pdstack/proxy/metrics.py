@@ -8,7 +8,8 @@ Metric names (all prefixed ``pdstack_proxy_``):
 - ``requests_total`` counter {outcome}: ``ok``, ``client_error`` (4xx passed through),
   ``bad_request``, ``unauthorized``, ``rejected`` (429), ``no_backend`` (503),
   ``upstream_error`` (every try failed before the first byte), ``stream_error`` (upstream
-  died or stalled mid-stream; the client got an error event), ``client_disconnect``.
+  died, stalled or sent a 5xx error event mid-stream; the client got an error event),
+  ``client_disconnect``.
 - ``in_flight`` gauge; ``backend_in_flight`` / ``backend_healthy`` / ``backend_drained``
   gauges {backend, role, node, generation}.
 - ``skip_prefill_total`` counter.

@@ -1,6 +1,13 @@
 """SSE relay: the first event of an upstream stream, then the rest forwarded straight
 from the upstream protocol's callbacks to the client transport (event-aligned, with
-back-pressure and an idle watchdog); the usage rewrite for ``cached_tokens``."""
+back-pressure and an idle watchdog); the rewrites on the way: ``cached_tokens`` in the
+usage, and the engine's error events in the proxy's error vocabulary
+(:mod:`pdstack.proxy.errors`).
+
+What the first event is: a stream's first event past a chat stream's role preamble (vLLM
+opens each chat stream with the role and no content, sent with the request's first output,
+so before an error event too). An error event there (:func:`leading_error`) means no token
+was generated: the leg failed before its first byte (:mod:`pdstack.proxy.legs`)."""
 
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ import aiohttp
 from aiohttp import web
 
 from pdstack.proxy.backends import BackendState
+from pdstack.proxy.errors import engine_error_event, error_event_status
 from pdstack.proxy.relay import RelayError, RelayProtocol
 
 log = logging.getLogger("pdstack.proxy")
@@ -47,14 +55,47 @@ class IdleWatchdog:
         self._handle.cancel()
 
 
+def _event_json(event: bytes) -> bytes | None:
+    """The JSON of an SSE event (its ``data:`` field), None for an event without one."""
+    event = event.lstrip(b"\r\n")
+    return event[5:].strip() if event.startswith(b"data:") else None
+
+
+def _preamble(event: bytes) -> bool:
+    """A chat stream's opening event: the assistant's role, no content, not finished."""
+    if b'"role"' not in event:
+        return False
+    payload = _event_json(event)
+    try:
+        doc = json.loads(payload) if payload else None
+    except (ValueError, UnicodeDecodeError):
+        return False
+    choices = doc.get("choices") if isinstance(doc, dict) else None
+    if not isinstance(choices, list) or not choices:
+        return False
+    for choice in choices:
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if not isinstance(delta, dict) or choice.get("finish_reason") is not None:
+            return False
+        if any(value for key, value in delta.items() if key != "role"):
+            return False
+    return True
+
+
+def _events(data: bytes) -> list[bytes]:
+    """The events of event-aligned ``data``, blank ones left out."""
+    return [event for event in data.split(SSE_END) if event.strip()]
+
+
 async def first_event(proto: RelayProtocol, backend: BackendState) -> tuple[bytes, bytes]:
-    """Wait for the first complete SSE event; returns (it, what follows it)."""
+    """Wait for the first complete SSE event past a chat stream's role preamble; returns
+    (the complete events so far, what follows them)."""
     loop = asyncio.get_running_loop()
     acc = b""
     while True:
         acc += proto.take_buffered()
         cut = acc.rfind(SSE_END)
-        if cut >= 0:
+        if cut >= 0 and not all(_preamble(event) for event in _events(acc[:cut])):
             proto.on_data = None
             return acc[: cut + 2], acc[cut + 2 :]
         if proto.done.done():
@@ -65,6 +106,52 @@ async def first_event(proto: RelayProtocol, backend: BackendState) -> tuple[byte
         woke: asyncio.Future[None] = loop.create_future()
         proto.on_data = lambda fut=woke: None if fut.done() else fut.set_result(None)
         await woke
+
+
+def leading_error(first: bytes) -> bytes | None:
+    """The JSON of the error event that a stream opens with (``first``: its first events,
+    :func:`first_event`), no token before it; None when it opens otherwise."""
+    for event in _events(first):
+        if _preamble(event):
+            continue
+        payload = _event_json(event)
+        if payload is None or error_event_status(payload) is None:
+            return None
+        return payload
+    return None
+
+
+class ErrorEvents:
+    """A stream's rewrite: the engine's error events (vLLM's after tokens were sent, its
+    ``type`` one of its class names) as the proxy's own (:func:`errors.engine_error_event`);
+    ``status`` and ``text``: the first one's (None / "" when none came)."""
+
+    def __init__(self) -> None:
+        self.status: int | None = None
+        self.text = ""
+
+    def __call__(self, data: bytes) -> bytes:
+        if b'"error"' not in data:  # the hot path: one substring test per piece
+            return data
+        out = []
+        for event in data.split(SSE_END):
+            payload = _event_json(event) if b'"error"' in event else None
+            status = error_event_status(payload) if payload else None
+            if payload and status is not None:
+                if self.status is None:
+                    self.status, self.text = status, payload[:200].decode(errors="replace")
+                event = engine_error_event(status, payload)
+            out.append(event)
+        return SSE_END.join(out)
+
+
+def stream_rewriter(cached: int | None, errors: ErrorEvents) -> Callable[[bytes], bytes]:
+    """The rewrite of a relayed stream: ``errors``, then the usage's ``cached_tokens``
+    (:func:`usage_rewriter`)."""
+    usage = usage_rewriter(cached)
+    if usage is None:
+        return errors
+    return lambda data: usage(errors(data))
 
 
 async def relay_body(

@@ -69,6 +69,13 @@ Faults (``FakeEngine.faults``, a :class:`Faults`; applies to generation requests
 - ``close_after_chunks`` N: stream N token events (0 = right after the headers),
   then abort the TCP connection (the engine "died" mid-stream). For a
   non-streaming request: abort before answering.
+- ``error_event_after_chunks`` N: stream N token events, then vLLM's error event
+  ``data: {"error": {"message", "type", "param", "code"}}`` and ``data: [DONE]``; the
+  HTTP status stays 200 (vLLM's failure during generation, e.g. of a NIXL KV pull: after
+  a chat stream's role event, as vLLM sends it, with 0 tokens for N = 0).
+  ``error_event_status`` (default 500: its ``InternalServerError`` "Internal server
+  error"; 400: ``BadRequestError``) is the event's ``code``. For a non-streaming request:
+  that status with the error JSON (vLLM answers a failed generation so).
 - ``times``: apply the fault to that many more requests, then clear it
   (``None`` = every request).
 - ``poison`` (a string) with ``poison_status``: a request whose prompt contains it is
@@ -129,6 +136,8 @@ class Faults:
     hang: bool = False
     hang_after_chunks: int | None = None
     close_after_chunks: int | None = None
+    error_event_after_chunks: int | None = None
+    error_event_status: int = 500
     times: int | None = None
     health_status: int = 200
     health_hang: bool = False
@@ -142,6 +151,7 @@ class Faults:
             or self.hang
             or self.hang_after_chunks is not None
             or self.close_after_chunks is not None
+            or self.error_event_after_chunks is not None
         )
 
 
@@ -670,6 +680,9 @@ class FakeEngine:
             raise asyncio.CancelledError
         if fault is not None and fault.hang_after_chunks is not None:
             await asyncio.Event().wait()
+        failed = self._generation_error(fault)
+        if failed is not None:
+            return web.json_response(failed, status=failed["error"]["code"])
         await asyncio.sleep((self.ttft_ms + self.itl_ms * (ans.count - 1)) / 1000)
         text = "".join(ans.tokens)
         if ans.chat:
@@ -712,6 +725,7 @@ class FakeEngine:
         await response.prepare(request)
         close_after = fault.close_after_chunks if fault is not None else None
         hang_after = fault.hang_after_chunks if fault is not None else None
+        error_after = fault.error_event_after_chunks if fault is not None else None
         obj = "chat.completion.chunk" if ans.chat else "text_completion"
         head = f'{{"id":"{ans.response_id}","object":"{obj}","created":{ans.created},"model":'
         head += json.dumps(ans.model) + ',"choices":[{"index":0,'
@@ -730,6 +744,10 @@ class FakeEngine:
                 raise asyncio.CancelledError
             if hang_after is not None and i >= hang_after:
                 await asyncio.Event().wait()
+            if error_after is not None and i >= error_after:
+                failed = self._generation_error(fault)
+                await response.write(b"data: " + json.dumps(failed).encode() + b"\n\n")
+                break
             if i > 0 and self.itl_ms > 0:
                 await asyncio.sleep(self.itl_ms / 1000)
             last = i == ans.count - 1
@@ -745,7 +763,7 @@ class FakeEngine:
             await response.write(b"data: " + event.encode() + b"\n\n")
             self.counters["generation_tokens"] += 1
         opts = body.get("stream_options") or {}
-        if opts.get("include_usage"):
+        if opts.get("include_usage") and error_after is None:
             usage_event: dict[str, Any] = {
                 "id": ans.response_id,
                 "object": obj,
@@ -757,8 +775,17 @@ class FakeEngine:
             await response.write(b"data: " + json.dumps(usage_event).encode() + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
-        self.counters["success"] += 1
+        if error_after is None:
+            self.counters["success"] += 1
         return response
+
+    def _generation_error(self, fault: Faults | None) -> dict[str, Any] | None:
+        """vLLM's error for a generation that failed (``error_event_after_chunks``)."""
+        if fault is None or fault.error_event_after_chunks is None:
+            return None
+        status = fault.error_event_status
+        message = "Internal server error" if status >= 500 else f"bad request at {self.name}"
+        return _error_json(status, message)
 
     @staticmethod
     def _abort(transport: asyncio.BaseTransport | None) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import aiohttp
 import pytest
 
@@ -62,6 +64,30 @@ async def test_faults_status_close_and_times() -> None:
                 async for line in resp.content:
                     got.append(line)
         assert sum(1 for line in got if line.startswith(b"data: ")) == 2
+
+
+async def test_fault_error_event_like_vllm() -> None:
+    """vLLM's failed generation: 200, N tokens (a chat stream's role event first), its
+    error event, [DONE]; non-streaming: the error's status and JSON."""
+    async with FakeEngine(output_tokens=5) as engine, aiohttp.ClientSession() as s:
+        engine.faults = Faults(error_event_after_chunks=2)
+        body = {"prompt": "x", "stream": True}
+        async with s.post(f"{engine.url}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            events = await read_events(resp)
+        assert len(events) == 2 + 1 + 1 and events[-1] == "[DONE]"
+        assert json.loads(events[2]) == {"error": {
+            "message": "Internal server error", "type": "InternalServerError", "param": None,
+            "code": 500}}
+        engine.faults = Faults(error_event_after_chunks=0, error_event_status=400)
+        chat = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+        async with s.post(f"{engine.url}/v1/chat/completions", json=chat) as resp:
+            events = await read_events(resp)
+        assert '"role"' in events[0] and len(events) == 3
+        assert json.loads(events[1])["error"]["type"] == "BadRequestError"
+        async with s.post(f"{engine.url}/v1/completions", json={"prompt": "x"}) as resp:
+            assert resp.status == 400
+            assert (await resp.json())["error"]["code"] == 400
 
 
 async def test_kill_and_restart_same_port() -> None:
