@@ -230,8 +230,6 @@ class KvAdmission:
         prefix that the engine's requests hold already does not count."""
         if not self.config.enabled:
             return True, kv_gate.OPEN_IDLE
-        if tenant and self._over_share(tenant, self.to_prefill(request_id, tokens)):
-            return False, kv_gate.HELD_SHARE
         load = self.loads.get(backend.name)
         if load is None or (not load.requests and backend.in_flight == 0):
             return True, kv_gate.OPEN_IDLE
@@ -300,11 +298,13 @@ class KvAdmission:
     ) -> tuple[bool, str]:
         """Some usable candidate is open (to ``tenant``), or there is none at all (then
         routing answers 503 at once: admission never holds a request that no engine could
-        take). The reason: the first open candidate's, else the first closed one's (a full
-        KV before any other)."""
+        take). The reason: the tenant's share (of all the engines, judged once), else the
+        first open candidate's, else the first closed one's (a full KV before any other)."""
         usable = [b for b in candidates if b.usable]
         if not usable:
             return True, kv_gate.OPEN_UNKNOWN
+        if tenant and self._over_share(tenant, self.to_prefill(request_id, tokens)):
+            return False, kv_gate.HELD_SHARE
         closed = ""
         for b in usable:
             ok, reason = self.check(b, tokens, output, tenant, request_id)
