@@ -12,6 +12,7 @@ Goodput is the highest asked rate whose TTFT meets the SLO (P50 and P99, the ben
 
 from __future__ import annotations
 
+import re
 from statistics import mean
 from typing import Any
 
@@ -63,9 +64,24 @@ def repeats(runs: dict[str, dict[str, Any]], name: str) -> list[tuple[str, str]]
     return out + [(f"{name}-r{n}", f" (repeat {n})") for n in nums]
 
 
+def merge_extensions(runs: dict[str, dict[str, Any]]) -> None:
+    """A sweep's extension to higher rates (``NAME-toN``, gpu/run_ceiling.sh) joins NAME's
+    results, by rate (goodput is over the whole grid)."""
+    for key in [k for k in runs if re.fullmatch(r".+-to\d+", k)]:
+        base = key.rsplit("-to", 1)[0]
+        if base in runs:
+            ext = runs.pop(key)["results"]
+            runs[base]["results"] = sorted(runs[base]["results"] + ext,
+                                           key=lambda r: r["request_rate"])
+
+
 def many_tenants(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    pd, base, nat = (runs[k] for k in ("pdstack-default", "vllm-default", "vllm-native"))
-    g = {k: goodput(runs[k]) for k in ("pdstack-default", "vllm-default", "vllm-native")}
+    """The many-tenants acceptance; a stack that did not run counts as a miss (goodput 0)."""
+    empty: dict[str, Any] = {"results": []}
+    pd, base, nat = (runs.get(k, empty) for k in ("pdstack-default", "vllm-default",
+                                                  "vllm-native"))
+    g = {k: goodput(runs.get(k, empty)) for k in ("pdstack-default", "vllm-default",
+                                                   "vllm-native")}
     native_ok = {r["request_rate"]: r for r in nat["results"] if r.get("meets_ttft_slo")}
     p99 = [{"rate": rate, "native_p99_ms": r["p99_ttft_ms"], "pdstack_p99_ms": p["p99_ttft_ms"],
             "ratio": p["p99_ttft_ms"] / r["p99_ttft_ms"],
@@ -77,7 +93,7 @@ def many_tenants(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {
         "goodput_req_s": g, "vs_vllm_default": vs_vllm, "vs_native": vs_native,
         "goodput_ok": bool(vs_vllm and vs_vllm >= 1.6 and vs_native and vs_native >= 1.25),
-        "p99_where_native_meets_slo": p99, "p99_ok": all(x["ok"] for x in p99),
+        "p99_where_native_meets_slo": p99, "p99_ok": bool(p99) and all(x["ok"] for x in p99),
         "vllm_default_served": [r["served_rate"] for r in base["results"]],
     }
 
@@ -124,6 +140,7 @@ def multi_turn(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 def main() -> None:
     runs, out = cli()
+    merge_extensions(runs)
     for prefix, title in WORKLOADS.items():
         if any(prefix + k in runs for k in STACKS):
             print(f"\n### {title}\n\n{table(runs, prefix)}")
