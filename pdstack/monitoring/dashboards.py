@@ -247,7 +247,8 @@ def _proxy(d: DeploymentSpec, f: Features) -> Board:
                 _q("sum by (reason) (rate(pdstack_proxy_admission_admitted_total[5m]))",
                    "went: {{reason}}"),
             ], description="why the gate held requests (kv_full, running_cap, tenant_share, "
-                           "behind_queue) and why it let them go (idle, fits, no_capacity)"),
+                           "interactive_first, behind_queue) and why it let them go (idle, "
+                           "fits, no_capacity)"),
             Panel("KV admission: rejected (503) by reason", "reqps", [
                 _q("sum by (reason) (rate(pdstack_proxy_admission_rejected_total[5m]))"
                    " or vector(0)", "{{reason}}"),

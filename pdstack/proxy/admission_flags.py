@@ -92,6 +92,14 @@ def add_admission_flags(p: argparse.ArgumentParser, a: AdmissionConfig) -> None:
         help="on (default): the queue is fair across tenants (weights, priority classes); "
         "off: one FIFO in arrival order",
     )
+    adm.add_argument(
+        "--admission-interactive-first",
+        choices=("on", "off"),
+        default="on" if a.interactive_first else "off",
+        help="on (default): while an interactive tenant's request waits for its first byte, "
+        "a batch tenant's request is not sent (at most 0.5 s a hold); off: classes act in "
+        "the queue only",
+    )
     for flag in _ADMISSION_REMOVED:
         adm.add_argument(flag, default=None, help=argparse.SUPPRESS)
 
@@ -112,4 +120,7 @@ def admission_from_args(args: argparse.Namespace) -> AdmissionConfig:
         if values[field] < 0:
             raise SystemExit(f"pdstack proxy: {flags[field]} must be >= 0, got {values[field]}")
     fair = getattr(args, "admission_fairness", "on") == "on"
-    return AdmissionConfig(enabled=args.admission == "kv", fairness=fair, **values)
+    first = getattr(args, "admission_interactive_first", "on") == "on"
+    return AdmissionConfig(
+        enabled=args.admission == "kv", fairness=fair, interactive_first=first, **values
+    )

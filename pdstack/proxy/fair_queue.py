@@ -28,7 +28,8 @@ class AdmissionRejected(Exception):
 
     def __init__(self, reason: str, message: str, tenant_fault: bool = False) -> None:
         super().__init__(message)
-        self.reason = reason  # "queue_full" | "timeout" | "shed" | "max_queued"
+        # "queue_full" | "timeout" | "shed" | "max_queued" | "queue_wait"
+        self.reason = reason
         # the tenant's own doing (over its share, or a batch tenant): 429, not 503
         self.tenant_fault = tenant_fault
 

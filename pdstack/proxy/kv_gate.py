@@ -53,6 +53,7 @@ HELD_KV = "kv_full"  # would push the engine past the watermark (into preemption
 HELD_RUNNING = "running_cap"  # the engine runs all it can at once (it would queue there)
 HELD_QUEUE = "behind_queue"  # earlier requests wait: it goes behind them (fair order)
 HELD_SHARE = "tenant_share"  # its tenant holds its share of the engines (.shares)
+HELD_FIRST = "interactive_first"  # a higher class's request awaits its first byte (.shares)
 
 
 @dataclass(slots=True)

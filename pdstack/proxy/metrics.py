@@ -36,9 +36,10 @@ Metric names (all prefixed ``pdstack_proxy_``):
   a configured tenant's name, a plain key's ``key-...``, ``default``, or ``other`` past
   the first 64: bounded): ``tenant_requests_total`` {tenant, outcome} (the outcomes
   above), ``tenant_rejected_total`` {tenant, limit} (``max_concurrency``, ``max_queued``,
-  ``rpm``, ``tpm``, admission's ``queue_full`` and ``shed``, a batch tenant's ``timeout``:
-  429; an interactive tenant's ``timeout``: 503), ``tenant_tokens_total`` {tenant, kind}
-  (``prompt``, ``completion``: the real usage where the answer carried it),
+  ``rpm``, ``tpm``, admission's ``queue_full``, ``shed`` and ``queue_wait``, a batch
+  tenant's ``timeout``: 429; an interactive tenant's ``timeout``: 503),
+  ``tenant_tokens_total`` {tenant, kind} (``prompt``, ``completion``: the real usage
+  where the answer carried it),
   ``tenant_queue_wait_seconds`` histogram {tenant} (time in KV admission's queue),
   ``tenant_in_flight`` / ``tenant_queued`` gauges {tenant}; with KV admission also
   ``tenant_engine_seconds_total`` {tenant} (engine time of its ended requests, admission

@@ -753,6 +753,9 @@ def test_admission_flags_new_and_removed() -> None:
     args = parser.parse_args(["proxy", "--admission", "kv", "--admission-output-tokens", "64"])
     config = cli.admission_from_args(args)
     assert config.enabled and config.output_tokens == 64 and config.kv_high == 0.97
+    assert config.interactive_first, "on by default"
+    args = parser.parse_args(["proxy", "--admission-interactive-first", "off"])
+    assert not cli.admission_from_args(args).interactive_first
     args = parser.parse_args(["proxy", "--admission-max-waiting", "2"])
     with pytest.raises(SystemExit, match="--admission-max-waiting was removed"):
         cli.admission_from_args(args)

@@ -232,6 +232,35 @@ async def test_a_batch_tenant_that_waits_too_long_gets_429_never_5xx() -> None:
     assert status == 429 and int(headers["Retry-After"]) >= 1
 
 
+async def test_a_tenant_whose_queue_cannot_drain_in_time_gets_429_at_once() -> None:
+    """Running cap 1, 0.3 s a request: a batch tenant sends 1 request and then 20 at once,
+    with a 2 s deadline. Its admission rate is ~1 req/s, so from its 8th waiter on a new
+    request would wait past the deadline: 429 (``queue_wait``) at once, with Retry-After,
+    never a 5xx; the quiet tenant's request, alone in its queue, is not refused."""
+    async with ph.engines("e0", output_tokens=1, ttft_ms=300) as e:
+        eng = e["e0"]
+        cfg = {"tenants": {"nightly": TenantPolicy("nightly", priority="batch")},
+               "tenant_keys": {digest("sk-nightly"): "nightly"},
+               "api_keys": frozenset({QUIET}),
+               "admission": AdmissionConfig(enabled=True, max_running=1, queue_timeout_s=2.0)}
+        async with ph.running_proxy(table(eng), **cfg) as rp:
+            gate = rp.proxy.admission
+            first = asyncio.create_task(_one(rp, "sk-nightly"))
+            await ph.until(lambda: eng.counters["requests"] == 1, "the first one sent")
+            flood = [asyncio.create_task(_one(rp, "sk-nightly")) for _ in range(20)]
+            await ph.until(lambda: gate.queued >= 8, "eight waiting")
+            quiet = asyncio.create_task(_one(rp, QUIET))
+            results = await asyncio.wait_for(asyncio.gather(first, quiet, *flood), 30)
+            metrics = await rp.metrics()
+    statuses = [status for status, _ in results]
+    assert statuses[:2] == [200, 200], "the first and the quiet tenant's: served"
+    assert set(statuses) <= {200, 429} and statuses.count(429) >= 5, statuses
+    assert all(int(h["Retry-After"]) >= 1 for status, h in results if status == 429)
+    refused = ph.metric_value(metrics, "pdstack_proxy_admission_rejected_total",
+                              reason="queue_wait")
+    assert refused >= 5, "refused for the drain, not by the deadline"
+
+
 # ------------------------------------------------------------------ prefill: cached prefixes
 SYSTEM = " ".join(f"sys{i}" for i in range(1600))  # ~10 k characters: ~2.5 k tokens
 
@@ -320,3 +349,71 @@ async def test_engines_with_priority_scheduling_get_the_tenants_class(
                     assert r.status == 200, await r.text()
     seen = [r.body.get("priority", "unset") for r in eng.seen("/v1/completions") if r.body]
     assert seen == ([1, 0, 0] if engine_priority else [-5, "unset", 3])
+
+
+# ------------------------------------------------------------------ interactive first
+def test_a_batch_request_yields_to_an_interactive_prefill_and_only_then(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lower class waits while a higher class's request awaits its first byte, at most
+    FIRST_HOLD_S from that request's admission; the same class never waits for itself."""
+    ledger = TenantLedger(lambda tenant, delta: None)
+    ledger.seen("chat", 1.0, 0)
+    ledger.seen("other-chat", 1.0, 0)
+    ledger.seen("batch", 1.0, 1)
+    ledger.seen("batch2", 1.0, 1)
+    assert not ledger.yields("batch"), "nothing in prefill"
+    ledger.start("b1", "batch2", 0.0, 5000)
+    assert not ledger.yields("batch") and not ledger.yields("chat"), "same or lower class"
+    ledger.start("c1", "chat", 0.0, 100)
+    assert ledger.yields("batch") and ledger.yields("batch2")
+    assert not ledger.yields("chat") and not ledger.yields("other-chat")
+    assert not ledger.yields("unseen"), "a tenant it has not seen is not held"
+    ledger.start("c2", "chat", 0.0, 100)
+    assert ledger.landed("c2")
+    assert ledger.yields("batch"), "c1 still waits for its first byte"
+    assert ledger.landed("c1")
+    assert not ledger.yields("batch"), "both landed"
+    ledger.start("c3", "chat", 0.0, 100)
+    assert ledger.yields("batch")
+    monkeypatch.setattr(shares, "FIRST_HOLD_S", 0.0)
+    time.sleep(0.01)
+    assert not ledger.yields("batch"), "held no longer than FIRST_HOLD_S"
+
+
+@pytest.mark.parametrize("first", [True, False])
+async def test_a_batch_request_is_not_sent_while_an_interactive_one_awaits_its_first_byte(
+    monkeypatch: pytest.MonkeyPatch, first: bool
+) -> None:
+    """An interactive tenant's request hangs before its first byte: a batch tenant's
+    request is held (``interactive_first``) and goes when the interactive one ends; with
+    ``interactive_first`` off it goes at once."""
+    monkeypatch.setattr(shares, "FIRST_HOLD_S", 30.0)
+    async with ph.engines("e0", output_tokens=4) as e:
+        eng = e["e0"]
+        cfg = {"tenants": {"nightly": TenantPolicy("nightly", priority="batch")},
+               "tenant_keys": {digest("sk-nightly"): "nightly"},
+               "api_keys": frozenset({QUIET}),
+               "admission": AdmissionConfig(enabled=True, interactive_first=first),
+               "wedge_after_s": 0.0}  # the interactive request hangs on purpose
+        async with ph.running_proxy(table(eng), **cfg) as rp:
+            gate, sent = rp.proxy.admission, eng.counters
+            eng.faults = Faults(hang=True, times=1)  # no first byte: in prefill
+            chat = asyncio.create_task(_one(rp, QUIET))
+            try:
+                await ph.until(lambda: sent["requests"] == 1, "the interactive request sent")
+                batch = asyncio.create_task(_one(rp, "sk-nightly"))
+                if first:
+                    await ph.until(lambda: gate.queued == 1, "the batch request held")
+                    await asyncio.sleep(0.3)
+                    assert sent["requests"] == 1 and gate.held == {"interactive_first": 1}
+                    chat.cancel()  # the interactive request ends: the batch one goes
+                    with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                        await chat
+                status, _ = await asyncio.wait_for(batch, 10)
+                assert status == 200 and sent["requests"] == 2
+                assert gate.held == ({"interactive_first": 1} if first else {}), gate.held
+            finally:
+                chat.cancel()
+                with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                    await chat
