@@ -24,6 +24,8 @@
 #      inventory/h200x1-isolation-chunk (vLLM --long-prefill-token-threshold 1024; :8190 + :8067)
 #      *-p1 variants (over-p1 flood-p1): the same engine behind a proxy with a small prefill
 #      budget (--admission-prefill-tokens P1_TOKENS, :8068): batch prefills one prompt at a time
+#      *-nofirst variants (over-nofirst flood-nofirst): the same engine behind a proxy with
+#      --admission-interactive-first off (:8070): the A/B of interactive first
 #   5. when every variant is done: its engines stopped; pack results + logs into
 #      $OUT/results.tar.gz (always)
 #
@@ -67,15 +69,20 @@ BATCH=(--system-prompts 1 --shared-share 0 --system-len uniform:4096:6144 --user
 # tokens, so the batch tenant prefills one prompt at a time while chat is active)
 # pdcp: the INV_CHUNK engine behind a second proxy (:8069) with its proxy's arguments and
 # --admission-prefill-tokens P1_TOKENS (*-chunk-p1 variants)
+# pdo: the isolation engine behind a second proxy (:8070) with --admission-interactive-first
+# off (*-nofirst variants: the proxy before interactive first, same run)
 declare -A ENGINE=([pd]=http://127.0.0.1:${PD_PORTS%:*} [vllm]=http://127.0.0.1:8170
                    [pdc]=http://127.0.0.1:8190 [pdp]=http://127.0.0.1:${PD_PORTS%:*}
-                   [pdcp]=http://127.0.0.1:8190)
+                   [pdcp]=http://127.0.0.1:8190 [pdo]=http://127.0.0.1:${PD_PORTS%:*})
 declare -A TARGET=([pd]=http://127.0.0.1:${PD_PORTS#*:} [vllm]=http://127.0.0.1:8170 [pdc]=http://127.0.0.1:8067
-                   [pdp]=http://127.0.0.1:8068 [pdcp]=http://127.0.0.1:8069)
-# the stacks whose proxy is a second one of a launch's (pdp, pdcp): its name and the launch
-# whose proxy arguments it takes (its port is the stack's TARGET)
-declare -A P1_PROXY=([pdp]="p1 iso" [pdcp]="p1c isoc")
+                   [pdp]=http://127.0.0.1:8068 [pdcp]=http://127.0.0.1:8069 [pdo]=http://127.0.0.1:8070)
+# the stacks whose proxy is a second one of a launch's (pdp, pdcp, pdo): its name and the
+# launch whose proxy arguments it takes (its port is the stack's TARGET), and what it adds
+declare -A P1_PROXY=([pdp]="p1 iso" [pdcp]="p1c isoc" [pdo]="nofirst iso")
 P1_TOKENS=${P1_TOKENS:-2048}
+declare -A P1_ARGS=([pdp]="--admission-prefill-tokens $P1_TOKENS"
+                    [pdcp]="--admission-prefill-tokens $P1_TOKENS"
+                    [pdo]="--admission-interactive-first off")
 # the -chunk engine's inventory: h200x1-isolation-chunk (--long-prefill-token-threshold 1024)
 # or h200x1-isolation-step (a 2,048-token step as well)
 INV_CHUNK=${INV_CHUNK:-inventory/h200x1-isolation-chunk}
@@ -94,6 +101,8 @@ VARIANT_TABLE=(
   "flood-p1 pdp $FLOOD_X"
   "over-chunk-p1 pdcp $OVER_X"
   "flood-chunk-p1 pdcp $FLOOD_X"
+  "over-nofirst pdo $OVER_X"
+  "flood-nofirst pdo $FLOOD_X"
 )
 
 if [ ! -f "$W/results/machine.txt" ]; then
@@ -141,9 +150,8 @@ pair() {  # NAME STACK BATCH: chat (and batch) at once; 3 when it does not fit n
   fi
   local p1=${P1_PROXY[$st]:-}  # "NAME LAUNCH": its own proxy, up only during its sweeps
   if [ -n "$p1" ]; then
-    # shellcheck disable=SC2046
-    gpu_proxy "${p1% *}" "${target##*:}" "$REPO" $(gpu_proxy_args "${p1#* }") \
-      --admission-prefill-tokens "$P1_TOKENS" \
+    # shellcheck disable=SC2046,SC2086
+    gpu_proxy "${p1% *}" "${target##*:}" "$REPO" $(gpu_proxy_args "${p1#* }") ${P1_ARGS[$st]} \
       || { log "no proxy for $name"; touch "$W/state/failed-$name"; return 0; }
   fi
   gpu_quiesce "$engine"
