@@ -330,8 +330,11 @@ class KvAdmission:
         return False, closed
 
     # ------------------------------------------------------------ accounting
-    def reserve(self, backend: BackendState, request_id: str, tokens: int) -> None:
-        """The request goes to ``backend``: its tokens count there (and nowhere else)."""
+    def reserve(
+        self, backend: BackendState, request_id: str, tokens: int, sent: bool = True
+    ) -> None:
+        """The request goes to ``backend``: its tokens count there (and nowhere else).
+        ``sent``: its final leg goes now (False: a hold, :meth:`hold`)."""
         if self.config.enabled and backend.role in GATED_ROLES:
             for name, other in self.loads.items():
                 if name != backend.name:
@@ -339,6 +342,8 @@ class KvAdmission:
             load = self.loads.setdefault(backend.name, EngineLoad())
             blocks, per_block = self._prompt(request_id, tokens)
             load.add(request_id, tokens, self.output_of(request_id), blocks, per_block)
+            if sent:
+                load.send(request_id)
             self.pump()  # the next waiter sees this reservation
 
     def hold(self, candidates: Iterable[BackendState], request_id: str, tokens: int) -> None:
@@ -352,7 +357,7 @@ class KvAdmission:
         gated = [b for b in candidates if b.role in GATED_ROLES and b.usable]
         pool = self.prefer_open(gated, tokens, request_id)
         if pool:
-            self.reserve(min(pool, key=self._fill), request_id, tokens)
+            self.reserve(min(pool, key=self._fill), request_id, tokens, sent=False)
         else:
             self.pump()  # placed nowhere gated: the next waiter need not wait for it
 

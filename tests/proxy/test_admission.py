@@ -763,3 +763,36 @@ def test_admission_flags_new_and_removed() -> None:
     with pytest.raises(SystemExit, match="--admission-output-tokens must be >= 0"):
         cli.admission_from_args(args)
 
+
+
+def test_a_sent_request_the_engine_scheduled_is_counted_once() -> None:
+    """A request sent before a scrape began, with no first byte yet, is in the scrape's KV
+    usage unless the engine's waiting queue holds it (the newest ``waiting`` of them) or it
+    was sent too recently to be scheduled; a hold that was never sent is not. Counted
+    again as fresh, 20 req/s of 2.5 k-token prompts were ~5 % of one H200's KV twice."""
+    now = time.monotonic()
+
+    def load_with(waiting: float | None) -> EngineLoad:
+        load = EngineLoad(capacity_tokens=1000)
+        for rid in ("old", "mid", "held", "new"):
+            load.add(rid, 200, 10)
+        load.send("old")
+        load.send("mid")
+        load.send("new")
+        load.requests["old"].sent_at = now - 2.0
+        load.requests["mid"].sent_at = now - 1.0  # "new": just now
+        load.rebase(0.5, 0, now, {}, waiting)  # the engine holds 500 tokens
+        return load
+
+    # not read: every request without a first byte is fresh (500 + 4 x 210)
+    assert load_with(None).projected(True) == 500 + 4 * 210
+    # nothing waits: old and mid are in the 500 (their output still to come is not)
+    load = load_with(0.0)
+    assert set(load.base) == {"old", "mid"}
+    assert load.projected(True) == 500 + 2 * 10 + 2 * 210
+    # one waits: the newest sent of them (mid) holds no KV yet
+    assert set(load_with(1.0).base) == {"old"}
+    assert load_with(5.0).base == {}
+    # a scheduled request that ends gives back what the scrape counted of it
+    load.drop("old")
+    assert load.projected(True) < 500 + 10 + 2 * 210
