@@ -469,7 +469,7 @@ class KvAdmission:
         )
 
     def _check_drain(self, tenant: TenantState) -> None:
-        """Raise :class:`AdmissionRejected` (429: the tenant's own doing) when the tenant's
+        """Raise :class:`AdmissionRejected` (``queue_wait``) when the tenant's
         queue cannot drain within the deadline at the rate its requests are admitted: a
         new request would wait it out and be refused anyway (a batch tenant flooding at 6x
         its capacity: 976 of 1,235 requests held until the client gave up, none refused,
@@ -486,7 +486,9 @@ class KvAdmission:
                 f"tenant {tenant.name!r} has {tenant.queued} requests waiting and the engines "
                 f"start {rate:.1f} of them a second: a new one would wait ~{wait:.0f} s, past "
                 f"the {self.config.queue_timeout_s:g} s deadline; retry later",
-                tenant_fault=True,
+                # 429 while other tenants share the engines (the flood pays); a tenant alone
+                # meets an overloaded server: 503 (a batch tenant: 429 always, wait_open)
+                tenant_fault=len(self.ledger.shares()) > 1,
             )
 
     async def _wait(self, waiter: Waiter) -> None:

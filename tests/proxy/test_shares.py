@@ -261,6 +261,27 @@ async def test_a_tenant_whose_queue_cannot_drain_in_time_gets_429_at_once() -> N
     assert refused >= 5, "refused for the drain, not by the deadline"
 
 
+async def test_a_tenant_alone_whose_queue_cannot_drain_in_time_gets_503_at_once() -> None:
+    """The same flood from an interactive key alone on the engines: the server is what is
+    overloaded, so the refusals are 503 (``queue_wait``, Retry-After), not the key's 429."""
+    async with ph.engines("e0", output_tokens=1, ttft_ms=300) as e:
+        eng = e["e0"]
+        cfg = {"api_keys": frozenset({QUIET}),
+               "admission": AdmissionConfig(enabled=True, max_running=1, queue_timeout_s=2.0)}
+        async with ph.running_proxy(table(eng), **cfg) as rp:
+            first = asyncio.create_task(_one(rp, QUIET))
+            await ph.until(lambda: eng.counters["requests"] == 1, "the first one sent")
+            flood = [asyncio.create_task(_one(rp, QUIET)) for _ in range(20)]
+            results = await asyncio.wait_for(asyncio.gather(first, *flood), 30)
+            metrics = await rp.metrics()
+    statuses = [status for status, _ in results]
+    assert statuses[0] == 200 and 429 not in statuses and statuses.count(503) >= 5, statuses
+    assert all(int(h["Retry-After"]) >= 1 for status, h in results if status == 503)
+    refused = ph.metric_value(metrics, "pdstack_proxy_admission_rejected_total",
+                              reason="queue_wait")
+    assert refused >= 5
+
+
 # ------------------------------------------------------------------ prefill: cached prefixes
 SYSTEM = " ".join(f"sys{i}" for i in range(1600))  # ~10 k characters: ~2.5 k tokens
 
