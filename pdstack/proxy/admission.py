@@ -120,6 +120,7 @@ class KvAdmission:
         self.ledger = TenantLedger(lambda tenant, delta: self._queue.settle(tenant, delta))
         self._queue = FairQueue(config.fairness, cost=self.ledger.cost_of)
         self._expected: dict[str, int] = {}  # request id -> expected output tokens
+        self._unary: set[str] = set()  # request ids of non-streaming answers
         # request id -> its prompt's block hashes and length in characters
         self._prompts: dict[str, tuple[tuple[int, ...], int]] = {}
         # the prompt blocks sent to the engines lately (one store: the prefill share is
@@ -194,16 +195,25 @@ class KvAdmission:
 
     # ------------------------------------------------------------ decisions
     def expect(
-        self, request_id: str, max_tokens: int, blocks: Sequence[int] = (), chars: int = 0
+        self,
+        request_id: str,
+        max_tokens: int,
+        blocks: Sequence[int] = (),
+        chars: int = 0,
+        stream: bool = True,
     ) -> None:
         """The output ``request_id`` is expected to add (its ``max_tokens``, 0 = unset), and
         its prompt's ``blocks`` (chain-hashed, ``block_chars`` each, of a prompt of ``chars``
-        characters: a prefix shared on an engine counts once there)."""
+        characters: a prefix shared on an engine counts once there). ``stream``: False for
+        an answer whose first byte is its last (its prefill's end is not seen: it holds no
+        lower class's request, interactive first)."""
         if self.config.enabled and request_id:
             cap = self.config.output_tokens
             self._expected[request_id] = min(max_tokens, cap) if max_tokens > 0 else cap
             if chars:
                 self._prompts[request_id] = (tuple(blocks), chars)
+            if not stream:
+                self._unary.add(request_id)
 
     def output_of(self, request_id: str) -> int:
         return self._expected.get(request_id, self.config.output_tokens)
@@ -394,6 +404,7 @@ class KvAdmission:
         self._unplaced.discard(request_id)
         self._expected.pop(request_id, None)
         self._prompts.pop(request_id, None)
+        self._unary.discard(request_id)
         ended = self.ledger.end(request_id)
         dropped = [load.drop(request_id) for load in self.loads.values()]
         if unplaced or ended or any(dropped):
@@ -584,7 +595,10 @@ class KvAdmission:
     def _go(self, request_id: str, tenant: str, charged: float, tokens: int, reason: str) -> None:
         """An admitted request: counted (by reason) and measured until :meth:`forget`."""
         self.admitted[reason] = self.admitted.get(reason, 0) + 1
-        self.ledger.start(request_id, tenant, charged, self.to_prefill(request_id, tokens))
+        self.ledger.start(
+            request_id, tenant, charged, self.to_prefill(request_id, tokens),
+            holds_lower=request_id not in self._unary,
+        )  # fmt: skip
         blocks = self._prompts.get(request_id, ((), 0))[0]
         if blocks:  # sent: the next request with this prefix finds it cached
             self._sent.insert(_SENT, list(blocks))

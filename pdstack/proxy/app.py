@@ -431,7 +431,9 @@ class Proxy(AdminAPI, EngineRoutes, Flows):
             )
             ctx.text = prompt_text(body)
             if self.config.admission.enabled:  # its expected KV (its prompt hashed once)
-                self.admission.expect(rid, max_tokens_of(body), self._hashes(ctx), len(ctx.text))
+                self.admission.expect(
+                    rid, max_tokens_of(body), self._hashes(ctx), len(ctx.text), ctx.stream
+                )
             ctx.budget_s = self.leg_budget.for_chars(len(ctx.text))
             ctx.upstream_headers = {
                 "Content-Type": "application/json",

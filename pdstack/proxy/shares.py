@@ -29,8 +29,8 @@ one H200 a step with a 4-6 k-token batch prefill took ~80 ms against ~4 ms of de
 chat's first token waited for the step in progress and then shared its own with the next
 batch prefill (isolation run 4: chat's ITL P90 4 -> 80 ms, TTFT P50 26 -> 92-128 ms, with
 0.1 ms in the proxy's queue). A hold lasts until that first byte, at most ``FIRST_HOLD_S``
-from the interactive request's admission, so interactive traffic can delay batch but not
-starve it. Work-conserving toward a
+from the interactive request's admission; a non-streaming answer (its first byte is its
+last: its prefill's end is not seen) holds nothing. Work-conserving toward a
 tenant alone: alone it gets the whole engine. Priority classes act in the queue
 (``interactive`` waiters first, :mod:`pdstack.proxy.fair_queue`): an interactive tenant's
 request goes first, up to its share; batch tenants take the rest.
@@ -67,6 +67,7 @@ class Running:
     charged: float  # what the fair queue charged (0: it never waited)
     prompt: int
     prefilling: bool = True  # no first byte yet
+    holds_lower: bool = True  # a streaming answer: lower classes wait for its first byte
 
 
 class TenantLedger:
@@ -91,8 +92,16 @@ class TenantLedger:
         its tenant's average engine seconds, else every tenant's, else 1 s."""
         return self._cost.get(tenant) or self._cost_all or 1.0
 
-    def start(self, request_id: str, tenant: str, charged: float, prompt: int = 0) -> None:
-        """An admitted request: measured from now until :meth:`end`."""
+    def start(
+        self,
+        request_id: str,
+        tenant: str,
+        charged: float,
+        prompt: int = 0,
+        holds_lower: bool = True,
+    ) -> None:
+        """An admitted request: measured from now until :meth:`end`. ``holds_lower``: its
+        first byte ends its prefill (a streaming answer), so lower classes may wait for it."""
         if not request_id:
             return
         if request_id in self._running:
@@ -101,7 +110,7 @@ class TenantLedger:
         self.prompt[tenant] = self.prompt.get(tenant, 0) + prompt
         self.prefill[tenant] = self.prefill.get(tenant, 0) + prompt
         now = time.monotonic()
-        r = self._running[request_id] = Running(tenant, now, charged, prompt)
+        r = self._running[request_id] = Running(tenant, now, charged, prompt, True, holds_lower)
         self._prefilling.setdefault(tenant, deque()).append(r)
         admits = self._admits.setdefault(tenant, deque())
         admits.append(now)
@@ -218,6 +227,6 @@ class TenantLedger:
             for r in reversed(queue):  # newest first: admission order
                 if r.admitted < cutoff:
                     break
-                if r.prefilling:
+                if r.prefilling and r.holds_lower:
                     return True
         return False

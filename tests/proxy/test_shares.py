@@ -390,6 +390,10 @@ def test_a_batch_request_yields_to_an_interactive_prefill_and_only_then(
     assert ledger.yields("batch") and ledger.yields("batch2")
     assert not ledger.yields("chat") and not ledger.yields("other-chat")
     assert not ledger.yields("unseen"), "a tenant it has not seen is not held"
+    ledger.end("c1")
+    ledger.start("u1", "other-chat", 0.0, 100, holds_lower=False)
+    assert not ledger.yields("batch"), "a non-streaming answer's prefill end is not seen"
+    ledger.start("c1", "chat", 0.0, 100)
     ledger.start("c2", "chat", 0.0, 100)
     assert ledger.landed("c2")
     assert ledger.yields("batch"), "c1 still waits for its first byte"
@@ -400,6 +404,23 @@ def test_a_batch_request_yields_to_an_interactive_prefill_and_only_then(
     monkeypatch.setattr(shares, "FIRST_HOLD_S", 0.0)
     time.sleep(0.01)
     assert not ledger.yields("batch"), "held no longer than FIRST_HOLD_S"
+
+
+async def test_only_a_streaming_interactive_request_holds_batch_at_the_gate() -> None:
+    """The gate passes the request's ``stream`` to the ledger: a non-streaming chat
+    request (its first byte is its last) holds no batch request; a streaming one does."""
+    gate = KvAdmission(AdmissionConfig(enabled=True), lambda: [], block_chars=256)
+    chat = TenantState(TenantPolicy("chat"), "chat", 60.0)
+    batch = TenantState(TenantPolicy("batch", priority="batch"), "batch", 60.0)
+    gate.ledger.seen("batch", 1.0, batch.policy.rank)
+    gate.expect("unary", 4, stream=False)
+    await gate.wait_open(lambda: [], 10, chat, "unary")
+    assert not gate.ledger.yields("batch")
+    gate.expect("streamed", 4)
+    await gate.wait_open(lambda: [], 10, chat, "streamed")
+    assert gate.ledger.yields("batch")
+    gate.forget("streamed")
+    assert not gate.ledger.yields("batch") and not gate._unary - {"unary"}
 
 
 @pytest.mark.parametrize("first", [True, False])
