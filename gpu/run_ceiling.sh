@@ -55,7 +55,7 @@ turn-pdstack-default-before turn-vllm-native}
 # shellcheck source=gpu/lib.sh
 source "$(pwd)/gpu/lib.sh"
 gpu_start ceiling /tmp/pdceil "${1:-}" || exit 1
-OLD_REV=431b547
+OLD_REV=${OLD_REV:-431b547}  # the -before proxy's commit (its tree: OLD_PDSTACK)
 OLD_PDSTACK=${OLD_PDSTACK:-$REPO/gpu/payload/old-pdstack}
 
 # the stacks (data): name, engine URL, target URL, launch key, inventory, services
