@@ -23,7 +23,7 @@ STACKS = {
     "vllm-default": "`vllm serve`, its own defaults (no proxy)",
     "vllm-native": "vLLM + `--kv-offloading-size 32` (its native tier, no proxy)",
     "pdstack-default": "**pdstack default** (`inventory/h200x1`: native tier 32 GiB + the gate)",
-    "pdstack-default-before": "pdstack default, the proxy of `431b547` (the gate before issue 36)",
+    "pdstack-default-before": "pdstack default behind an older proxy (`OLD_REV`: machine.txt)",
     "pdstack-engine": "pdstack's default engine straight (no proxy)",
     "pdstack-gate-off": "pdstack default with `--admission off` (the relay alone)",
     "pdstack-kv97": "pdstack default with `--admission-kv-high 0.97` (the gate's mark)",
