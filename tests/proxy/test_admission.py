@@ -796,3 +796,37 @@ def test_a_sent_request_the_engine_scheduled_is_counted_once() -> None:
     # a scheduled request that ends gives back what the scrape counted of it
     load.drop("old")
     assert load.projected(True) < 500 + 10 + 2 * 210
+
+
+async def test_a_request_in_prefill_is_not_counted_twice_by_the_gate() -> None:
+    """The fake engine counts a request's prompt in its KV usage once it serves it, first
+    byte or not (as vLLM does once it schedules it). A 300-token request hangs before its
+    first byte; a scrape after it counts it in the usage, so a second 300-token request
+    fits under 0.8 x 1,024 and goes at once (counted again on top: 300 + 304 + 304 > 819,
+    held). When the engine reports a waiting request, the newest sent one is not in the
+    usage, and the same request would be held."""
+    async with ph.engines("e0", kv_capacity_tokens=CAPACITY, output_tokens=4) as e:
+        eng = e["e0"]
+        async with ph.running_proxy(colocated("e0", e=e), admission=admission(),
+                                    wedge_after_s=0.0) as rp:
+            eng.ttft_ms = 30_000  # served, no first byte: in prefill
+            first = asyncio.create_task(post(rp, words(300, "a")))
+            try:
+                await ph.until(lambda: eng.running == 1, "the first request in prefill")
+                eng.ttft_ms = 0
+                gate = rp.proxy.admission
+                mark = time.monotonic() + 0.15  # a scrape begun 0.1 s after it was sent
+                await ph.until(lambda: (load := load_of(rp, "e0")) is not None
+                               and load.scraped_at > mark, "a scrape after it was sent")
+                second = asyncio.create_task(post(rp, words(300, "b")))
+                await ph.until(lambda: len(eng.seen()) == 2 or gate.queued == 1, "decided")
+                assert gate.held == {}, gate.held  # counted twice: {'kv_full': 1}
+                status, _, data = await asyncio.wait_for(second, 10)
+                assert status == 200, data
+                eng.num_waiting = 1  # the engine says one request waits: the newest sent
+                await ph.until(lambda: not load_of(rp, "e0").base, "a scrape that sees it")
+                assert not rp.proxy.admission.is_open(rp.registry.backends["e0"], 300)
+            finally:
+                first.cancel()
+                with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                    await first
