@@ -26,7 +26,8 @@ its whole life (decoders, colocated engines); prefillers hand their KV off.
 Held requests wait in a bounded queue with a deadline (``queue_max``, ``queue_timeout_s``;
 past either: 503, OpenAI JSON, ``Retry-After``); a tenant's ``max_queued`` bounds its own
 share (429), a tenant whose queue cannot drain within the deadline at the rate its requests
-are admitted is refused at once (429, ``queue_wait``: not held until it times out), a full
+are admitted is refused at once (``queue_wait``: 429, or 503 for a tenant alone on the
+engines; not held until it times out), a full
 queue sheds the newest waiter of the tenant holding the most of it (429: the flood pays),
 and a batch tenant is refused with 429, never a 5xx. Every
 decision is counted with its reason (``admitted`` / ``held`` by reason in the proxy's
@@ -54,7 +55,7 @@ from pdstack.proxy.shares import TenantLedger
 from pdstack.proxy.tenants import TenantState
 
 _SENT = ("engines", "")  # the one store of KvAdmission._sent
-# a tenant with at least this many waiters is refused (429) when its queue cannot drain
+# a tenant with at least this many waiters is refused when its queue cannot drain
 # within the deadline at its admission rate (KvAdmission._check_drain)
 DRAIN_MIN_QUEUED = 8
 

@@ -55,6 +55,12 @@ FIRST_HOLD_S = 0.5
 RATE_WINDOW_S = 10.0  # a tenant's admission rate is measured over this window
 
 
+def _trim(admits: deque[float], now: float) -> None:
+    """Drop the admission times older than RATE_WINDOW_S (oldest first)."""
+    while admits and admits[0] < now - RATE_WINDOW_S:
+        admits.popleft()
+
+
 def ewma(average: float | None, value: float) -> float:
     """``average`` moved toward ``value`` by COST_EWMA (``value`` itself when there is none)."""
     return value if average is None else average + COST_EWMA * (value - average)
@@ -114,16 +120,15 @@ class TenantLedger:
         self._prefilling.setdefault(tenant, deque()).append(r)
         admits = self._admits.setdefault(tenant, deque())
         admits.append(now)
-        while admits[0] < now - RATE_WINDOW_S:
-            admits.popleft()
+        _trim(admits, now)
 
     def admit_rate(self, tenant: str) -> float:
         """``tenant``'s requests admitted per second over the last RATE_WINDOW_S (0 when
         none; over the time since its first admission when that is shorter, >= 1 s)."""
         admits = self._admits.get(tenant)
         now = time.monotonic()
-        while admits and admits[0] < now - RATE_WINDOW_S:
-            admits.popleft()
+        if admits:
+            _trim(admits, now)
         if not admits:
             self._admits.pop(tenant, None)
             return 0.0
