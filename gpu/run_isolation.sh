@@ -128,7 +128,11 @@ case " $VARIANTS " in *"-chunk "*|*"-chunk-p1 "*)
   gpu_launch isoc "$INV_CHUNK" engine-0,proxy --secrets-env "$GPU_SECRETS" "${GPU_SUPERVISE[@]}" ;;
 esac
 gpu_wait_up iso || exit 1
-[ -f "$W/state/launched-isoc" ] && { gpu_wait_up isoc || ENGINE[pdc]=""; }
+# the -chunk engine is waited for by its first variant (the others run while it starts)
+up_chunk() {
+  [ -f "$W/state/launched-isoc" ] && [ -n "${ENGINE[pdc]}" ] || return 0
+  gpu_wait_up isoc || { ENGINE[pdc]=""; ENGINE[pdcp]=""; }
+}
 [ -f "$W/state/launched-v" ] && { gpu_wait_up v || ENGINE[vllm]=""; }
 
 cap() {  # the batch tenant's capacity, req/s: BATCH_CAP, else what batch-alone served
@@ -138,8 +142,9 @@ times() { python3 -c "import sys; print(max(1, round(float(sys.argv[1]) * float(
 
 pair() {  # NAME STACK BATCH: chat (and batch) at once; 3 when it does not fit now
   local name=$1 st=$2 mult=$3
-  local engine=${ENGINE[$st]} target=${TARGET[$st]}
   [ -f "$W/state/swept-$name" ] || [ -f "$W/state/failed-$name" ] && return 0
+  case $st in pdc|pdcp) up_chunk ;; esac
+  local engine=${ENGINE[$st]} target=${TARGET[$st]}
   [ -n "$engine" ] || { log "no engine for $name"; touch "$W/state/failed-$name"; return 0; }
   gpu_fits "$name" 1 "$DURATION" || return 3
   local metrics=(--metrics-url "$engine/metrics") ok=1 brate="" bpid=""
@@ -172,6 +177,8 @@ pair() {  # NAME STACK BATCH: chat (and batch) at once; 3 when it does not fit n
 pending=0
 for v in $VARIANTS; do
   if [ "$v" = batch-alone-chunk ]; then  # the batch tenant's throughput with the chunking
+    up_chunk
+    [ -n "${ENGINE[pdc]}" ] || { log "no engine for $v"; continue; }
     gpu_sweep "$v" "${ENGINE[pdc]}" "${TARGET[pdc]}" "${BATCH_CAP:-$BATCH_RATES}" \
       $((DURATION * 2 / 3)) --tenant batch:1 "${BATCH[@]}" || pending=1
     continue

@@ -71,8 +71,9 @@ __all__ = [
 @dataclass
 class AdmissionConfig:
     enabled: bool = False
-    # watermark on an engine's projected KV (0..1): prompt + expected output counted, so
-    # decode growth is in the projection and the mark can sit near the engine's limit. 0.97:
+    # watermark on an engine's projected peak KV (0..1): prompts + the expected output of
+    # each request until it ends (kv_gate.peak_growth), so decode growth is in the
+    # projection and the mark can sit near the engine's limit. 0.97:
     # on one H200 (results/h200x1-ceiling/run3) 0.9 held requests the engine ran without a
     # preemption, and the held queue's bursts pushed it into a slower state (81 running at
     # 24 req/s vs 40 at 0.97; TTFT P99 1.67 vs 0.41 s); 0.97 never let it preempt either
@@ -257,8 +258,8 @@ class KvAdmission:
         if load.capacity_tokens <= 0:
             return True, kv_gate.OPEN_UNKNOWN
         fresh = time.monotonic() - load.scraped_at <= self.config.stale_after_s
-        adds = load.adds(tokens, *self._prompt(request_id, tokens)) + output
-        if load.projected(fresh) + adds <= self.config.kv_high * load.capacity_tokens:
+        adds = load.adds(tokens, *self._prompt(request_id, tokens))  # its output: projected's
+        if load.projected(fresh, output) + adds <= self.config.kv_high * load.capacity_tokens:
             return True, kv_gate.OPEN_FITS
         return False, kv_gate.HELD_KV
 

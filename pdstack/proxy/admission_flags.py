@@ -12,8 +12,8 @@ from pdstack.proxy.flags import Flag, add_fields, dest
 _ADMISSION = (
     Flag(
         "kv_high",
-        "watermark on an engine's projected KV, prompt + expected output of each request "
-        "counted, over its capacity (default %(default)s)",
+        "watermark on an engine's projected peak KV (prompts held, and the expected output "
+        "of each request until it ends) over its capacity (default %(default)s)",
         metavar="RATIO",
     ),
     Flag(
