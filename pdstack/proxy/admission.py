@@ -258,8 +258,11 @@ class KvAdmission:
         if load.capacity_tokens <= 0:
             return True, kv_gate.OPEN_UNKNOWN
         fresh = time.monotonic() - load.scraped_at <= self.config.stale_after_s
-        adds = load.adds(tokens, *self._prompt(request_id, tokens))  # its output: projected's
-        if load.projected(fresh, output) + adds <= self.config.kv_high * load.capacity_tokens:
+        # room for the peak with it: the KV above its prompt's (its output is in the peak)
+        room = self.config.kv_high * load.capacity_tokens - load.adds(
+            tokens, *self._prompt(request_id, tokens)
+        )
+        if load.upper(fresh, output) <= room or load.projected(fresh, output) <= room:
             return True, kv_gate.OPEN_FITS
         return False, kv_gate.HELD_KV
 
@@ -378,7 +381,7 @@ class KvAdmission:
         if load is None or load.capacity_tokens <= 0:
             return 0.0
         fresh = time.monotonic() - load.scraped_at <= self.config.stale_after_s
-        return load.projected(fresh) / load.capacity_tokens
+        return load.upper(fresh) / load.capacity_tokens  # a ranking: the O(1) bound
 
     def landed(self, backend: BackendState, request_id: str) -> None:
         """The request's first byte came back: its KV is allocated on ``backend``."""

@@ -296,11 +296,16 @@ class EngineLoad:
         what it holds now, plus the peak of its requests' output growth less the KV that
         those ending first free (:func:`peak_growth`)."""
         outs, frees, outputs = self._trajectory(fresh_scrape)
+        return self.upper(fresh_scrape) - outputs + peak_growth(outs, frees, extra_output)
+
+    def upper(self, fresh_scrape: bool, extra_output: int = 0) -> float:
+        """:meth:`projected` with every request's whole output counted at once: a bound
+        above it, in O(1) (the gate reads the path only when this bound does not fit)."""
         if fresh_scrape:
             held = max(0.0, self.base_tokens - self.freed) + self.base_output + self.fresh
         else:
             held = float(self.total)
-        return held - outputs + peak_growth(outs, frees, extra_output)
+        return held + extra_output
 
     def _trajectory(self, fresh_scrape: bool) -> tuple[list[int], list[float], float]:
         """Each request's output still to come (sorted), the KV its end frees (its own
