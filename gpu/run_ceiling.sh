@@ -91,8 +91,19 @@ stack() {  # NAME: "engine target key inventory services" of a stack, or nothing
   local s
   for s in "${STACKS[@]}"; do [ "${s%% *}" = "$1" ] && echo "${s#* }"; done
 }
+# the launch keys SWEEPS need: only their engines start (a card of ~78 GiB holds one V2-Lite
+# engine of 10 GiB KV, an H200 three)
+NEED=" "
+for name in $SWEEPS; do
+  st=$name; [[ $st =~ ^(.*)-r[0-9]+$ ]] && st=${BASH_REMATCH[1]}
+  case $st in turn-*|seed-*) st=${st#*-} ;; esac
+  read -r _ _ key _ <<< "$(stack "$st")"
+  [ -n "$key" ] && NEED+="$key "
+done
+needed() { case "$NEED" in *" $1 "*) return 0 ;; esac; return 1; }
 for s in "${STACKS[@]}"; do
   read -r _ engine _ key inv svcs <<< "$s"
+  needed "$key" || continue
   stock=()
   case $key in v|n) stock=("${GPU_STOCK[@]}") ;; esac  # the baselines: stock vLLM
   # an engine already up on the stack's port (gpu/run_isolation.sh's, the same command) is
@@ -111,10 +122,12 @@ for s in "${STACKS[@]}"; do
 done
 for s in "${STACKS[@]}"; do  # a stack that failed to start: its sweeps are marked failed
   read -r _ _ _ key _ <<< "$s"
+  needed "$key" || continue
   [ -f "$W/state/down-$key" ] || gpu_wait_up "$key" || touch "$W/state/down-$key"
 done
 for s in "${STACKS[@]}"; do  # the launches' own lines: how long each engine took
   read -r _ _ _ key _ <<< "$s"
+  needed "$key" || continue
   [ -f "$W/state/times-$key" ] && continue
   touch "$W/state/times-$key"; log "$key: $(grep -h 'healthy after' "$W/logs/launch-$key.out" | tr '\n' ';')"
 done
