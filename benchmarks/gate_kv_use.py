@@ -100,6 +100,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--system-len", default="uniform:300:700", help="their length, tokens")
     p.add_argument("--shared-share", type=float, default=0.85,
                    help="the share of requests that start with one of them")
+    p.add_argument("--output-len", default="uniform:96:192", help="answers, tokens")
     p.add_argument("--before-rev", default="",
                    help="also run the proxy of this git revision (variant kv-before)")
     return p.parse_args(argv)
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                          "--system-prompts", str(args.system_prompts),
                          "--system-len", args.system_len,
                          "--shared-share", f"{args.shared_share:g}", "--user-len", "uniform:32:96",
-                         "--output-len", "uniform:96:192", "--rates", f"{args.rate:g}",
+                         "--output-len", args.output_len, "--rates", f"{args.rate:g}",
                          "--duration", f"{args.duration:g}", "--warmup", "5",
                          "--drain-timeout", "60", "--seed", str(rnd + 1),
                          "--cache-salt", f"gate-{name}-{rnd}", "--metrics-url",

@@ -82,8 +82,12 @@ class AdmissionConfig:
     output_tokens: int = 512
     max_running: int = 0  # the proxy's requests active on one engine at once; 0 = no cap
     # prompt tokens in prefill at once per engine that active tenants share by weight
-    # (pdstack.proxy.shares); 0 = no prefill share
-    prefill_tokens: int = 16384
+    # (pdstack.proxy.shares; a tenant with nothing in prefill may always send one prompt);
+    # 0 = no prefill share. What another tenant's chat waits behind in the engine's queue is
+    # at most this: 16,384 let a batch flood keep ~5 long prompts ahead of every chat prompt
+    # (one H200: chat TTFT P50 128 -> 92 ms at 2,048, batch -2 %, isolation run 4; one vLLM
+    # CPU engine: 188 -> 39 ms, benchmarks/isolation_levers.py). A tenant alone: no share
+    prefill_tokens: int = 2048
     # prompt blocks the gate remembers as sent to the engines (least recently used dropped):
     # a prefix among them counts as cached for the prefill share. ~4 M characters, about one
     # engine's GPU KV and host tier (one H200: 345 k tokens on GPU + ~1 M in 32 GiB of host)
