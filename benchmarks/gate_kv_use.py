@@ -20,7 +20,6 @@ gate's holds, per variant.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import subprocess
@@ -34,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pdstack.testing import vllm_engines as ve  # noqa: E402
+from pdstack.testing.bench_results import save  # noqa: E402
 from pdstack.testing.heavy import heavy_lock  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -170,13 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.before_rev:
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force",
                                 str(Path(tmp) / "before")], check=False)
-    text = table(rows)
-    print("\n" + text)
-    RESULTS.mkdir(exist_ok=True)
-    meta = {"when": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "args": vars(args), "variants": variants}
-    (RESULTS / f"{args.label}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
-    (RESULTS / f"{args.label}.txt").write_text(text + "\n")
+    save(RESULTS, args, {"variants": variants}, rows, table(rows))
     return 0
 
 

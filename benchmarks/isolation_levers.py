@@ -25,7 +25,6 @@ core a prompt's prefill takes far longer than on an H200.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import secrets
@@ -40,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pdstack.testing import vllm_engines as ve  # noqa: E402
+from pdstack.testing.bench_results import save  # noqa: E402
 from pdstack.testing.heavy import heavy_lock  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -196,13 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     with heavy_lock(), tempfile.TemporaryDirectory() as tmp:
         for name, extra in engines.items():
             rows += run_engine(name, extra, args, Path(tmp), keys)
-    text = table(rows)
-    print("\n" + text)
-    RESULTS.mkdir(exist_ok=True)
-    meta = {"when": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "args": vars(args), "engines": engines}
-    (RESULTS / f"{args.label}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
-    (RESULTS / f"{args.label}.txt").write_text(text + "\n")
+    save(RESULTS, args, {"engines": engines}, rows, table(rows))
     return 0
 
 
