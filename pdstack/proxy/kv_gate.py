@@ -126,7 +126,7 @@ class EngineLoad:
     base_output: int = 0  # output still to come of active base requests (as of the scrape)
     fresh: float = 0.0  # KV that the requests not in the base add (new blocks counted once)
     total: float = 0.0  # the proxy's own count: every active request, blocks counted once
-    # the output trajectory (see :meth:`growth`), sorted by output still to come, per mode
+    # the output path (:meth:`_trajectory`), sorted by output still to come, per mode
     # (fresh scrape or not); None: to rebuild (after an add, land, drop or rebase)
     _traj: dict[bool, tuple[list[int], list[float], float]] | None = None
 
