@@ -310,7 +310,8 @@ class EngineLoad:
     def _trajectory(self, fresh_scrape: bool) -> tuple[list[int], list[float], float]:
         """Each request's output still to come (sorted), the KV its end frees (its own
         prompt tokens and its output; 0 before its first byte: it may wait in the engine's
-        queue and end later than modelled), and the sum of those outputs. Cached until an
+        queue and end later than modelled; 0 once it is past its expected output: its end is
+        not known), and the sum of those outputs. Cached until an
         add, land, drop or rebase (a streamed token changes none of it: both counts measure
         output from the scrape, or from nothing)."""
         cache = self._traj if self._traj is not None else {}
@@ -322,7 +323,10 @@ class EngineLoad:
         for rid, r in self.requests.items():
             if fresh_scrape and rid in self.base:
                 left = self.base_left.get(rid, 0)
-                items.append((left, (r.own + self.base[rid]) * self.base_scale + left))
+                # none left and not ended: past its expected output (max_tokens unset or over
+                # the cap), its end is not known: it frees nothing on the path
+                free = (r.own + self.base[rid]) * self.base_scale + left if left > 0 else 0.0
+                items.append((left, free))
             else:
                 items.append((r.output, r.own + r.output if r.landed_at is not None else 0.0))
         items.sort(key=lambda it: it[0])

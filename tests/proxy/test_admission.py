@@ -876,3 +876,24 @@ def test_a_request_goes_when_the_requests_ending_first_free_room_for_it() -> Non
     before = load.projected(True, 100)
     gate.landed(engine, "q")
     assert load.projected(True, 100) < before
+
+
+
+def test_a_request_past_its_expected_output_frees_nothing_on_the_path() -> None:
+    """A request that streamed all its expected output (no max_tokens: the gate's cap) and
+    has not ended may run on for long: its end is not known, so the path does not count its
+    KV as freed (it would let the gate fill KV that the request still holds)."""
+    gate, engine = _gate(output_tokens=100)
+    engine.in_flight = 1
+    load = _scraped(gate, 0.0)
+    for rid in ("long", "b"):
+        gate.reserve(engine, rid, 300)
+        gate.landed(engine, rid)
+    gate.streamed(engine, "long", 100)  # its whole expected output: not ended
+    load.rebase(0.7, 0, time.monotonic() + 1e-3, load.streamed_now())
+    # long frees nothing: b's 100 + the new one's 100 on top of the 700 held
+    assert load.projected(True, 100) == pytest.approx(700 + 200)
+    assert gate.check(engine, 50, 100, request_id="c") == (False, "kv_full")  # 950 > 850
+    gate.streamed(engine, "long", 0)
+    gate.release(engine, "long")  # it ended: what it held is free
+    assert gate.check(engine, 50, 100, request_id="c") == (True, "fits")
