@@ -127,8 +127,10 @@ class EngineLoad:
     fresh: float = 0.0  # KV that the requests not in the base add (new blocks counted once)
     total: float = 0.0  # the proxy's own count: every active request, blocks counted once
     # the output path (:meth:`_trajectory`), sorted by output still to come, per mode
-    # (fresh scrape or not); None: to rebuild (after an add, land, drop or rebase)
-    _traj: dict[bool, tuple[list[int], list[float], float]] | None = None
+    # (fresh scrape or not); cleared by an add, land, drop or rebase
+    _traj: dict[bool, tuple[list[int], list[float], float]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     def add(
         self,
@@ -142,7 +144,7 @@ class EngineLoad:
         prompt's block hashes (a chain: a hash stands for the prefix up to it)."""
         if request_id in self.requests:
             return
-        self._traj = None
+        self._traj.clear()
         r = self.requests[request_id] = InFlight(prompt, output, blocks, block_tokens)
         for h in blocks:
             b = self.blocks.get(h)
@@ -168,7 +170,7 @@ class EngineLoad:
         r = self.requests.get(request_id)
         if r is not None and r.landed_at is None:
             r.landed_at = time.monotonic()
-            self._traj = None  # it runs: its end frees its KV
+            self._traj.clear()  # it runs: its end frees its KV
 
     def stream(self, request_id: str, tokens: int) -> None:
         """``tokens`` more of the request's output were relayed (its KV grew by as many; the
@@ -182,7 +184,7 @@ class EngineLoad:
         r = self.requests.pop(request_id, None)
         if r is None:
             return False
-        self._traj = None
+        self._traj.clear()
         in_base = request_id in self.base
         for h in r.blocks:
             b = self.blocks[h]
@@ -232,7 +234,7 @@ class EngineLoad:
         """A scrape that began at ``started`` read ``usage``: the new base. ``streamed``: each
         request's relayed output when it began (:meth:`streamed_now`; None: none counted).
         ``waiting``: the engine's waiting gauge in that scrape (None: not read)."""
-        self._traj = None
+        self._traj.clear()
         self.kv_usage = usage
         if capacity:
             self.capacity_tokens = capacity
@@ -314,9 +316,7 @@ class EngineLoad:
         not known), and the sum of those outputs. Cached until an
         add, land, drop or rebase (a streamed token changes none of it: both counts measure
         output from the scrape, or from nothing)."""
-        cache = self._traj if self._traj is not None else {}
-        self._traj = cache
-        hit = cache.get(fresh_scrape)
+        hit = self._traj.get(fresh_scrape)
         if hit is not None:
             return hit
         items: list[tuple[int, float]] = []
@@ -331,7 +331,7 @@ class EngineLoad:
                 items.append((r.output, r.own + r.output if r.landed_at is not None else 0.0))
         items.sort(key=lambda it: it[0])
         out = ([o for o, _ in items], [f for _, f in items], float(sum(o for o, _ in items)))
-        cache[fresh_scrape] = out
+        self._traj[fresh_scrape] = out
         return out
 
     @property
