@@ -846,20 +846,29 @@ def test_peak_growth_counts_the_frees_of_requests_that_end_first() -> None:
     assert peak_growth([2, 100], [0.0, 0.0], extra=50) == 2 + 50 + 100
 
 
+def _two_running(
+    ids: tuple[str, str], streamed: int, usage: float
+) -> tuple[KvAdmission, BackendState, EngineLoad]:
+    """d0 (output_tokens 100) runs two 300-token requests that landed, the first of them
+    ``streamed`` tokens into its answer, read by a scrape (``usage``) that began after."""
+    gate, engine = _gate(output_tokens=100)
+    engine.in_flight = 1
+    load = _scraped(gate, 0.0)
+    for rid in ids:
+        gate.reserve(engine, rid, 300)
+        gate.landed(engine, rid)
+    gate.streamed(engine, ids[0], streamed)
+    load.rebase(usage, 0, time.monotonic() + 1e-3, load.streamed_now())
+    return gate, engine, load
+
+
 def test_a_request_goes_when_the_requests_ending_first_free_room_for_it() -> None:
     """A request that ends a few tokens from now frees its prompt before the others' output
     fills KV: the gate lets a request go that counting every output at once would hold
     (run 4: the gate held at a measured peak of 0.92 with ~77 requests of 3.5 k-token
     prompts and 100-160-token answers); with the ends far away it still holds, and a
     request with no first byte yet frees nothing in the projection."""
-    gate, engine = _gate(output_tokens=100)
-    engine.in_flight = 1
-    load = _scraped(gate, 0.0)
-    for rid in ("a", "b"):
-        gate.reserve(engine, rid, 300)
-        gate.landed(engine, rid)
-    gate.streamed(engine, "a", 95)  # a: 5 tokens from its end
-    load.rebase(0.695, 0, time.monotonic() + 1e-3, load.streamed_now())
+    gate, engine, load = _two_running(("a", "b"), 95, 0.695)  # a: 5 tokens from its end
     # a ends at t=5 and frees 400 (its 300 + 100): b's 100 and the new one's 100 tokens
     # never reach that, so the peak is at t=5: 3 requests x 5 tokens
     assert load.projected(True, 100) == pytest.approx(695 + 3 * 5)
@@ -878,22 +887,14 @@ def test_a_request_goes_when_the_requests_ending_first_free_room_for_it() -> Non
     assert load.projected(True, 100) < before
 
 
-
 def test_a_request_past_its_expected_output_frees_nothing_on_the_path() -> None:
     """A request that streamed all its expected output (no max_tokens: the gate's cap) and
     has not ended may run on for long: its end is not known, so the path does not count its
     KV as freed (it would let the gate fill KV that the request still holds)."""
-    gate, engine = _gate(output_tokens=100)
-    engine.in_flight = 1
-    load = _scraped(gate, 0.0)
-    for rid in ("long", "b"):
-        gate.reserve(engine, rid, 300)
-        gate.landed(engine, rid)
-    gate.streamed(engine, "long", 100)  # its whole expected output: not ended
-    load.rebase(0.7, 0, time.monotonic() + 1e-3, load.streamed_now())
+    # long streamed its whole expected output and has not ended
+    gate, engine, load = _two_running(("long", "b"), 100, 0.7)
     # long frees nothing: b's 100 + the new one's 100 on top of the 700 held
     assert load.projected(True, 100) == pytest.approx(700 + 200)
     assert gate.check(engine, 50, 100, request_id="c") == (False, "kv_full")  # 950 > 850
-    gate.streamed(engine, "long", 0)
     gate.release(engine, "long")  # it ended: what it held is free
     assert gate.check(engine, 50, 100, request_id="c") == (True, "fits")
