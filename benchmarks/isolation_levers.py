@@ -38,6 +38,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from pdstack.proxy.kv_gate import parse_engine_metrics  # noqa: E402
 from pdstack.testing import vllm_engines as ve  # noqa: E402
 from pdstack.testing.bench_results import save  # noqa: E402
 from pdstack.testing.heavy import heavy_lock  # noqa: E402
@@ -98,9 +99,8 @@ def quiesce(url: str) -> None:
         except OSError:
             time.sleep(1)
             continue
-        busy = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
-        if busy == 0:
+        gauges = parse_engine_metrics(text)
+        if gauges.get("running", 0) + gauges.get("waiting", 0) == 0:
             return
         time.sleep(1)
 
@@ -140,14 +140,12 @@ def run_engine(name: str, extra: list[str], args: argparse.Namespace, tmp: Path,
             quiesce(eng.url)
             target = f"http://127.0.0.1:{ports[proxy]}"
             runs = {}
-            if batch:
-                runs["batch"] = (tmp / f"{name}-{variant}-batch.json", bench(
-                    target, "batch", args.batch_rate, args, tmp / f"{name}-{variant}-batch.json",
-                    f"{name}-{variant}-b", benv, metrics))
-            if chat:
-                runs["chat"] = (tmp / f"{name}-{variant}.json", bench(
-                    target, "chat", args.chat_rate, args, tmp / f"{name}-{variant}.json",
-                    f"{name}-{variant}-c", benv, metrics))
+            for tenant, rate, on in (("batch", args.batch_rate, batch),
+                                     ("chat", args.chat_rate, chat)):
+                if on:  # batch first: the flood is on when chat starts
+                    out = tmp / f"{name}-{variant}-{tenant}.json"
+                    runs[tenant] = (out, bench(target, tenant, rate, args, out,
+                                               f"{name}-{variant}-{tenant}", benv, metrics))
             row: dict[str, Any] = {"engine": name, "variant": variant}
             for tenant, (out, proc) in runs.items():
                 proc.wait(timeout=args.duration + 200)
