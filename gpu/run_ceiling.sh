@@ -93,10 +93,15 @@ stack() {  # NAME: "engine target key inventory services" of a stack, or nothing
 }
 # the launch keys SWEEPS need: only their engines start (a card of ~78 GiB holds one V2-Lite
 # engine of 10 GiB KV, an H200 three)
+parse_sweep() {  # NAME ([turn-|seed-]STACK[-rN]): prints "WORKLOAD STACK"
+  local st=$1 wl=mt
+  [[ $st =~ ^(.*)-r[0-9]+$ ]] && st=${BASH_REMATCH[1]}  # a repeat: NAME-rN.json, same stack
+  case $st in turn-*|seed-*) wl=${st%%-*}; st=${st#*-} ;; esac
+  echo "$wl $st"
+}
 NEED=" "
 for name in $SWEEPS; do
-  st=$name; [[ $st =~ ^(.*)-r[0-9]+$ ]] && st=${BASH_REMATCH[1]}
-  case $st in turn-*|seed-*) st=${st#*-} ;; esac
+  read -r _ st <<< "$(parse_sweep "$name")"
   read -r _ _ key _ <<< "$(stack "$st")"
   [ -n "$key" ] && NEED+="$key "
 done
@@ -163,9 +168,8 @@ sys.exit(0 if r.get("meets_ttft_slo") else 1)
 PYEOF
 }
 sweep() {  # NAME: [turn-|seed-]STACK[-rN]; 3 when it does not fit the budget now
-  local name=$1 wl=mt st=$1
-  [[ $st =~ ^(.*)-r[0-9]+$ ]] && st=${BASH_REMATCH[1]}  # a repeat: NAME-rN.json, same stack
-  case $st in turn-*|seed-*) wl=${st%%-*}; st=${st#*-} ;; esac
+  local name=$1 wl st
+  read -r wl st <<< "$(parse_sweep "$name")"
   local spec; spec=$(stack "$st")
   [ -n "$spec" ] || { log "unknown sweep $name"; return 0; }
   local engine target key
