@@ -92,16 +92,19 @@ def main() -> int:
               f"{r['chat_served']:.2f} | {r['chat_failed']} | {itl} | {q} | {b[0]} | {b[1]} | "
               f"{r['held'] or ''} |")
     by_name = {r["name"]: r for r in rows}
-    checks: dict[str, Any] = {}
-    for r in rows:
-        # each variant against the alone runs of its own engine (a -chunk variant against
-        # chat-alone-chunk / batch-alone-chunk when those ran), else the plain ones
-        suffix = "-chunk" if "-chunk" in r["name"] else ""
-        alone = by_name.get(a.alone + suffix) or by_name.get(a.alone)
+    # each variant against the alone runs of its own engine (a -chunk variant against
+    # chat-alone-chunk / batch-alone-chunk when those ran), else the plain ones
+    yardsticks = {}
+    for suffix in ("", "-chunk"):
         b_name = a.batch_alone + suffix
         batch_alone = result(a.dir / f"{b_name}.json")
         if batch_alone is None:
             b_name, batch_alone = a.batch_alone, result(a.dir / f"{a.batch_alone}.json")
+        yardsticks[suffix] = (by_name.get(a.alone + suffix) or by_name.get(a.alone), b_name,
+                              batch_alone)
+    checks: dict[str, Any] = {}
+    for r in rows:
+        alone, b_name, batch_alone = yardsticks["-chunk" if "-chunk" in r["name"] else ""]
         if alone is None:
             continue
         if r["name"].startswith("flood"):
