@@ -47,6 +47,8 @@ RESULTS = Path(__file__).parent / "results"
 TENANTS = {"chat": {}, "batch": {"priority": "batch"}}
 CHAT = ["--system-prompts", "1", "--system-len", "400", "--shared-share", "1",
         "--user-len", "uniform:16:32", "--output-len", "16"]
+ENGINES = ("plain", "step")  # vLLM's own step; --step (run_engine)
+PROXIES = ("default", "p1", "nofirst", "p1-nofirst")
 BATCH = ["--system-prompts", "1", "--system-len", "uniform:1400:1900", "--shared-share", "0",
          "--user-len", "uniform:16:32", "--output-len", "uniform:16:48"]
 
@@ -64,7 +66,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", default="chat-alone,batch-alone,flood-default,flood-p1,flood-nofirst",
                    help="which runs per engine: chat-alone, batch-alone, flood-PROXY")
     p.add_argument("--label", default="isolation_levers")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    runs = ("chat-alone", "batch-alone", *(f"flood-{x}" for x in PROXIES))
+    for flag, value, known in (("--engines", args.engines, ENGINES),
+                               ("--runs", args.runs, runs)):
+        bad = [v for v in value.split(",") if v not in known]
+        if bad:
+            p.error(f"{flag}: unknown {', '.join(bad)} (known: {', '.join(known)})")
+    return args
 
 
 def bench(target: str, tenant: str, rate: float, args: argparse.Namespace, out: Path,
@@ -119,7 +128,7 @@ def run_engine(name: str, extra: list[str], args: argparse.Namespace, tmp: Path,
             "pairings": [], "skip_prefill_threshold_tokens": 0, "tenants": TENANTS}))
         p1 = ["--admission-prefill-tokens", str(args.p1_tokens)]
         nofirst = ["--admission-interactive-first", "off"]
-        flags = {"default": [], "p1": p1, "nofirst": nofirst, "p1-nofirst": p1 + nofirst}
+        flags = dict(zip(PROXIES, ([], p1, nofirst, p1 + nofirst), strict=True))
         runs = args.runs.split(",")
         flags = {k: v for k, v in flags.items() if f"flood-{k}" in runs or k == "default"}
         penv = {**os.environ,
