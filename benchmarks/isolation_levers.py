@@ -92,9 +92,14 @@ def bench(target: str, tenant: str, rate: float, args: argparse.Namespace, out: 
 def result(out: Path) -> dict[str, Any]:
     """One bench run of one tenant: its whole result is that tenant's."""
     r = json.loads(out.read_text())["results"][0]
+    total = (r.get("prometheus") or {}).get("total", {})
     return {"ttft_p50_ms": r.get("p50_ttft_ms"), "ttft_p99_ms": r.get("p99_ttft_ms"),
             "served": r.get("served_rate"), "completed": r.get("completed"),
-            "failed": r.get("failed"), "errors": r.get("errors")}
+            "failed": r.get("failed"), "errors": r.get("errors"),
+            "itl_p90_ms": r.get("p90_itl_ms"),
+            # the engine's counters over the run (the bench reads its /metrics)
+            "preemptions": r.get("preemptions"), "kv_peak": r.get("peak_kv_cache_usage"),
+            "gauges": total.get("gauges"), "proxy": total.get("pdstack")}
 
 
 def quiesce(url: str) -> None:
