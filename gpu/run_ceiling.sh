@@ -20,7 +20,7 @@
 #      RATES_MAX
 #   4. when every sweep is done: the engines stopped but KEEP's (default "v p": vLLM with its
 #      defaults and pdstack's default engine, which gpu/run_isolation.sh reuses; KEEP= stops
-#      all)
+#      all). STOP_ONLY=1 KEEP= does only this, at once (no sweep resumed or extended)
 #   5. pack results + logs into $OUT/results.tar.gz (always)
 #
 # The old proxy: the device's copy of the repo has no .git. Before the run, here:
@@ -99,6 +99,9 @@ parse_sweep() {  # NAME ([turn-|seed-]STACK[-rN]): prints "WORKLOAD STACK"
   case $st in turn-*|seed-*) wl=${st%%-*}; st=${st#*-} ;; esac
   echo "$wl $st"
 }
+# STOP_ONLY=1: no sweep (none resumed or extended), only step 4: the engines stopped but KEEP's
+# (frees the GPU for another driver: one V2-Lite engine at a time on an H100)
+[ -n "${STOP_ONLY-}" ] && SWEEPS="" && log "STOP_ONLY: the engines stopped but KEEP's (${KEEP-v p})"
 NEED=" "
 for name in $SWEEPS; do
   read -r _ st <<< "$(parse_sweep "$name")"
