@@ -259,11 +259,13 @@ class Proxy(AdminAPI, EngineRoutes, Flows):
             unreachable = True
         finally:
             self._probing.discard(backend.name)
+        if unreachable:  # before the probe counts: the more specific diagnosis ejects first,
+            # also where this failure is the eject_after-th (a host starved before its link
+            # went: an earlier timeout; the two-node lab's flake of stop 47)
+            self._eject_if_unreachable(backend, error)
         self.registry.record_probe(backend, ok, error, self.config)
         if not ok and not backend.healthy:
             self._end_silent_streams(backend)  # ejected before its streams went quiet
-        elif unreachable:
-            self._eject_if_unreachable(backend, error)
         return ok
 
     def _eject_if_unreachable(self, backend: BackendState, error: str) -> None:

@@ -271,6 +271,40 @@ async def test_unreachable_decoder_ejected_at_a_failed_probe_and_its_legs_rerout
                        in r.getMessage() for r in caplog.records)
 
 
+async def test_the_probe_that_reaches_eject_after_ejects_as_unreachable(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """d0's /health timed out once before anything waited on it (a starved host before its
+    link went: the two-node lab's flake of stop 47), then a leg waits on d0 past the wedge
+    budget: the next probe that cannot reach d0 is both the ``eject_after``-th failure and
+    the unreachable rule's; it ejects d0 as unreachable (the diagnosis an operator reads),
+    and d0's legs go to d1."""
+    caplog.set_level(logging.WARNING, logger="pdstack.proxy")
+    async with ph.engines("p0", "d0", "d1", output_tokens=3) as e:
+        cfg = {"health_interval_s": 60.0, "health_timeout_s": 0.3, "leg_budget_base_s": 10.0,
+               "wedge_after_s": 0.3, "wedge_probe_timeout_s": 10.0, "eject_after": 2}
+        async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0", "d1"]), **cfg) as rp:
+            d0 = rp.registry.backends["d0"]
+            await ph.until(lambda: d0.healthy and rp.registry.backends["d1"].healthy,
+                           "both decoders admitted")
+            e["d0"].faults = Faults(hang=True, health_hang=True)
+            assert not await rp.proxy.probe(d0)  # the first failure: nothing waits on d0
+            assert d0.healthy and d0.probe_failures == 1
+            sent = [asyncio.create_task(
+                ph.stream_completion(rp.session, rp.url, f"q{i}", max_tokens=3))
+                for i in range(6)]
+            await ph.until(lambda: d0.pending.oldest() is not None, "a leg waiting on d0")
+            await asyncio.sleep(0.5)  # past the wedge budget
+            assert not await rp.proxy.probe(d0)
+            results = await asyncio.wait_for(asyncio.gather(*sent), 10)
+            assert all(r.status == 200 and r.events[-1] == "[DONE]" for r in results), [
+                r.text for r in results]
+            assert not d0.healthy and not d0.wedged
+            ejected = [r.getMessage() for r in caplog.records
+                       if "ejected backend d0" in r.getMessage()]
+            assert len(ejected) == 1 and "unreachable: /health timed out" in ejected[0], ejected
+
+
 async def test_sole_decoder_with_unreachable_health_keeps_its_legs() -> None:
     """d0's /health cannot be reached but it still answers, late (a first token after 1.5 s,
     past the wedge budget): with no other decoder, its leg is not cut for a re-route that
