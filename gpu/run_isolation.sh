@@ -9,9 +9,9 @@
 #   2. a 0600 secrets file with a random key for tenants chat and batch (PDSTACK_TENANT_KEYS);
 #      the bench reads them from PDSTACK_BENCH_KEY_CHAT / _BATCH (never argv)
 #   3. `pdstack launch` inventory/h200x1-isolation (the default one-GPU stack, 10 GiB KV on
-#      GPU 0, chat interactive + batch priority batch; :8160 + proxy :8066) and vLLM with its
-#      defaults (inventory/h200x1-vllm :8170). Both engines are the ones gpu/run_ceiling.sh
-#      leaves running (KEEP="v p"): then only the isolation proxy starts
+#      GPU 0, chat interactive + batch priority batch, so the planner gives the engine its short
+#      step; :8200 + proxy :8066) and vLLM with its defaults (inventory/h200x1-vllm :8170, reused
+#      when gpu/run_ceiling.sh left it running: KEEP=v)
 #   4. VARIANTS (data, priority order), one under load at a time, each on a quiet engine with
 #      its own vLLM cache_salt; chat and batch are two `pdstack bench --tenant` runs started
 #      together (each tenant its own workload: the bench gives all of one run's tenants the
@@ -21,7 +21,8 @@
 #      batch-alone runs first: BATCH_RATES (or BATCH_CAP alone); CAP = its highest served
 #      req/s (the batch tenant's throughput yardstick)
 #      *-chunk variants (chat-alone-chunk over-chunk flood-chunk batch-alone-chunk): the same on
-#      inventory/h200x1-isolation-chunk (vLLM --long-prefill-token-threshold 1024; :8190 + :8067)
+#      INV_CHUNK's engine (:8190 + :8067; h200x1-isolation-longstep: vLLM's own 8,192-token
+#      step, the default stack before stop 50)
 #      *-p1 variants (over-p1 flood-p1): the same engine behind a proxy with a small prefill
 #      budget (--admission-prefill-tokens P1_TOKENS, :8068): batch prefills one prompt at a time
 #      *-nofirst variants (over-nofirst flood-nofirst): the same engine behind a proxy with
@@ -55,15 +56,14 @@ gpu_start isolation /tmp/pdiso "${1:-}" || exit 1
 # ISO_INV / PD_PORTS (ENGINE:PROXY) put another inventory in the plain stack's place, e.g. on a
 # card that holds one engine: ISO_INV=inventory/h200x1-isolation-step PD_PORTS=8190:8067
 INV=${ISO_INV:-inventory/h200x1-isolation}
-PD_PORTS=${PD_PORTS:-8160:8066}
+PD_PORTS=${PD_PORTS:-8200:8066}
 gpu_tenant_keys chat batch
 CHAT=(--system-prompts 4 --system-len 2000 --shared-share 1 --user-len uniform:32:128 --output-len 64)
 BATCH=(--system-prompts 1 --shared-share 0 --system-len uniform:4096:6144 --user-len uniform:64:256
        --output-len uniform:64:256)
 
 # the stacks (data): name, engine URL, target URL
-# pdc: the same stack with vLLM's --long-prefill-token-threshold 1024 (the per-step prefill
-# lever, inventory/h200x1-isolation-chunk), started only when a *-chunk variant is asked
+# pdc: the same stack on INV_CHUNK's engine, started only when a *-chunk variant is asked
 # pdp: the isolation engine behind a second proxy (:8068) with the isolation proxy's own
 # arguments and --admission-prefill-tokens P1_TOKENS (2048: two active tenants' share is 1,024
 # tokens, so the batch tenant prefills one prompt at a time while chat is active)
@@ -83,9 +83,10 @@ P1_TOKENS=${P1_TOKENS:-2048}
 declare -A P1_ARGS=([pdp]="--admission-prefill-tokens $P1_TOKENS"
                     [pdcp]="--admission-prefill-tokens $P1_TOKENS"
                     [pdo]="--admission-interactive-first off")
-# the -chunk engine's inventory: h200x1-isolation-chunk (--long-prefill-token-threshold 1024)
-# or h200x1-isolation-step (a 2,048-token step as well)
-INV_CHUNK=${INV_CHUNK:-inventory/h200x1-isolation-chunk}
+# the -chunk engine's inventory: h200x1-isolation-longstep (vLLM's 8,192-token step: the
+# default stack of isolation runs 2-5), -chunk (--long-prefill-token-threshold 1024), -step
+# (2,048-token steps, 1,024-token chunks)
+INV_CHUNK=${INV_CHUNK:-inventory/h200x1-isolation-longstep}
 # the variants (data): name, stack, batch beside chat (- none, else a multiple of CAP)
 VARIANT_TABLE=(
   "chat-alone pd -"
@@ -112,13 +113,7 @@ if [ ! -f "$W/results/machine.txt" ]; then
   } > "$W/results/machine.txt" 2>&1
 fi
 
-# the stack's engine is inventory/h200x1's (same command, :8160): when gpu/run_ceiling.sh left
-# it running, only this inventory's proxy is started (no engine start: ~170 s saved)
-if [ -f "$W/state/launched-iso" ] || ! http_get "${ENGINE[pd]}/health" > /dev/null; then
-  gpu_launch iso "$INV" engine-0,proxy --secrets-env "$GPU_SECRETS" "${GPU_SUPERVISE[@]}"
-else
-  gpu_launch iso "$INV" proxy --secrets-env "$GPU_SECRETS"
-fi
+gpu_launch iso "$INV" engine-0,proxy --secrets-env "$GPU_SECRETS" "${GPU_SUPERVISE[@]}"
 case " $VARIANTS " in *" vllm-"*)
   if [ -f "$W/state/launched-v" ] || ! http_get "${ENGINE[vllm]}/health" > /dev/null; then
     gpu_launch v inventory/h200x1-vllm engine-0 "${GPU_SUPERVISE[@]}" "${GPU_STOCK[@]}"
@@ -207,9 +202,9 @@ PYEOF
 done
 [ $pending = 1 ] && { log "variants left for the next call"; exit 0; }
 log "all variants done"
-# its launches stopped (each only if this driver started it), but KEEP's: "iso v" leaves the
-# isolation engine (:8160, inventory/h200x1's command) and vLLM (:8170) up for
-# gpu/run_ceiling.sh, which reuses an engine it finds up (isoc is always stopped: GPU memory)
+# its launches stopped (each only if this driver started it), but KEEP's: "v" leaves vLLM
+# (:8170) up for gpu/run_ceiling.sh, which reuses an engine it finds up (isoc is always
+# stopped: GPU memory)
 stop_unless_kept() { case " ${KEEP-} " in *" $1 "*) log "$1 kept running" ;; *) gpu_stop "$1" "$2" ;; esac; }
 stop_unless_kept iso "$INV"; stop_unless_kept v inventory/h200x1-vllm
 gpu_stop isoc "$INV_CHUNK"

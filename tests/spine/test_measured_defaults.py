@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdstack.plan import admission_max_running, engine_priority, make_plan
+from pdstack.plan import TENANT_STEP_ARGS, admission_max_running, engine_priority, make_plan
 from pdstack.topology import load_topology
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,3 +136,48 @@ def test_nixl_engines_on_gpus_get_cuda_ipc_get(inventory: str, want: dict[str, s
         if s.kind == "engine" and "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" in s.env
     }
     assert got == want
+
+
+def engine_commands(plan) -> dict[str, list[str]]:
+    return {
+        s.role or s.name: s.command
+        for n in plan.nodes.values() for s in n.services if s.kind == "engine"
+    }
+
+
+def has_step(cmd: list[str]) -> bool:
+    i = cmd.index(TENANT_STEP_ARGS[0]) if TENANT_STEP_ARGS[0] in cmd else -1
+    return i >= 0 and tuple(cmd[i:i + len(TENANT_STEP_ARGS)]) == TENANT_STEP_ARGS
+
+
+BATCH_TENANTS = {"chat": {}, "batch": {"priority": "batch"}}
+
+
+def test_a_batch_tenant_gives_gpu_engines_that_prefill_the_short_step(tmp_path: Path) -> None:
+    """Issue 37: with a ``batch`` tenant, colocated and prefill engines on GPUs take 1,024-token
+    steps with 256-token chunks; decoders, CPU engines, stacks without a batch tenant and
+    engines whose own extra_args set either flag do not."""
+    assert TENANT_STEP_ARGS == (
+        "--max-num-batched-tokens", "1024", "--long-prefill-token-threshold", "256")
+    assert has_step(engine_commands(plan_of("h200x1-isolation"))["colocated"])
+    assert not has_step(engine_commands(plan_of("h200x1"))["colocated"])
+    interactive_only = with_vars(tmp_path / "i", "h200x1", pdstack_tenants={"a": {}, "b": {}})
+    assert not has_step(engine_commands(plan_of(interactive_only))["colocated"])
+    pd = with_vars(tmp_path / "pd", "h200x1-nixl", pdstack_tenants=BATCH_TENANTS)
+    cmds = engine_commands(plan_of(pd))
+    assert has_step(cmds["prefill"]) and not has_step(cmds["decode"])
+    cpu = with_vars(tmp_path / "cpu", "local-cpu", pdstack_tenants=BATCH_TENANTS)
+    assert not any(TENANT_STEP_ARGS[0] in c for c in engine_commands(plan_of(cpu)).values())
+    # the opt-out: the engine's own flag, in either spelling, and nothing of the planner's
+    for i, own in enumerate([["--max-num-batched-tokens", "8192"],
+                             ["--long-prefill-token-threshold=0"]]):
+        inv = engine_args(tmp_path / f"own{i}", own, [])
+        data = yaml.safe_load((inv / "group_vars" / "all.yml").read_text())
+        data["pdstack_tenants"] = BATCH_TENANTS
+        (inv / "group_vars" / "all.yml").write_text(yaml.safe_dump(data))
+        prefill = engine_commands(plan_of(inv))["prefill"]
+        assert not has_step(prefill)
+        assert prefill.count("--max-num-batched-tokens") == (i == 0)
+    longstep = engine_commands(plan_of("h200x1-isolation-longstep"))["colocated"]
+    assert longstep[longstep.index("--max-num-batched-tokens") + 1] == "8192"
+    assert "--long-prefill-token-threshold" not in longstep
