@@ -563,7 +563,10 @@ def tenant_step_args(topo: Topology, eng: EngineSpec) -> list[str]:
     args = [*d.model.extra_args, *eng.extra_args]
     if any(_flag_values(args, flag) for flag in TENANT_STEP_ARGS[::2]):
         return []
-    return list(TENANT_STEP_ARGS)
+    # vLLM refuses a step smaller than --max-num-seqs (its default, 1,024 on an H200, is not)
+    seqs = [int(v) for v in _flag_values(args, "--max-num-seqs") if v.isdigit()]
+    step = max(int(TENANT_STEP_ARGS[1]), *seqs[-1:])
+    return [TENANT_STEP_ARGS[0], str(step), *TENANT_STEP_ARGS[2:]]
 
 
 def engine_priority(topo: Topology) -> bool:

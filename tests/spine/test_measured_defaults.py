@@ -178,6 +178,13 @@ def test_a_batch_tenant_gives_gpu_engines_that_prefill_the_short_step(tmp_path: 
         prefill = engine_commands(plan_of(inv))["prefill"]
         assert not has_step(prefill)
         assert prefill.count("--max-num-batched-tokens") == (i == 0)
+    # vLLM refuses a step below --max-num-seqs: the step grows to it
+    inv = engine_args(tmp_path / "seqs", ["--max-num-seqs", "2048"], [])
+    data = yaml.safe_load((inv / "group_vars" / "all.yml").read_text())
+    data["pdstack_tenants"] = BATCH_TENANTS
+    (inv / "group_vars" / "all.yml").write_text(yaml.safe_dump(data))
+    prefill = engine_commands(plan_of(inv))["prefill"]
+    assert prefill[prefill.index("--max-num-batched-tokens") + 1] == "2048"
     longstep = engine_commands(plan_of("h200x1-isolation-longstep"))["colocated"]
     assert longstep[longstep.index("--max-num-batched-tokens") + 1] == "8192"
     assert "--long-prefill-token-threshold" not in longstep
