@@ -565,7 +565,7 @@ def tenant_step_args(topo: Topology, eng: EngineSpec) -> list[str]:
         return []
     # vLLM refuses a step smaller than --max-num-seqs (its default, 1,024 on an H200, is not)
     seqs = [int(v) for v in _flag_values(args, "--max-num-seqs") if v.isdigit()]
-    step = max(int(TENANT_STEP_ARGS[1]), *seqs[-1:])
+    step = max([int(TENANT_STEP_ARGS[1]), *seqs[-1:]])
     return [TENANT_STEP_ARGS[0], str(step), *TENANT_STEP_ARGS[2:]]
 
 
