@@ -113,7 +113,11 @@ if [ ! -f "$W/results/machine.txt" ]; then
   } > "$W/results/machine.txt" 2>&1
 fi
 
-gpu_launch iso "$INV" engine-0,proxy --secrets-env "$GPU_SECRETS" "${GPU_SUPERVISE[@]}"
+# the isolation stack starts only for its own variants (on a card that holds one engine, e.g.
+# an H100, the vllm-* variants run in a call of their own: W=/tmp/pdiso-v BATCH_CAP=N)
+need_iso=0
+for v in $VARIANTS; do case $v in vllm-*|*-chunk|*-chunk-p1) ;; *) need_iso=1 ;; esac; done
+[ $need_iso = 1 ] && gpu_launch iso "$INV" engine-0,proxy --secrets-env "$GPU_SECRETS" "${GPU_SUPERVISE[@]}"
 case " $VARIANTS " in *" vllm-"*)
   if [ -f "$W/state/launched-v" ] || ! http_get "${ENGINE[vllm]}/health" > /dev/null; then
     gpu_launch v inventory/h200x1-vllm engine-0 "${GPU_SUPERVISE[@]}" "${GPU_STOCK[@]}"
@@ -122,7 +126,7 @@ esac
 case " $VARIANTS " in *"-chunk "*|*"-chunk-p1 "*)
   gpu_launch isoc "$INV_CHUNK" engine-0,proxy --secrets-env "$GPU_SECRETS" "${GPU_SUPERVISE[@]}" ;;
 esac
-gpu_wait_up iso || exit 1
+[ $need_iso = 1 ] && { gpu_wait_up iso || exit 1; }
 # the -chunk engine is waited for by its first variant (the others run while it starts)
 up_chunk() {
   [ -f "$W/state/launched-isoc" ] && [ -n "${ENGINE[pdc]}" ] || return 0
