@@ -9,9 +9,11 @@
 #   2. a 0600 secrets file with a random key for tenants chat and batch (PDSTACK_TENANT_KEYS);
 #      the bench reads them from PDSTACK_BENCH_KEY_CHAT / _BATCH (never argv)
 #   3. `pdstack launch` inventory/h200x1-isolation (the default one-GPU stack, 10 GiB KV on
-#      GPU 0, chat interactive + batch priority batch, so the planner gives the engine its short
-#      step; :8200 + proxy :8066) and vLLM with its defaults (inventory/h200x1-vllm :8170, reused
-#      when gpu/run_ceiling.sh left it running: KEEP=v)
+#      GPU 0, chat interactive + batch priority batch; :8160 + proxy :8066) and vLLM with its
+#      defaults (inventory/h200x1-vllm :8170). Both engines are the ones gpu/run_ceiling.sh
+#      leaves running (KEEP="v p"): then only the isolation proxy starts. Each starts only when
+#      a variant needs it (on an H100, which holds one engine, the vllm-* variants run in a call
+#      of their own: W=/tmp/pdiso-v BATCH_CAP=N)
 #   4. VARIANTS (data, priority order), one under load at a time, each on a quiet engine with
 #      its own vLLM cache_salt; chat and batch are two `pdstack bench --tenant` runs started
 #      together (each tenant its own workload: the bench gives all of one run's tenants the
@@ -20,9 +22,10 @@
 #        batch unique 4-6 k-token prompts, answers 64-256 tokens, at a multiple of CAP
 #      batch-alone runs first: BATCH_RATES (or BATCH_CAP alone); CAP = its highest served
 #      req/s (the batch tenant's throughput yardstick)
+#      batch-alone-chunk: the same on the -chunk engine, whose variants then take its own CAP
 #      *-chunk variants (chat-alone-chunk over-chunk flood-chunk batch-alone-chunk): the same on
-#      INV_CHUNK's engine (:8190 + :8067; h200x1-isolation-longstep: vLLM's own 8,192-token
-#      step, the default stack before stop 50)
+#      INV_CHUNK's engine (:8190 + :8067; h200x1-isolation-short: pdstack_tenant_short_step,
+#      vLLM --max-num-batched-tokens 1024 --long-prefill-token-threshold 256)
 #      *-p1 variants (over-p1 flood-p1): the same engine behind a proxy with a small prefill
 #      budget (--admission-prefill-tokens P1_TOKENS, :8068): batch prefills one prompt at a time
 #      *-nofirst variants (over-nofirst flood-nofirst): the same engine behind a proxy with
@@ -56,7 +59,7 @@ gpu_start isolation /tmp/pdiso "${1:-}" || exit 1
 # ISO_INV / PD_PORTS (ENGINE:PROXY) put another inventory in the plain stack's place, e.g. on a
 # card that holds one engine: ISO_INV=inventory/h200x1-isolation-step PD_PORTS=8190:8067
 INV=${ISO_INV:-inventory/h200x1-isolation}
-PD_PORTS=${PD_PORTS:-8200:8066}
+PD_PORTS=${PD_PORTS:-8160:8066}
 gpu_tenant_keys chat batch
 CHAT=(--system-prompts 4 --system-len 2000 --shared-share 1 --user-len uniform:32:128 --output-len 64)
 BATCH=(--system-prompts 1 --shared-share 0 --system-len uniform:4096:6144 --user-len uniform:64:256
@@ -83,10 +86,9 @@ P1_TOKENS=${P1_TOKENS:-2048}
 declare -A P1_ARGS=([pdp]="--admission-prefill-tokens $P1_TOKENS"
                     [pdcp]="--admission-prefill-tokens $P1_TOKENS"
                     [pdo]="--admission-interactive-first off")
-# the -chunk engine's inventory: h200x1-isolation-longstep (vLLM's 8,192-token step: the
-# default stack of isolation runs 2-5), -chunk (--long-prefill-token-threshold 1024), -step
-# (2,048-token steps, 1,024-token chunks)
-INV_CHUNK=${INV_CHUNK:-inventory/h200x1-isolation-longstep}
+# the -chunk engine's inventory: h200x1-isolation-short (1,024-token steps, 256-token chunks),
+# -chunk (--long-prefill-token-threshold 1024), -step (2,048-token steps, 1,024-token chunks)
+INV_CHUNK=${INV_CHUNK:-inventory/h200x1-isolation-short}
 # the variants (data): name, stack, batch beside chat (- none, else a multiple of CAP)
 VARIANT_TABLE=(
   "chat-alone pd -"
@@ -113,11 +115,17 @@ if [ ! -f "$W/results/machine.txt" ]; then
   } > "$W/results/machine.txt" 2>&1
 fi
 
-# the isolation stack starts only for its own variants (on a card that holds one engine, e.g.
-# an H100, the vllm-* variants run in a call of their own: W=/tmp/pdiso-v BATCH_CAP=N)
+# the isolation stack starts only for its own variants. Its engine is inventory/h200x1's (same
+# command, :8160): when gpu/run_ceiling.sh left it running, only this inventory's proxy is
+# started (no engine start: ~170 s saved)
 need_iso=0
 for v in $VARIANTS; do case $v in vllm-*|*-chunk|*-chunk-p1) ;; *) need_iso=1 ;; esac; done
-[ $need_iso = 1 ] && gpu_launch iso "$INV" engine-0,proxy --secrets-env "$GPU_SECRETS" "${GPU_SUPERVISE[@]}"
+if [ $need_iso = 0 ]; then :
+elif [ -f "$W/state/launched-iso" ] || ! http_get "${ENGINE[pd]}/health" > /dev/null; then
+  gpu_launch iso "$INV" engine-0,proxy --secrets-env "$GPU_SECRETS" "${GPU_SUPERVISE[@]}"
+else
+  gpu_launch iso "$INV" proxy --secrets-env "$GPU_SECRETS"
+fi
 case " $VARIANTS " in *" vllm-"*)
   if [ -f "$W/state/launched-v" ] || ! http_get "${ENGINE[vllm]}/health" > /dev/null; then
     gpu_launch v inventory/h200x1-vllm engine-0 "${GPU_SUPERVISE[@]}" "${GPU_STOCK[@]}"
@@ -134,8 +142,11 @@ up_chunk() {
 }
 [ -f "$W/state/launched-v" ] && { gpu_wait_up v || ENGINE[vllm]=""; }
 
-cap() {  # the batch tenant's capacity, req/s: BATCH_CAP, else what batch-alone served
-  if [ -n "$BATCH_CAP" ]; then echo "$BATCH_CAP"; else cat "$W/state/cap" 2>/dev/null; fi
+cap() {  # the batch tenant's capacity on STACK's engine, req/s: BATCH_CAP, else what that
+  # engine's batch-alone served (pdc/pdcp: batch-alone-chunk's when it ran, else batch-alone's)
+  local f="$W/state/cap"
+  case ${1:-pd} in pdc|pdcp) [ -f "$W/state/cap-pdc" ] && f="$W/state/cap-pdc" ;; esac
+  if [ -n "$BATCH_CAP" ]; then echo "$BATCH_CAP"; else cat "$f" 2>/dev/null; fi
 }
 times() { python3 -c "import sys; print(max(1, round(float(sys.argv[1]) * float(sys.argv[2]))))" "$1" "$2"; }
 
@@ -149,8 +160,8 @@ pair() {  # NAME STACK BATCH: chat (and batch) at once; 3 when it does not fit n
   local metrics=(--metrics-url "$engine/metrics") ok=1 brate="" bpid=""
   [ "$target" != "$engine" ] && metrics+=(--metrics-url "$target/metrics")
   if [ "$mult" != - ]; then
-    [ -n "$(cap)" ] || { log "no CAP (batch-alone) yet: $name waits"; return 3; }
-    brate=$(times "$(cap)" "$mult")
+    [ -n "$(cap "$st")" ] || { log "no CAP (batch-alone) yet: $name waits"; return 3; }
+    brate=$(times "$(cap "$st")" "$mult")
   fi
   local p1=${P1_PROXY[$st]:-}  # "NAME LAUNCH": its own proxy, up only during its sweeps
   if [ -n "$p1" ]; then
@@ -175,29 +186,26 @@ pair() {  # NAME STACK BATCH: chat (and batch) at once; 3 when it does not fit n
 
 pending=0
 for v in $VARIANTS; do
-  if [ "$v" = batch-alone-chunk ]; then  # the batch tenant's throughput with the chunking
-    up_chunk
-    [ -n "${ENGINE[pdc]}" ] || { log "no engine for $v"; continue; }
-    gpu_sweep "$v" "${ENGINE[pdc]}" "${TARGET[pdc]}" "${BATCH_CAP:-$BATCH_RATES}" \
-      $((DURATION * 2 / 3)) --tenant batch:1 "${BATCH[@]}" || pending=1
-    continue
-  fi
-  if [ "$v" = batch-alone ]; then
-    rates=${BATCH_CAP:-$BATCH_RATES}
-    gpu_sweep batch-alone "${ENGINE[pd]}" "${TARGET[pd]}" "$rates" $((DURATION * 2 / 3)) \
-      --tenant batch:1 "${BATCH[@]}" || { pending=1; break; }  # the others need CAP
-    if [ ! -f "$W/results/batch-alone.json" ]; then  # BATCH_CAP set: the others go on
-      [ -n "$BATCH_CAP" ] && continue
+  case $v in batch-alone|batch-alone-chunk)  # the batch tenant's throughput yardstick: CAP
+    st=pd capf="$W/state/cap"
+    [ "$v" = batch-alone-chunk ] && { st=pdc capf="$W/state/cap-pdc"; up_chunk; }
+    [ -n "${ENGINE[$st]}" ] || { log "no engine for $v"; continue; }
+    if ! gpu_sweep "$v" "${ENGINE[$st]}" "${TARGET[$st]}" "${BATCH_CAP:-$BATCH_RATES}" \
+        $((DURATION * 2 / 3)) --tenant batch:1 "${BATCH[@]}"; then
+      pending=1; [ $st = pd ] && break; continue  # the plain variants need CAP
+    fi
+    if [ ! -f "$W/results/$v.json" ]; then  # BATCH_CAP set (or the -chunk one): the others go on
+      { [ -n "$BATCH_CAP" ] || [ $st = pdc ]; } && continue
       log "no batch-alone.json: no CAP"; break
     fi
-    [ -f "$W/state/cap" ] || { python3 - "$W/results/batch-alone.json" > "$W/state/cap" <<'PYEOF'
+    [ -f "$capf" ] || { python3 - "$W/results/$v.json" > "$capf" <<'PYEOF'
 import json, sys
 rs = json.load(open(sys.argv[1]))["results"]
 print(max(1, round(max(r.get("request_throughput") or 0 for r in rs))))
 PYEOF
-      log "CAP $(cap) req/s"; }
-    continue
-  fi
+      log "CAP $(cap "$st") req/s ($v)"; }
+    continue ;;
+  esac
   row=""
   for r in "${VARIANT_TABLE[@]}"; do [ "${r%% *}" = "$v" ] && row=$r; done
   [ -n "$row" ] || { log "unknown variant $v"; continue; }
@@ -206,9 +214,9 @@ PYEOF
 done
 [ $pending = 1 ] && { log "variants left for the next call"; exit 0; }
 log "all variants done"
-# its launches stopped (each only if this driver started it), but KEEP's: "v" leaves vLLM
-# (:8170) up for gpu/run_ceiling.sh, which reuses an engine it finds up (isoc is always
-# stopped: GPU memory)
+# its launches stopped (each only if this driver started it), but KEEP's: "iso v" leaves the
+# isolation engine (:8160, inventory/h200x1's command) and vLLM (:8170) up for
+# gpu/run_ceiling.sh, which reuses an engine it finds up (isoc is always stopped: GPU memory)
 stop_unless_kept() { case " ${KEEP-} " in *" $1 "*) log "$1 kept running" ;; *) gpu_stop "$1" "$2" ;; esac; }
 stop_unless_kept iso "$INV"; stop_unless_kept v inventory/h200x1-vllm
 gpu_stop isoc "$INV_CHUNK"

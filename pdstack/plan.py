@@ -542,20 +542,23 @@ def admission_max_running(topo: Topology) -> int:
     return min((v for v in limits if v), default=0)
 
 
-# Issue 37: with a batch tenant, a GPU engine that prefills takes short steps. A chat prompt
-# that arrives mid-step waits for a step of at most 1,024 tokens, in which a batch prompt
-# computes at most 256 (vLLM 0.26.0's defaults on an H100/H200: 8,192-token steps, a whole
-# prompt in one; one 4-6 k-token batch prompt made a step ~80 ms, isolation run 4).
+# Issue 37 (``pdstack_tenant_short_step``): with a batch tenant, a GPU engine that prefills takes
+# short steps. A chat prompt that arrives mid-step waits for a step of at most 1,024 tokens, in
+# which a batch prompt computes at most 256 (vLLM 0.26.0's defaults on an H100/H200: 8,192-token
+# steps, a whole prompt in one; one 4-6 k-token batch prompt made a step ~80 ms, isolation run
+# 4). Off by default: on a GPU only the 2,048 / 1,024 step ran so far, and did not help.
 TENANT_STEP_ARGS = ("--max-num-batched-tokens", "1024", "--long-prefill-token-threshold", "256")
 
 
 def tenant_step_args(topo: Topology, eng: EngineSpec) -> list[str]:
     """The short engine step (:data:`TENANT_STEP_ARGS`) for a GPU engine that prefills
-    (colocated or prefill) when ``pdstack_tenants`` has a ``batch`` tenant; nothing when the
-    model's or the engine's ``extra_args`` set either flag (theirs win: the opt-out)."""
+    (colocated or prefill) when ``pdstack_tenant_short_step`` is on and ``pdstack_tenants`` has a
+    ``batch`` tenant; nothing when the model's or the engine's ``extra_args`` set either flag
+    (theirs win)."""
     d = topo.deployment
     if (
-        d.profile != "gpu"
+        not d.tenant_short_step
+        or d.profile != "gpu"
         or eng.role == "decode"
         or not any(t.priority == "batch" for t in topo.tenants.values())
     ):

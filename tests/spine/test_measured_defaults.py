@@ -153,38 +153,45 @@ def has_step(cmd: list[str]) -> bool:
 BATCH_TENANTS = {"chat": {}, "batch": {"priority": "batch"}}
 
 
-def test_a_batch_tenant_gives_gpu_engines_that_prefill_the_short_step(tmp_path: Path) -> None:
-    """Issue 37: with a ``batch`` tenant, colocated and prefill engines on GPUs take 1,024-token
-    steps with 256-token chunks; decoders, CPU engines, stacks without a batch tenant and
-    engines whose own extra_args set either flag do not."""
+def short_step_vars(inv: Path) -> Path:
+    """The inventory with a batch tenant and ``pdstack_tenant_short_step: true``."""
+    path = inv / "group_vars" / "all.yml"
+    data = yaml.safe_load(path.read_text())
+    data |= {"pdstack_tenants": BATCH_TENANTS, "pdstack_tenant_short_step": True}
+    path.write_text(yaml.safe_dump(data))
+    return inv
+
+
+def test_the_short_step_goes_to_gpu_engines_that_prefill_beside_a_batch_tenant(
+    tmp_path: Path,
+) -> None:
+    """Issue 37's ``pdstack_tenant_short_step`` (off by default): with a ``batch`` tenant,
+    colocated and prefill engines on GPUs take 1,024-token steps with 256-token chunks;
+    decoders, CPU engines, stacks without a batch tenant or without the switch, and engines
+    whose own extra_args set either flag do not."""
     assert TENANT_STEP_ARGS == (
         "--max-num-batched-tokens", "1024", "--long-prefill-token-threshold", "256")
-    assert has_step(engine_commands(plan_of("h200x1-isolation"))["colocated"])
-    assert not has_step(engine_commands(plan_of("h200x1"))["colocated"])
-    interactive_only = with_vars(tmp_path / "i", "h200x1", pdstack_tenants={"a": {}, "b": {}})
+    assert has_step(engine_commands(plan_of("h200x1-isolation-short"))["colocated"])
+    # off by default: the isolation stack (a batch tenant, no switch) keeps vLLM's step
+    assert not any(
+        TENANT_STEP_ARGS[0] in c for c in engine_commands(plan_of("h200x1-isolation")).values())
+    interactive_only = short_step_vars(with_vars(tmp_path / "i", "h200x1"))
+    data = yaml.safe_load((interactive_only / "group_vars" / "all.yml").read_text())
+    data["pdstack_tenants"] = {"a": {}, "b": {}}
+    (interactive_only / "group_vars" / "all.yml").write_text(yaml.safe_dump(data))
     assert not has_step(engine_commands(plan_of(interactive_only))["colocated"])
-    pd = with_vars(tmp_path / "pd", "h200x1-nixl", pdstack_tenants=BATCH_TENANTS)
-    cmds = engine_commands(plan_of(pd))
+    cmds = engine_commands(plan_of(short_step_vars(with_vars(tmp_path / "pd", "h200x1-nixl"))))
     assert has_step(cmds["prefill"]) and not has_step(cmds["decode"])
-    cpu = with_vars(tmp_path / "cpu", "local-cpu", pdstack_tenants=BATCH_TENANTS)
+    cpu = short_step_vars(with_vars(tmp_path / "cpu", "local-cpu"))
     assert not any(TENANT_STEP_ARGS[0] in c for c in engine_commands(plan_of(cpu)).values())
-    # the opt-out: the engine's own flag, in either spelling, and nothing of the planner's
+    # the engine's own flag, in either spelling, wins, and the planner adds nothing
     for i, own in enumerate([["--max-num-batched-tokens", "8192"],
                              ["--long-prefill-token-threshold=0"]]):
-        inv = engine_args(tmp_path / f"own{i}", own, [])
-        data = yaml.safe_load((inv / "group_vars" / "all.yml").read_text())
-        data["pdstack_tenants"] = BATCH_TENANTS
-        (inv / "group_vars" / "all.yml").write_text(yaml.safe_dump(data))
-        prefill = engine_commands(plan_of(inv))["prefill"]
+        prefill = engine_commands(plan_of(short_step_vars(
+            engine_args(tmp_path / f"own{i}", own, []))))["prefill"]
         assert not has_step(prefill)
         assert prefill.count("--max-num-batched-tokens") == (i == 0)
     # vLLM refuses a step below --max-num-seqs: the step grows to it
-    inv = engine_args(tmp_path / "seqs", ["--max-num-seqs", "2048"], [])
-    data = yaml.safe_load((inv / "group_vars" / "all.yml").read_text())
-    data["pdstack_tenants"] = BATCH_TENANTS
-    (inv / "group_vars" / "all.yml").write_text(yaml.safe_dump(data))
-    prefill = engine_commands(plan_of(inv))["prefill"]
+    prefill = engine_commands(plan_of(short_step_vars(
+        engine_args(tmp_path / "seqs", ["--max-num-seqs", "2048"], []))))["prefill"]
     assert prefill[prefill.index("--max-num-batched-tokens") + 1] == "2048"
-    longstep = engine_commands(plan_of("h200x1-isolation-longstep"))["colocated"]
-    assert longstep[longstep.index("--max-num-batched-tokens") + 1] == "8192"
-    assert "--long-prefill-token-threshold" not in longstep
