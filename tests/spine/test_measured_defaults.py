@@ -64,10 +64,10 @@ def test_explicit_admission_wins_over_the_profile_default(tmp_path: Path) -> Non
     assert proxy_admission_args(plan_of(on))[:2] == ["--admission", "kv"]
 
 
-def engine_args(tmp_path: Path, prefill: list[str], decode: list[str]) -> Path:
+def engine_args(tmp_path: Path, prefill: list[str], decode: list[str], **extra) -> Path:
     """h200x1-nixl (an H200: vLLM's defaults run 512 at most in CUDA graphs) with
-    per-engine extra_args."""
-    inv = with_vars(tmp_path, "h200x1-nixl")
+    per-engine extra_args (and ``extra`` group vars)."""
+    inv = with_vars(tmp_path, "h200x1-nixl", **extra)
     hosts_file = inv / "hosts.yml"
     hosts = yaml.safe_load(hosts_file.read_text())
     node = hosts["all"]["children"]["pdstack_nodes"]["hosts"]["h200"]
@@ -150,16 +150,9 @@ def has_step(cmd: list[str]) -> bool:
     return i >= 0 and tuple(cmd[i:i + len(TENANT_STEP_ARGS)]) == TENANT_STEP_ARGS
 
 
-BATCH_TENANTS = {"chat": {}, "batch": {"priority": "batch"}}
-
-
-def short_step_vars(inv: Path) -> Path:
-    """The inventory with a batch tenant and ``pdstack_tenant_short_step: true``."""
-    path = inv / "group_vars" / "all.yml"
-    data = yaml.safe_load(path.read_text())
-    data |= {"pdstack_tenants": BATCH_TENANTS, "pdstack_tenant_short_step": True}
-    path.write_text(yaml.safe_dump(data))
-    return inv
+# a batch tenant and the switch on
+SHORT_STEP = {"pdstack_tenants": {"chat": {}, "batch": {"priority": "batch"}},
+              "pdstack_tenant_short_step": True}
 
 
 def test_the_short_step_goes_to_gpu_engines_that_prefill_beside_a_batch_tenant(
@@ -175,23 +168,21 @@ def test_the_short_step_goes_to_gpu_engines_that_prefill_beside_a_batch_tenant(
     # off by default: the isolation stack (a batch tenant, no switch) keeps vLLM's step
     assert not any(
         TENANT_STEP_ARGS[0] in c for c in engine_commands(plan_of("h200x1-isolation")).values())
-    interactive_only = short_step_vars(with_vars(tmp_path / "i", "h200x1"))
-    data = yaml.safe_load((interactive_only / "group_vars" / "all.yml").read_text())
-    data["pdstack_tenants"] = {"a": {}, "b": {}}
-    (interactive_only / "group_vars" / "all.yml").write_text(yaml.safe_dump(data))
+    interactive_only = with_vars(tmp_path / "i", "h200x1", **{
+        **SHORT_STEP, "pdstack_tenants": {"a": {}, "b": {}}})
     assert not has_step(engine_commands(plan_of(interactive_only))["colocated"])
-    cmds = engine_commands(plan_of(short_step_vars(with_vars(tmp_path / "pd", "h200x1-nixl"))))
+    cmds = engine_commands(plan_of(with_vars(tmp_path / "pd", "h200x1-nixl", **SHORT_STEP)))
     assert has_step(cmds["prefill"]) and not has_step(cmds["decode"])
-    cpu = short_step_vars(with_vars(tmp_path / "cpu", "local-cpu"))
+    cpu = with_vars(tmp_path / "cpu", "local-cpu", **SHORT_STEP)
     assert not any(TENANT_STEP_ARGS[0] in c for c in engine_commands(plan_of(cpu)).values())
     # the engine's own flag, in either spelling, wins, and the planner adds nothing
     for i, own in enumerate([["--max-num-batched-tokens", "8192"],
                              ["--long-prefill-token-threshold=0"]]):
-        prefill = engine_commands(plan_of(short_step_vars(
-            engine_args(tmp_path / f"own{i}", own, []))))["prefill"]
+        prefill = engine_commands(plan_of(
+            engine_args(tmp_path / f"own{i}", own, [], **SHORT_STEP)))["prefill"]
         assert not has_step(prefill)
         assert prefill.count("--max-num-batched-tokens") == (i == 0)
     # vLLM refuses a step below --max-num-seqs: the step grows to it
-    prefill = engine_commands(plan_of(short_step_vars(
-        engine_args(tmp_path / "seqs", ["--max-num-seqs", "2048"], []))))["prefill"]
+    prefill = engine_commands(plan_of(
+        engine_args(tmp_path / "seqs", ["--max-num-seqs", "2048"], [], **SHORT_STEP)))["prefill"]
     assert prefill[prefill.index("--max-num-batched-tokens") + 1] == "2048"
