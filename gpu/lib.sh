@@ -214,6 +214,13 @@ gpu_fits() {
   log "left $(left)s < ${est}s for $1: not now"
   return 1
 }
+# gpu_facts: the card, its clocks and power now, the CPU (two H100 calls of one day served the
+# same sweep at 24 vs 19 req/s, ITL 8 vs 18 ms: ceiling run 6; these say which host was slow)
+GPU_CLOCKS=clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,temperature.gpu,pstate,clocks_throttle_reasons.active
+gpu_facts() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version,$GPU_CLOCKS --format=csv
+  lscpu 2>/dev/null | grep -m1 'Model name'
+}
 # gpu_bench NAME TARGET RATES DURATION ARGS...: one `pdstack bench` (seed 1, cold caches: the
 # sweep's own vLLM cache_salt) into results/NAME.json; 0 when the JSON is there
 gpu_bench() {
@@ -221,8 +228,13 @@ gpu_bench() {
   python3 -m pdstack.cli bench --target "$target" --token-ids --model "${GPU_MODEL:-deepseek-v2-lite}" \
     "$@" --rates "$rates" --duration "$dur" --warmup "$WARMUP" --drain-timeout "${DRAIN:-30}" \
     --seed 1 --gpus 1 --request-timeout 120 --cache-salt "$GPU_TAG-$name" --label "$name" \
-    --output "$W/results/$name.json" --no-progress > "$W/logs/bench-$name.out" 2>&1
+    --output "$W/results/$name.json" --no-progress > "$W/logs/bench-$name.out" 2>&1 &
+  local bench=$!  # the card's clocks under load, every 5 s (results/clocks-NAME.csv)
+  nvidia-smi --query-gpu=timestamp,$GPU_CLOCKS --format=csv -l 5 > "$W/results/clocks-$name.csv" 2>&1 &
+  local clocks=$!
+  wait "$bench"
   local rc=$?
+  kill "$clocks" 2>/dev/null; wait "$clocks" 2>/dev/null
   tail -12 "$W/logs/bench-$name.out" | tee -a "$W/run.log"
   log "bench $name rc=$rc"
   [ -f "$W/results/$name.json" ]

@@ -78,7 +78,7 @@ declare -A WL_ARGS=([mt]="${GPU_MT[*]}" [turn]="--scenario multi-turn" [seed]="-
 
 if [ ! -f "$W/results/machine.txt" ]; then
   { echo "# h200x1-ceiling machine facts, $(date -u +%FT%TZ)"; uname -a; nproc; free -g
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    gpu_facts
     python3 -c "from importlib.metadata import version as v; print('vllm', v('vllm'))"
     echo "old proxy: $OLD_REV's pdstack from $OLD_PDSTACK"
   } > "$W/results/machine.txt" 2>&1

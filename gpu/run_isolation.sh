@@ -24,8 +24,8 @@
 #      req/s (the batch tenant's throughput yardstick)
 #      batch-alone-chunk: the same on the -chunk engine, whose variants then take its own CAP
 #      *-chunk variants (chat-alone-chunk over-chunk flood-chunk batch-alone-chunk): the same on
-#      INV_CHUNK's engine (:8190 + :8067; h200x1-isolation-short: pdstack_tenant_short_step,
-#      vLLM --max-num-batched-tokens 1024 --long-prefill-token-threshold 256)
+#      INV_CHUNK's engine (:8190 + :8067; h200x1-isolation-step: vLLM --max-num-batched-tokens
+#      2048 --long-prefill-token-threshold 1024)
 #      *-p1 variants (over-p1 flood-p1): the same engine behind a proxy with a small prefill
 #      budget (--admission-prefill-tokens P1_TOKENS, :8068): batch prefills one prompt at a time
 #      *-nofirst variants (over-nofirst flood-nofirst): the same engine behind a proxy with
@@ -86,9 +86,10 @@ P1_TOKENS=${P1_TOKENS:-2048}
 declare -A P1_ARGS=([pdp]="--admission-prefill-tokens $P1_TOKENS"
                     [pdcp]="--admission-prefill-tokens $P1_TOKENS"
                     [pdo]="--admission-interactive-first off")
-# the -chunk engine's inventory: h200x1-isolation-short (1,024-token steps, 256-token chunks),
-# -chunk (--long-prefill-token-threshold 1024), -step (2,048-token steps, 1,024-token chunks)
-INV_CHUNK=${INV_CHUNK:-inventory/h200x1-isolation-short}
+# the -chunk engine's inventory: h200x1-isolation-step (2,048-token steps, 1,024-token chunks),
+# or -chunk (--long-prefill-token-threshold 1024). 1,024-token steps with 256-token chunks
+# (isolation run 6, H100): chat P99 170x alone under the flood, batch capacity halved
+INV_CHUNK=${INV_CHUNK:-inventory/h200x1-isolation-step}
 # the variants (data): name, stack, batch beside chat (- none, else a multiple of CAP)
 VARIANT_TABLE=(
   "chat-alone pd -"
@@ -110,7 +111,7 @@ VARIANT_TABLE=(
 
 if [ ! -f "$W/results/machine.txt" ]; then
   { echo "# h200x1-isolation machine facts, $(date -u +%FT%TZ)"; uname -a; nproc; free -g
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    gpu_facts
     echo "ulimit -n $(ulimit -n)"
   } > "$W/results/machine.txt" 2>&1
 fi

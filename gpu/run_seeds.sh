@@ -72,7 +72,7 @@ YARDSTICK=http://127.0.0.1:8310   # inventory/h200x1-seed-colocated's engine-0
 
 if [ ! -f "$W/results/machine.txt" ]; then
   { echo "# h200x1-seeds machine facts, $(date -u +%FT%TZ)"; uname -a; nproc; free -g
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    gpu_facts
     for l in "${LAUNCHES[@]}"; do
       read -r _ inv _ <<< "$l"; echo "== $inv"
       "${PD[@]}" plan -i "$inv" --json | "$PY" -c "import json,sys; p=json.load(sys.stdin); \

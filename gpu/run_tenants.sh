@@ -49,7 +49,7 @@ gpu_tenant_keys alpha beta
 
 if [ ! -f "$W/results/machine.txt" ]; then
   { echo "# h200x1-tenants machine facts, $(date -u +%FT%TZ)"; uname -a; nproc; free -g
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    gpu_facts
     echo "ulimit -n $(ulimit -n)"
     "${PD[@]}" plan -i "$INV" --json | "$PY" -c \
       "import json,sys; p=json.load(sys.stdin); [print(s['name'], ' '.join(s['command'])) for n in p['nodes'].values() for s in n['services']]"

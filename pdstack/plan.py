@@ -25,7 +25,6 @@ from pdstack.ports import lmcache_push as _push
 from pdstack.ports import uses_nixl as _uses_nixl
 from pdstack.topology import (
     DeploymentSpec,
-    EngineSpec,
     NodeSpec,
     TenantSpec,
     Topology,
@@ -429,7 +428,7 @@ def _engine_service(
         cmd += ["--kv-transfer-config", json.dumps(ktc, separators=(",", ":"))]
     if d.observability.otlp_traces_endpoint:
         cmd += ["--otlp-traces-endpoint", d.observability.otlp_traces_endpoint]
-    cmd += [*tenant_step_args(topo, eng), *m.extra_args, *eng.extra_args]
+    cmd += [*m.extra_args, *eng.extra_args]
 
     env, tmpfs = _engine_env(topo, node, index, name, proxy_addr)
     service_ports = {"http": http}
@@ -540,36 +539,6 @@ def admission_max_running(topo: Topology) -> int:
         if eng.role != "prefill"
     ]
     return min((v for v in limits if v), default=0)
-
-
-# Issue 37 (``pdstack_tenant_short_step``): with a batch tenant, a GPU engine that prefills takes
-# short steps. A chat prompt that arrives mid-step waits for a step of at most 1,024 tokens, in
-# which a batch prompt computes at most 256 (vLLM 0.26.0's defaults on an H100/H200: 8,192-token
-# steps, a whole prompt in one; one 4-6 k-token batch prompt made a step ~80 ms, isolation run
-# 4). Off by default: on a GPU only the 2,048 / 1,024 step ran so far, and did not help.
-TENANT_STEP_ARGS = ("--max-num-batched-tokens", "1024", "--long-prefill-token-threshold", "256")
-
-
-def tenant_step_args(topo: Topology, eng: EngineSpec) -> list[str]:
-    """The short engine step (:data:`TENANT_STEP_ARGS`) for a GPU engine that prefills
-    (colocated or prefill) when ``pdstack_tenant_short_step`` is on and ``pdstack_tenants`` has a
-    ``batch`` tenant; nothing when the model's or the engine's ``extra_args`` set either flag
-    (theirs win)."""
-    d = topo.deployment
-    if (
-        not d.tenant_short_step
-        or d.profile != "gpu"
-        or eng.role == "decode"
-        or not any(t.priority == "batch" for t in topo.tenants.values())
-    ):
-        return []
-    args = [*d.model.extra_args, *eng.extra_args]
-    if any(_flag_values(args, flag) for flag in TENANT_STEP_ARGS[::2]):
-        return []
-    # vLLM refuses a step smaller than --max-num-seqs (its default, 1,024 on an H200, is not)
-    seqs = [int(v) for v in _flag_values(args, "--max-num-seqs") if v.isdigit()]
-    step = max([int(TENANT_STEP_ARGS[1]), *seqs[-1:]])
-    return [TENANT_STEP_ARGS[0], str(step), *TENANT_STEP_ARGS[2:]]
 
 
 def engine_priority(topo: Topology) -> bool:

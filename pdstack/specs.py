@@ -162,9 +162,6 @@ class DeploymentSpec(_Strict):
     # OffloadingConnector ``store_threshold``; < 2 stores every new full block): unique
     # prompts then cost the tier no store. Unset: vLLM's default (0)
     kv_tier_store_threshold: int | None = Field(default=None, ge=0)
-    # with a batch tenant, GPU engines that prefill take the short step (plan.TENANT_STEP_ARGS;
-    # issue 37). Off until a GPU run measures it against vLLM's own step
-    tenant_short_step: bool = False
     monitoring: bool = False
     observability: ObservabilitySpec = ObservabilitySpec()
 

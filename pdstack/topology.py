@@ -190,7 +190,6 @@ def _deployment(allvars: dict[str, Any], inv: Path, gorigin: dict[str, str], gv_
         "kv_tier": allvars.get("pdstack_kv_tier"),
         "kv_tier_size_gb": allvars.get("pdstack_kv_tier_size_gb"),
         "kv_tier_store_threshold": allvars.get("pdstack_kv_tier_store_threshold"),
-        "tenant_short_step": allvars.get("pdstack_tenant_short_step"),
         "monitoring": allvars.get("pdstack_monitoring", False),
         "observability": allvars.get("pdstack_observability", {}),
     }

@@ -17,6 +17,12 @@ _ADMISSION = (
         metavar="RATIO",
     ),
     Flag(
+        "preempt_caution_s",
+        "after an engine preempts, count every request's whole output at once there (no "
+        "credit for requests ending first) for this long; 0 = never (default %(default)s)",
+        metavar="S",
+    ),
+    Flag(
         "output_tokens",
         "a request's expected output, at most its max_tokens (default %(default)s)",
         metavar="N",
@@ -60,6 +66,7 @@ _ADMISSION = (
 # float flags that must lie in [lo, hi]; int flags that must be >= 0
 _ADMISSION_RANGES = {
     "kv_high": (0.05, 1.0),
+    "preempt_caution_s": (0.0, 3600.0),
     "scrape_interval_s": (0.01, 10.0),
     "scrape_idle_interval_s": (0.01, 60.0),
     "queue_timeout_s": (0.0, 3600.0),

@@ -37,9 +37,11 @@ the gate itself):
   does not hold; an engine with nothing of the proxy's in flight is always open (a
   request larger than the watermark still runs).
 
-The engine's waiting and running gauges and its preemption counter are read for the
-metrics (why it holds what it holds), not for decisions: a waiting queue that is
-non-zero for one step is no reason to hold a request the engine schedules next step.
+The engine's waiting and running gauges are read for the metrics (why it holds what it
+holds), not for decisions: a waiting queue that is non-zero for one step is no reason to
+hold a request the engine schedules next step. Its preemption counter is the correction of
+the path itself: an engine that preempted within ``preempt_caution_s`` is judged with every
+output counted at once (:meth:`EngineLoad.cautious`; the hold's reason ``kv_preempting``).
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ OPEN_IDLE = "idle"  # nothing of the proxy's on the engine
 OPEN_FITS = "fits"  # projected KV within the watermark
 OPEN_UNKNOWN = "no_capacity"  # capacity not known: not judged
 HELD_KV = "kv_full"  # would push the engine past the watermark (into preemption)
+# fits on the output path but not with every output counted at once, and the engine
+# preempted within ``preempt_caution_s``: the path was optimistic for it (:meth:`cautious`)
+HELD_PREEMPTING = "kv_preempting"
 HELD_RUNNING = "running_cap"  # the engine runs all it can at once (it would queue there)
 HELD_QUEUE = "behind_queue"  # earlier requests wait: it goes behind them (fair order)
 HELD_SHARE = "tenant_share"  # its tenant holds its share of the engines (.shares)
@@ -113,6 +118,8 @@ class EngineLoad:
     waiting: float = 0.0  # read for the metrics only
     running: float = 0.0
     preemptions: float = 0.0
+    preemptions_read: bool = False  # a scrape has read the counter (its first read: a base)
+    preempted_at: float = -math.inf  # monotonic start of the last scrape that saw it rise
     scraped_at: float = 0.0  # monotonic time the last good scrape started
     requests: dict[str, InFlight] = field(default_factory=dict)
     blocks: dict[int, Block] = field(default_factory=dict)  # hash -> its holders
@@ -207,6 +214,23 @@ class EngineLoad:
         else:
             self.fresh -= r.own + r.output
         return True
+
+    def saw_preemptions(self, count: float, started: float) -> None:
+        """A scrape that began at ``started`` read the engine's preemption counter: a rise
+        since the last read means the engine preempted (its first read is only a base; a
+        lower count is a restart)."""
+        if self.preemptions_read and count > self.preemptions:
+            self.preempted_at = started
+        self.preemptions, self.preemptions_read = count, True
+
+    def cautious(self, now: float, window_s: float) -> bool:
+        """The engine preempted within ``window_s`` of ``now``: the output path
+        (:func:`peak_growth`) was optimistic for it, so the gate counts every output at
+        once there (:meth:`upper`) until the window passes. One H100 near its knee
+        (results/h200x1-ceiling/run6-h100, many-tenants at 20 / 24 req/s, both orders):
+        the path let 168-453 preemptions through and TTFT P99 reached 3.2-5.5 s where
+        counting every output at once had 0 and 1.0-2.9 s."""
+        return now - self.preempted_at < window_s
 
     def adds(self, prompt: int, blocks: tuple[int, ...], block_tokens: float) -> float:
         """The prompt KV a new request (``prompt`` tokens, its ``blocks``) would add here:
@@ -448,7 +472,8 @@ async def scrape(
     usage = values["kv_usage"]
     load.waiting = values.get("waiting", 0.0)
     load.running = values.get("running", 0.0)
-    load.preemptions = values.get("preemptions", load.preemptions)
+    if "preemptions" in values:
+        load.saw_preemptions(values["preemptions"], started)
     usage = usage / 100.0 if usage > 1.0 else usage
     load.rebase(
         usage, int(values.get("capacity_tokens", 0)), started, streamed, values.get("waiting")

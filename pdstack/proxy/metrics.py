@@ -282,6 +282,8 @@ _ENGINE_GAUGES = (
     ("requests_waiting", "requests waiting in the engine, as the gate last read"),
     ("requests_running", "requests running in the engine, as the gate last read"),
     ("preemptions", "the engine's preemptions so far, as the gate last read"),
+    ("preempt_caution", "1 while the gate counts every output at once on the engine: it "
+     "preempted within the last preempt_caution_s"),
     ("kv_capacity_tokens", "the engine's KV capacity in tokens"),
     ("projected_tokens", "KV tokens the gate projects the engine will hold for what it has"),
     ("proxy_requests", "the proxy's requests on the engine (sent or held for it)"),
@@ -299,6 +301,7 @@ def _engine_gauges(a: Any) -> Iterator[Any]:
         values = {
             "kv_usage": load.kv_usage, "requests_waiting": load.waiting,
             "requests_running": load.running, "preemptions": load.preemptions,
+            "preempt_caution": float(load.cautious(now, a.config.preempt_caution_s)),
             "kv_capacity_tokens": load.capacity_tokens,
             "projected_tokens": load.projected(fresh), "proxy_requests": load.active,
         }  # fmt: skip

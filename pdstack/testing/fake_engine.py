@@ -52,8 +52,9 @@ Endpoints
   ``kv_capacity_tokens`` set, also the gauges KV-aware admission reads:
   ``vllm:cache_config_info{num_gpu_blocks, block_size="16"} 1``,
   ``vllm:kv_cache_usage_perc`` = (running requests' prompt tokens + ``kv_held_tokens``)
-  / capacity, capped at 1, and ``vllm:num_requests_waiting`` = ``num_waiting``; tests set
-  ``kv_held_tokens`` (KV "held by other requests") and ``num_waiting`` at any time.
+  / capacity, capped at 1, ``vllm:num_requests_waiting`` = ``num_waiting`` and
+  ``vllm:num_preemptions_total`` = ``num_preemptions``; tests set ``kv_held_tokens`` (KV
+  "held by other requests"), ``num_waiting`` and ``num_preemptions`` at any time.
 - ``GET /fake/requests`` (JSON list of what it saw; header names lower-cased),
   ``DELETE /fake/requests``,
   ``GET /fake/faults``, ``PUT /fake/faults`` (JSON body = ``Faults`` fields;
@@ -280,6 +281,7 @@ class FakeEngine:
         self.kv_capacity_tokens = kv_capacity_tokens
         self.kv_held_tokens = 0
         self.num_waiting = 0
+        self.num_preemptions = 0
         self.running_prompt_tokens = 0
         self.metrics_reads = 0  # GET /metrics answered (tests count a scraper's rate)
         # a fixed capacity (vLLM's --max-num-seqs): more requests wait, FIFO, in the engine
@@ -490,6 +492,7 @@ class FakeEngine:
                 f'vllm:cache_config_info{{block_size="16",engine="0",num_gpu_blocks="{blocks}"}} 1',
                 f"vllm:kv_cache_usage_perc{{{lbl}}} {min(1.0, used)}",
                 f"vllm:num_requests_waiting{{{lbl}}} {self.num_waiting}",
+                f"vllm:num_preemptions_total{{{lbl}}} {self.num_preemptions}",
             ]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 

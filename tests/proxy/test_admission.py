@@ -898,3 +898,56 @@ def test_a_request_past_its_expected_output_frees_nothing_on_the_path() -> None:
     assert gate.check(engine, 50, 100, request_id="c") == (False, "kv_full")  # 950 > 850
     gate.release(engine, "long")  # it ended: what it held is free
     assert gate.check(engine, 50, 100, request_id="c") == (True, "fits")
+
+
+def test_after_a_preemption_the_gate_counts_every_output_at_once() -> None:
+    """The output path credits the requests ending first; an engine that preempted anyway
+    shows it was optimistic there (one H100 near its knee: 168-453 preemptions on the
+    path, 0 counting every output at once). For ``preempt_caution_s`` after the counter
+    rises, a request that fits only on the path waits (``kv_preempting``); then the path
+    decides again. The counter's first read is a base, and a lower count (a restart) is
+    no preemption."""
+    gate, engine, load = _two_running(("a", "b"), 95, 0.695)  # a: 5 tokens from its end
+    gate.config.preempt_caution_s = 30.0
+    assert gate.check(engine, 50, 100, request_id="c") == (True, "fits")  # on the path
+    now = time.monotonic()
+    load.saw_preemptions(7, now)  # the first read: a base, not a preemption
+    assert gate.check(engine, 50, 100, request_id="c") == (True, "fits")
+    load.saw_preemptions(9, now)
+    assert gate.check(engine, 50, 100, request_id="c") == (False, "kv_preempting")
+    assert gate.check(engine, 10, 10, request_id="d") == (True, "fits"), "fits either way"
+    gate.config.preempt_caution_s = 0.0  # off: the path always
+    assert gate.check(engine, 50, 100, request_id="c") == (True, "fits")
+    gate.config.preempt_caution_s = 30.0
+    load.preempted_at = now - 31.0  # the window passed
+    assert gate.check(engine, 50, 100, request_id="c") == (True, "fits")
+    load.saw_preemptions(2, now)  # the engine restarted: its counter starts again
+    assert gate.check(engine, 50, 100, request_id="c") == (True, "fits")
+    load.saw_preemptions(3, now)
+    assert gate.check(engine, 50, 100, request_id="c") == (False, "kv_preempting")
+
+
+async def test_the_gate_reads_preemptions_from_the_engine_and_shows_its_caution() -> None:
+    """The scrape reads vLLM's ``vllm:num_preemptions_total``; a rise puts the engine in
+    caution, which ``pdstack_proxy_engine_preempt_caution`` shows (1) until it passes."""
+    async with ph.engines("e0", kv_capacity_tokens=CAPACITY, output_tokens=4) as e:
+        eng = e["e0"]
+        eng.num_preemptions = 4  # from before the proxy started: not a preemption now
+        config = admission(preempt_caution_s=HOUR)
+        async with (
+            ph.running_proxy(colocated("e0", e=e), admission=config) as rp,
+            hanging(rp, eng, "a"),
+        ):
+            await ph.until(
+                lambda: (load := load_of(rp, "e0")) is not None and load.preemptions == 4,
+                "the counter read",
+            )
+            metrics = await rp.metrics()
+            assert ph.metric_value(
+                metrics, "pdstack_proxy_engine_preempt_caution", backend="e0"
+            ) == 0
+            eng.num_preemptions = 6
+            await ph.until(lambda: load_of(rp, "e0").preemptions == 6, "the rise read")
+            metrics = await rp.metrics()
+    assert ph.metric_value(metrics, "pdstack_proxy_engine_preempt_caution", backend="e0") == 1
+    assert ph.metric_value(metrics, "pdstack_proxy_engine_preemptions", backend="e0") == 6
