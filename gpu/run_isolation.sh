@@ -30,6 +30,11 @@
 #      budget (--admission-prefill-tokens P1_TOKENS, :8068): batch prefills one prompt at a time
 #      *-nofirst variants (over-nofirst flood-nofirst): the same engine behind a proxy with
 #      --admission-interactive-first off (:8070): the A/B of interactive first
+#      *-split variants (over-split flood-split): two engines on the one GPU (an H200 holds
+#      both): chat on the isolation stack's, the batch tenant on INV_CHUNK's, each through its
+#      own proxy; with INV_CHUNK=inventory/h200x1-isolation-split (a plain second engine, its
+#      CAP from batch-alone-chunk) they ask whether the card interleaves chat with batch
+#      prefill better than one engine's steps do
 #   5. when every variant is done: its engines stopped; pack results + logs into
 #      $OUT/results.tar.gz (always)
 #
@@ -74,11 +79,17 @@ BATCH=(--system-prompts 1 --shared-share 0 --system-len uniform:4096:6144 --user
 # --admission-prefill-tokens P1_TOKENS (*-chunk-p1 variants)
 # pdo: the isolation engine behind a second proxy (:8070) with --admission-interactive-first
 # off (*-nofirst variants: the proxy before interactive first, same run)
+# pds: two engines on the one GPU, chat on the isolation stack's, the batch tenant on INV_CHUNK's
+# (*-split variants with INV_CHUNK=inventory/h200x1-isolation-split: a plain second engine)
 declare -A ENGINE=([pd]=http://127.0.0.1:${PD_PORTS%:*} [vllm]=http://127.0.0.1:8170
                    [pdc]=http://127.0.0.1:8190 [pdp]=http://127.0.0.1:${PD_PORTS%:*}
-                   [pdcp]=http://127.0.0.1:8190 [pdo]=http://127.0.0.1:${PD_PORTS%:*})
+                   [pdcp]=http://127.0.0.1:8190 [pdo]=http://127.0.0.1:${PD_PORTS%:*}
+                   [pds]=http://127.0.0.1:${PD_PORTS%:*})
 declare -A TARGET=([pd]=http://127.0.0.1:${PD_PORTS#*:} [vllm]=http://127.0.0.1:8170 [pdc]=http://127.0.0.1:8067
-                   [pdp]=http://127.0.0.1:8068 [pdcp]=http://127.0.0.1:8069 [pdo]=http://127.0.0.1:8070)
+                   [pdp]=http://127.0.0.1:8068 [pdcp]=http://127.0.0.1:8069 [pdo]=http://127.0.0.1:8070
+                   [pds]=http://127.0.0.1:${PD_PORTS#*:})
+# the stacks whose batch tenant goes elsewhere than chat: the stack it goes to (its CAP too)
+declare -A BATCH_TO=([pds]=pdc)
 # the stacks whose proxy is a second one of a launch's (pdp, pdcp, pdo): its name and the
 # launch whose proxy arguments it takes (its port is the stack's TARGET), and what it adds
 declare -A P1_PROXY=([pdp]="p1 iso" [pdcp]="p1c isoc" [pdo]="nofirst iso")
@@ -107,6 +118,8 @@ VARIANT_TABLE=(
   "flood-chunk-p1 pdcp $FLOOD_X"
   "over-nofirst pdo $OVER_X"
   "flood-nofirst pdo $FLOOD_X"
+  "over-split pds $OVER_X"
+  "flood-split pds $FLOOD_X"
 )
 
 if [ ! -f "$W/results/machine.txt" ]; then
@@ -132,7 +145,7 @@ case " $VARIANTS " in *" vllm-"*)
     gpu_launch v inventory/h200x1-vllm engine-0 "${GPU_SUPERVISE[@]}" "${GPU_STOCK[@]}"
   fi ;;
 esac
-case " $VARIANTS " in *"-chunk "*|*"-chunk-p1 "*)
+case " $VARIANTS " in *"-chunk "*|*"-chunk-p1 "*|*"-split "*)
   gpu_launch isoc "$INV_CHUNK" engine-0,proxy --secrets-env "$GPU_SECRETS" "${GPU_SUPERVISE[@]}" ;;
 esac
 [ $need_iso = 1 ] && { gpu_wait_up iso || exit 1; }
@@ -144,9 +157,9 @@ up_chunk() {
 [ -f "$W/state/launched-v" ] && { gpu_wait_up v || ENGINE[vllm]=""; }
 
 cap() {  # the batch tenant's capacity on STACK's engine, req/s: BATCH_CAP, else what that
-  # engine's batch-alone served (pdc/pdcp: batch-alone-chunk's when it ran, else batch-alone's)
+  # engine's batch-alone served (pdc/pdcp/pds: batch-alone-chunk's when it ran, else batch-alone's)
   local f="$W/state/cap"
-  case ${1:-pd} in pdc|pdcp) [ -f "$W/state/cap-pdc" ] && f="$W/state/cap-pdc" ;; esac
+  case ${1:-pd} in pdc|pdcp|pds) [ -f "$W/state/cap-pdc" ] && f="$W/state/cap-pdc" ;; esac
   if [ -n "$BATCH_CAP" ]; then echo "$BATCH_CAP"; else cat "$f" 2>/dev/null; fi
 }
 times() { python3 -c "import sys; print(max(1, round(float(sys.argv[1]) * float(sys.argv[2]))))" "$1" "$2"; }
@@ -154,12 +167,15 @@ times() { python3 -c "import sys; print(max(1, round(float(sys.argv[1]) * float(
 pair() {  # NAME STACK BATCH: chat (and batch) at once; 3 when it does not fit now
   local name=$1 st=$2 mult=$3
   [ -f "$W/state/swept-$name" ] || [ -f "$W/state/failed-$name" ] && return 0
-  case $st in pdc|pdcp) up_chunk ;; esac
-  local engine=${ENGINE[$st]} target=${TARGET[$st]}
-  [ -n "$engine" ] || { log "no engine for $name"; touch "$W/state/failed-$name"; return 0; }
+  case $st in pdc|pdcp|pds) up_chunk ;; esac
+  local engine=${ENGINE[$st]} target=${TARGET[$st]} bst=${BATCH_TO[$st]:-$st}
+  [ -n "$engine" ] && [ -n "${ENGINE[$bst]}" ] \
+    || { log "no engine for $name"; touch "$W/state/failed-$name"; return 0; }
   gpu_fits "$name" 1 "$DURATION" || return 3
   local metrics=(--metrics-url "$engine/metrics") ok=1 brate="" bpid=""
   [ "$target" != "$engine" ] && metrics+=(--metrics-url "$target/metrics")
+  local bmetrics=(--metrics-url "${ENGINE[$bst]}/metrics")
+  [ "${TARGET[$bst]}" != "${ENGINE[$bst]}" ] && bmetrics+=(--metrics-url "${TARGET[$bst]}/metrics")
   if [ "$mult" != - ]; then
     [ -n "$(cap "$st")" ] || { log "no CAP (batch-alone) yet: $name waits"; return 3; }
     brate=$(times "$(cap "$st")" "$mult")
@@ -171,9 +187,10 @@ pair() {  # NAME STACK BATCH: chat (and batch) at once; 3 when it does not fit n
       || { log "no proxy for $name"; touch "$W/state/failed-$name"; return 0; }
   fi
   gpu_quiesce "$engine"
-  log "$name via $target: chat $CHAT_RATE req/s, batch ${brate:-none} req/s"
+  [ "$bst" != "$st" ] && gpu_quiesce "${ENGINE[$bst]}"
+  log "$name via $target: chat $CHAT_RATE req/s, batch ${brate:-none} req/s via ${TARGET[$bst]}"
   if [ -n "$brate" ]; then
-    gpu_bench "$name-batch" "$target" "$brate" "$DURATION" "${metrics[@]}" --tenant batch:1 \
+    gpu_bench "$name-batch" "${TARGET[$bst]}" "$brate" "$DURATION" "${bmetrics[@]}" --tenant batch:1 \
       "${BATCH[@]}" &
     bpid=$!
   fi

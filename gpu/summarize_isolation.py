@@ -10,7 +10,9 @@ Acceptance (issue 37) against ``--alone`` (chat alone on the same stack) and
 ``--batch-alone`` (the batch tenant alone at capacity): ``flood*``: chat P99 <= 3x alone,
 P50 <= 2x, every chat request served; ``over*``: chat P99 <= 2x alone; batch under a flood
 served >= 50 % of alone, no 5xx. A ``-chunk`` variant (another engine) is judged against
-``chat-alone-chunk`` / ``batch-alone-chunk`` when those ran; each check names its yardsticks.
+``chat-alone-chunk`` / ``batch-alone-chunk`` when those ran, a ``-split`` one (the batch tenant
+on a second engine) against ``chat-alone`` / ``batch-alone-chunk``; each check names its
+yardsticks.
 """
 
 from __future__ import annotations
@@ -94,17 +96,20 @@ def main() -> int:
     by_name = {r["name"]: r for r in rows}
     # each variant against the alone runs of its own engine (a -chunk variant against
     # chat-alone-chunk / batch-alone-chunk when those ran), else the plain ones
+    # (a -split variant: chat on the plain engine, the batch tenant alone on the second one,
+    # batch-alone-chunk)
     yardsticks = {}
-    for suffix in ("", "-chunk"):
-        b_name = a.batch_alone + suffix
+    for suffix, chat_suffix in (("", ""), ("-chunk", "-chunk"), ("-split", "")):
+        b_name = a.batch_alone + ("-chunk" if suffix else "")
         batch_alone = result(a.dir / f"{b_name}.json")
         if batch_alone is None:
             b_name, batch_alone = a.batch_alone, result(a.dir / f"{a.batch_alone}.json")
-        yardsticks[suffix] = (by_name.get(a.alone + suffix) or by_name.get(a.alone), b_name,
-                              batch_alone)
+        yardsticks[suffix] = (by_name.get(a.alone + chat_suffix) or by_name.get(a.alone),
+                              b_name, batch_alone)
     checks: dict[str, Any] = {}
     for r in rows:
-        alone, b_name, batch_alone = yardsticks["-chunk" if "-chunk" in r["name"] else ""]
+        kind = next((k for k in ("-chunk", "-split") if k in r["name"]), "")
+        alone, b_name, batch_alone = yardsticks[kind]
         if alone is None:
             continue
         if r["name"].startswith("flood"):
