@@ -762,6 +762,12 @@ def test_admission_flags_new_and_removed() -> None:
     args = parser.parse_args(["proxy", "--admission-output-tokens", "-1"])
     with pytest.raises(SystemExit, match="--admission-output-tokens must be >= 0"):
         cli.admission_from_args(args)
+    assert config.preempt_caution_s == 30.0
+    args = parser.parse_args(["proxy", "--admission-preempt-caution", "0"])
+    assert cli.admission_from_args(args).preempt_caution_s == 0.0
+    args = parser.parse_args(["proxy", "--admission-preempt-caution", "-1"])
+    with pytest.raises(SystemExit, match=r"--admission-preempt-caution must be within \[0, 3600\]"):
+        cli.admission_from_args(args)
 
 
 
