@@ -12,8 +12,9 @@ Shares of the engine (issue 37): while several tenants are active (a request of 
 in flight, or one arrived within ``ACTIVE_WINDOW_S``: a tenant at 4 req/s stays active
 between its requests), each may hold at most its weight's share of the engine:
 - running requests: ``share x running capacity`` (the engines' running cap), at least 1;
-- prompt tokens being prefilled (admitted, no first byte yet, for at most
-  ``PREFILL_MAX_S``: a non-streaming answer's first byte is its last):
+- prompt tokens being prefilled (admitted, no first byte yet: a streaming answer's prefill
+  ends at its first byte, however long it waits for it in the engine's queue; a
+  non-streaming answer's first byte is its last, so it counts for ``PREFILL_MAX_S``):
   ``share x prefill budget``; a tenant with nothing in prefill may always send one
   request, however long. A request counts the tokens the engine has to compute, not its
   whole prompt (:meth:`pdstack.proxy.admission.KvAdmission.to_prefill`): counted whole, a
@@ -48,7 +49,12 @@ from dataclasses import dataclass
 
 COST_EWMA = 0.2  # weight of the newest request in a tenant's average engine seconds
 ACTIVE_WINDOW_S = 5.0  # a tenant with a request this recent counts as active
-PREFILL_MAX_S = 2.0  # a request admitted longer ago counts as prefilled, first byte or not
+PREFILL_MAX_S = 2.0  # a non-streaming request admitted longer ago counts as prefilled
+# a streaming request counts until its first byte, at most this long (a first byte lost). It
+# once left the count after PREFILL_MAX_S too: a flood's prompts that waited longer in the
+# engine's queue left it, the share let more in, the engine's waiting queue held 16-52
+# requests and chat waited behind them in it (isolation run 6: chat P99 11.6 s)
+PREFILL_STREAM_MAX_S = 60.0
 # a higher class's request in prefill holds a lower class's for at most this long from its
 # admission (a chat prefill under load: 30-200 ms on one H200)
 FIRST_HOLD_S = 0.5
@@ -147,11 +153,15 @@ class TenantLedger:
         self.prefill[r.tenant] = self.prefill.get(r.tenant, 0) - r.prompt
 
     def _expire(self, tenant: str) -> int:
-        """``tenant``'s prompt tokens in prefill now: its oldest requests (admitted over
-        PREFILL_MAX_S ago, landed or ended) leave the count (amortised O(1))."""
+        """``tenant``'s prompt tokens in prefill now: its oldest requests (landed or ended,
+        or admitted longer ago than their limit: PREFILL_MAX_S for a non-streaming one,
+        PREFILL_STREAM_MAX_S for a streaming one) leave the count (amortised O(1): a
+        non-streaming request behind a streaming one leaves with it or after it)."""
         queue = self._prefilling.get(tenant)
-        cutoff = time.monotonic() - PREFILL_MAX_S
-        while queue and (not queue[0].prefilling or queue[0].admitted < cutoff):
+        now = time.monotonic()
+        while queue and (not queue[0].prefilling or queue[0].admitted < now - (
+            PREFILL_STREAM_MAX_S if queue[0].holds_lower else PREFILL_MAX_S
+        )):
             r = queue.popleft()
             if r.prefilling:
                 self._prefilled(r)

@@ -78,13 +78,38 @@ def test_a_prompt_without_first_byte_counts_as_prefilled_after_a_while(
     ledger = TenantLedger(lambda tenant, delta: None)
     ledger.seen("a", 1.0)
     ledger.seen("b", 1.0)
-    ledger.start("a1", "a", 0.0, 3000)
+    ledger.start("a1", "a", 0.0, 3000, holds_lower=False)
     assert ledger.over_share("a", 2000, running_cap=0, prefill_cap=8000)  # 5000 > 4000
     monkeypatch.setattr(shares, "PREFILL_MAX_S", 0.0)
     time.sleep(0.01)
     assert not ledger.over_share("a", 2000, running_cap=0, prefill_cap=8000)
     assert ledger.prefill["a"] == 0 and ledger.count["a"] == 1
     assert ledger.end("a1") and ledger.count == {}
+
+
+def test_a_streaming_prompt_counts_until_its_first_byte_however_long_it_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A streaming answer's prefill ends at its first byte. Counted only PREFILL_MAX_S,
+    a flood's prompts that waited longer in the engine's queue left the count and the
+    share let more in: the engine's waiting queue held 16-52 requests and chat waited
+    behind them (isolation run 6). It leaves at its first byte, or after
+    PREFILL_STREAM_MAX_S (a first byte lost)."""
+    ledger = TenantLedger(lambda tenant, delta: None)
+    ledger.seen("a", 1.0)
+    ledger.seen("b", 1.0)
+    ledger.start("a1", "a", 0.0, 3000)  # streaming (holds_lower)
+    monkeypatch.setattr(shares, "PREFILL_MAX_S", 0.0)
+    time.sleep(0.01)
+    assert ledger.over_share("a", 2000, running_cap=0, prefill_cap=8000), "still in prefill"
+    assert ledger.prefill["a"] == 3000
+    assert ledger.landed("a1")
+    assert not ledger.over_share("a", 2000, running_cap=0, prefill_cap=8000)
+    ledger.start("a2", "a", 0.0, 3000)
+    monkeypatch.setattr(shares, "PREFILL_STREAM_MAX_S", 0.0)
+    time.sleep(0.01)
+    assert not ledger.over_share("a", 2000, running_cap=0, prefill_cap=8000), "lost: it left"
+    assert ledger.prefill["a"] == 0 and ledger.count["a"] == 2
 
 
 def _waiter(state: TenantState) -> Waiter:
@@ -195,6 +220,38 @@ async def test_a_flood_runs_at_its_share_while_another_is_active_and_alone_takes
                                timeout=10)
             finally:
                 for task in flood:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                        await task
+
+
+async def test_a_flood_that_waits_long_for_its_first_byte_keeps_to_its_prefill_share(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Prefill budget 2,000 tokens, two active tenants: the flood may have one ~1.8 k-token
+    prompt in prefill. Its first byte takes 3 s (an engine busy with long prefills); long
+    past PREFILL_MAX_S (the non-streaming limit) its next prompts still wait in the proxy,
+    not in the engine's queue where chat would wait behind them (isolation run 6)."""
+    monkeypatch.setattr(shares, "PREFILL_MAX_S", 0.1)
+    async with ph.engines("e0", ttft_ms=3000, output_tokens=1) as e:
+        eng = e["e0"]
+        cfg = {"api_keys": frozenset({QUIET, LOUD}),
+               "admission": AdmissionConfig(enabled=True, prefill_tokens=2000)}
+        async with ph.running_proxy(table(eng), **cfg) as rp:
+            tasks = [asyncio.create_task(_one(rp, QUIET))]  # the quiet tenant is active
+            await ph.until(lambda: len(eng.seen()) == 1, "the quiet request sent")
+            tasks += [
+                asyncio.create_task(
+                    _one(rp, LOUD, prompt=" ".join(f"f{n}w{i:03d}" for i in range(1000))))
+                for n in range(6)
+            ]
+            try:
+                await ph.until(lambda: len(eng.seen()) == 2, "the flood's first prompt sent")
+                await asyncio.sleep(0.8)  # 8x PREFILL_MAX_S, before its first byte
+                assert len(eng.seen()) == 2, "the flood's prompts went on to the engine"
+                assert rp.proxy.admission.held.get("tenant_share"), rp.proxy.admission.held
+            finally:
+                for task in tasks:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
                         await task

@@ -151,10 +151,9 @@ STEP_FLAGS = ("--max-num-batched-tokens", "--long-prefill-token-threshold")
 
 
 def test_a_batch_tenant_leaves_the_engine_step_to_vllm(tmp_path: Path) -> None:
-    """Issue 37: shorter engine steps beside a batch tenant measured worse on GPUs
-    (isolation run 3: 1,024-token chunks; run 6: 1,024-token steps with 256-token chunks,
-    chat TTFT P99 170x alone under the flood), so the planner adds no step flags for tenants:
-    vLLM's own step, or the user's extra_args verbatim."""
+    """Issue 37: shorter engine steps beside a batch tenant did not help on GPUs (isolation
+    runs 3 and 5: 1,024-token chunks, 2,048-token steps), so the planner adds no step flags
+    for tenants: vLLM's own step, or the user's extra_args verbatim."""
     for inv in ("h200x1-isolation", engine_args(tmp_path / "pd", [], [], **BATCH)):
         for cmd in engine_commands(plan_of(inv)).values():
             assert not any(f in cmd for f in STEP_FLAGS), cmd
