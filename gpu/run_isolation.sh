@@ -98,8 +98,9 @@ declare -A P1_ARGS=([pdp]="--admission-prefill-tokens $P1_TOKENS"
                     [pdcp]="--admission-prefill-tokens $P1_TOKENS"
                     [pdo]="--admission-interactive-first off")
 # the -chunk engine's inventory: h200x1-isolation-step (2,048-token steps, 1,024-token chunks),
-# or -chunk (--long-prefill-token-threshold 1024). 1,024-token steps with 256-token chunks
-# (isolation run 6, H100): chat P99 170x alone under the flood, batch capacity halved
+# or -chunk (--long-prefill-token-threshold 1024), or -split (a plain second engine: *-split).
+# 1,024-token steps with 256-token chunks ran once (isolation run 6, H100) and were not judged:
+# the prefill share's fault of that day (fixed since) filled the engine's queue
 INV_CHUNK=${INV_CHUNK:-inventory/h200x1-isolation-step}
 # the variants (data): name, stack, batch beside chat (- none, else a multiple of CAP)
 VARIANT_TABLE=(
@@ -162,6 +163,11 @@ cap() {  # the batch tenant's capacity on STACK's engine, req/s: BATCH_CAP, else
   case ${1:-pd} in pdc|pdcp|pds) [ -f "$W/state/cap-pdc" ] && f="$W/state/cap-pdc" ;; esac
   if [ -n "$BATCH_CAP" ]; then echo "$BATCH_CAP"; else cat "$f" 2>/dev/null; fi
 }
+metrics_of() {  # STACK: the bench's --metrics-url flags (its engine, and its proxy when another)
+  local out="--metrics-url ${ENGINE[$1]}/metrics"
+  [ "${TARGET[$1]}" = "${ENGINE[$1]}" ] || out+=" --metrics-url ${TARGET[$1]}/metrics"
+  echo "$out"
+}
 times() { python3 -c "import sys; print(max(1, round(float(sys.argv[1]) * float(sys.argv[2]))))" "$1" "$2"; }
 
 pair() {  # NAME STACK BATCH: chat (and batch) at once; 3 when it does not fit now
@@ -172,10 +178,9 @@ pair() {  # NAME STACK BATCH: chat (and batch) at once; 3 when it does not fit n
   [ -n "$engine" ] && [ -n "${ENGINE[$bst]}" ] \
     || { log "no engine for $name"; touch "$W/state/failed-$name"; return 0; }
   gpu_fits "$name" 1 "$DURATION" || return 3
-  local metrics=(--metrics-url "$engine/metrics") ok=1 brate="" bpid=""
-  [ "$target" != "$engine" ] && metrics+=(--metrics-url "$target/metrics")
-  local bmetrics=(--metrics-url "${ENGINE[$bst]}/metrics")
-  [ "${TARGET[$bst]}" != "${ENGINE[$bst]}" ] && bmetrics+=(--metrics-url "${TARGET[$bst]}/metrics")
+  local metrics bmetrics ok=1 brate="" bpid=""
+  read -ra metrics <<< "$(metrics_of "$st")"
+  read -ra bmetrics <<< "$(metrics_of "$bst")"
   if [ "$mult" != - ]; then
     [ -n "$(cap "$st")" ] || { log "no CAP (batch-alone) yet: $name waits"; return 3; }
     brate=$(times "$(cap "$st")" "$mult")

@@ -266,7 +266,8 @@ class KvAdmission:
             return False, kv_gate.HELD_RUNNING
         if load.capacity_tokens <= 0:
             return True, kv_gate.OPEN_UNKNOWN
-        fresh = time.monotonic() - load.scraped_at <= self.config.stale_after_s
+        now = time.monotonic()
+        fresh = now - load.scraped_at <= self.config.stale_after_s
         # room for the peak with it: the KV above its prompt's (its output is in the peak)
         room = self.config.kv_high * load.capacity_tokens - load.adds(
             tokens, *self._prompt(request_id, tokens)
@@ -275,7 +276,7 @@ class KvAdmission:
             return True, kv_gate.OPEN_FITS
         if load.projected(fresh, output) > room:
             return False, kv_gate.HELD_KV
-        if load.cautious(time.monotonic(), self.config.preempt_caution_s):
+        if load.cautious(now, self.config.preempt_caution_s):
             return False, kv_gate.HELD_PREEMPTING  # fits on the path, which preempted
         return True, kv_gate.OPEN_FITS
 
