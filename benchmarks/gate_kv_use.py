@@ -43,6 +43,9 @@ VARIANTS = {
     "off": ["--admission", "off"],
     "kv": ["--admission", "kv"],
     "kv97": ["--admission", "kv", "--admission-kv-high", "0.97"],
+    "kv90": ["--admission", "kv", "--admission-kv-high", "0.9"],
+    # the output path alone: no correction from the engine's preemption counter
+    "kv-path": ["--admission", "kv", "--admission-preempt-caution", "0"],
 }
 HELD = "pdstack_proxy_admission_held_total"
 
@@ -64,27 +67,29 @@ def row(out: Path, variant: str, rnd: int) -> dict[str, Any]:
         "waiting_mean": g.get("num_requests_waiting", {}).get("mean"),
         "held": held,
         "held_kv_full": pd.get(HELD + "{reason=kv_full}", 0.0),
+        "held_preempting": pd.get(HELD + "{reason=kv_preempting}", 0.0),
         "wait_s": pd.get("pdstack_proxy_admission_wait_seconds_total", 0.0),
     }
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("variant round  sent  served fail  TTFT p50    p99   E2E p50  preempt  KV peak  mean"
-            "  running  waiting  held (kv_full)  wait s")
+    head = ("variant   round  sent  served fail  TTFT p50    p99   E2E p50  preempt  KV peak  mean"
+            "  running  waiting  held (kv_full, kv_preempting)  wait s")
     lines = [head, "-" * len(head)]
 
     def f(v: Any, spec: str) -> str:
         return "-" if v is None else format(v, spec)
     for r in rows:
         lines.append(
-            f"{r['variant']:7} {r['round']:5} {r['sent']:5.1f} {r['served']:7.1f} {r['failed']:4} "
+            f"{r['variant']:9} {r['round']:5} {r['sent']:5.1f} {r['served']:7.1f} {r['failed']:4} "
             f"{f(r['ttft_p50_ms'], '9.0f')} {f(r['ttft_p99_ms'], '6.0f')} "
             f"{f(r['e2e_p50_ms'], '9.0f')} {f(r['preemptions'], '8.0f')} "
             f"{f(r['kv_peak'], '8.2f')} {f(r['kv_mean'], '5.2f')} {f(r['running_mean'], '8.1f')} "
-            f"{f(r['waiting_mean'], '8.1f')} {r['held']:6.0f} ({r['held_kv_full']:4.0f}) "
+            f"{f(r['waiting_mean'], '8.1f')} {r['held']:6.0f} ({r['held_kv_full']:4.0f}, "
+            f"{r.get('held_preempting', 0.0):4.0f}) "
             f"{r['wait_s']:7.1f}")
     lines.append("ms; served/sent req/s; KV usage of the engine (bench samples, 1 s); held: "
-                 "requests the proxy's gate queued (kv_full: the first of a queue)")
+                 "requests the proxy's gate queued (kv_full, kv_preempting: the first of a queue)")
     return "\n".join(lines)
 
 
@@ -103,11 +108,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", default="uniform:96:192", help="answers, tokens")
     p.add_argument("--before-rev", default="",
                    help="also run the proxy of this git revision (variant kv-before)")
+    p.add_argument("--variants", default="off,kv,kv97",
+                   help=f"comma-separated, of: {', '.join(VARIANTS)}")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    chosen = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in chosen if v not in VARIANTS]
+    if unknown:
+        print(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(VARIANTS)})",
+              file=sys.stderr)
+        return 2
     ve.require_venv()
     kv_bytes = str(args.kv_tokens * BYTES_PER_TOKEN)
     rows: list[dict[str, Any]] = []
@@ -125,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                               "url": eng.url}],
                 "pairings": [], "skip_prefill_threshold_tokens": 0}))
             ports = {}
-            variants = dict(VARIANTS)
+            variants = {v: VARIANTS[v] for v in chosen}
             env: dict[str, dict[str, str]] = {}
             if args.before_rev:
                 before = Path(tmp) / "before"
