@@ -13,15 +13,15 @@ gate's holds, per variant.
   .venv/bin/python benchmarks/gate_kv_use.py      # takes the heavy lock itself
   # results: benchmarks/results/gate_kv_use.json (+ .txt with the printed table)
   .venv/bin/python benchmarks/gate_kv_use.py --before-rev REV --label gate_kv_use_dedup
-  # adds the variant ``kv-before``: the proxy of git revision REV (a throw-away worktree),
-  # its 0.9 mark, in the same run (a before/after of the gate on the same engine)
+  # adds the variant ``kv-before``: the proxy of git revision REV (a throw-away worktree;
+  # --before-variants kv-path,off: REV's proxy with those variants' flags, NAME-before),
+  # in the same run (a before/after of the gate on the same engine)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -93,6 +93,19 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def python_of(tree: Path) -> list[str]:
+    """The venv's python running ``tree``'s pdstack package: ``-m`` puts the working
+    directory first on the path, so the proxy runs from ``tree`` (until stop 52 the
+    ``kv-before`` proxy ran from this checkout's directory with the old tree only on
+    PYTHONPATH, behind it: it was this checkout's code). Checked here, once."""
+    py = str(REPO / ".venv" / "bin" / "python")
+    where = subprocess.run([py, "-c", "import pdstack; print(pdstack.__file__)"], cwd=tree,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    if not Path(where).resolve().is_relative_to(tree.resolve()):
+        raise SystemExit(f"the proxy for {tree} would import pdstack from {where}")
+    return [py]
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cpu", default="1", help="the engine's cores (taskset list)")
@@ -108,6 +121,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", default="uniform:96:192", help="answers, tokens")
     p.add_argument("--before-rev", default="",
                    help="also run the proxy of this git revision (variant kv-before)")
+    p.add_argument("--before-variants", default="kv",
+                   help="with --before-rev: these variants of REV's proxy too (NAME-before)")
     p.add_argument("--variants", default="off,kv,kv97",
                    help=f"comma-separated, of: {', '.join(VARIANTS)}")
     return p.parse_args(argv)
@@ -116,7 +131,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     chosen = [v for v in args.variants.split(",") if v]
-    unknown = [v for v in chosen if v not in VARIANTS]
+    unknown = [v for v in chosen + args.before_variants.split(",") if v not in VARIANTS]
     if unknown:
         print(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(VARIANTS)})",
               file=sys.stderr)
@@ -139,21 +154,23 @@ def main(argv: list[str] | None = None) -> int:
                 "pairings": [], "skip_prefill_threshold_tokens": 0}))
             ports = {}
             variants = {v: VARIANTS[v] for v in chosen}
-            env: dict[str, dict[str, str]] = {}
+            code: dict[str, Path] = {}  # variant -> the tree whose pdstack its proxy runs
             if args.before_rev:
                 before = Path(tmp) / "before"
                 subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach",
                                 str(before), args.before_rev], check=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-                variants["kv-before"] = ["--admission", "kv"]
-                env["kv-before"] = {**os.environ, "PYTHONPATH": str(before)}
+                for v in args.before_variants.split(","):
+                    variants[f"{v}-before"] = VARIANTS[v]
+                    code[f"{v}-before"] = before
             for name, flags in variants.items():
                 ports[name] = ve.free_port()
                 proxies[name] = subprocess.Popen(
-                    [str(REPO / ".venv" / "bin" / "python"), "-m", "pdstack.cli", "proxy",
+                    [*python_of(code.get(name, REPO)), "-m", "pdstack.cli", "proxy",
                      "--backends", str(table_file), "--host", "127.0.0.1",
                      "--port", str(ports[name]), *flags],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env.get(name))
+                    stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                    cwd=code.get(name, REPO))
             time.sleep(3)
             for rnd in range(args.rounds):
                 order = list(variants) if rnd % 2 == 0 else list(reversed(variants))
