@@ -50,7 +50,8 @@ Endpoints
   ``vllm:prompt_tokens_by_source_total{source="local_compute"|"external_kv_transfer"}``,
   and ``fake_engine_requests_total`` (``metrics_reads`` counts the reads). With
   ``kv_capacity_tokens`` set, also the gauges KV-aware admission reads:
-  ``vllm:cache_config_info{num_gpu_blocks, block_size="16"} 1``,
+  ``vllm:cache_config_info{num_gpu_blocks, block_size} 1`` (``kv_block_size``: 1 unless a
+  test sets it -- the fake counts KV in tokens, not in vLLM's whole blocks),
   ``vllm:kv_cache_usage_perc`` = (running requests' prompt tokens + ``kv_held_tokens``)
   / capacity, capped at 1, ``vllm:num_requests_waiting`` = ``num_waiting`` and
   ``vllm:num_preemptions_total`` = ``num_preemptions``; tests set ``kv_held_tokens`` (KV
@@ -243,6 +244,7 @@ class FakeEngine:
         kv_capacity_tokens: int | None = None,
         max_running: int | None = None,
         max_model_len: int | None = None,
+        kv_block_size: int = 1,
     ) -> None:
         self.name = name
         self.max_model_len = max_model_len
@@ -279,6 +281,7 @@ class FakeEngine:
         self._notify_tasks: set[asyncio.Task[None]] = set()
         # KV gauges for admission tests (exported only with kv_capacity_tokens)
         self.kv_capacity_tokens = kv_capacity_tokens
+        self.kv_block_size = kv_block_size
         self.kv_held_tokens = 0
         self.num_waiting = 0
         self.num_preemptions = 0
@@ -486,10 +489,12 @@ class FakeEngine:
             f'fake_engine_aborted_total{{engine="{self.name}"}} {c["aborted"]}',
         ]
         if self.kv_capacity_tokens:
-            blocks = self.kv_capacity_tokens // 16
+            size = self.kv_block_size
+            blocks = self.kv_capacity_tokens // size
             used = (self.running_prompt_tokens + self.kv_held_tokens) / self.kv_capacity_tokens
             lines += [
-                f'vllm:cache_config_info{{block_size="16",engine="0",num_gpu_blocks="{blocks}"}} 1',
+                f'vllm:cache_config_info{{block_size="{size}",engine="0",'
+                f'num_gpu_blocks="{blocks}"}} 1',
                 f"vllm:kv_cache_usage_perc{{{lbl}}} {min(1.0, used)}",
                 f"vllm:num_requests_waiting{{{lbl}}} {self.num_waiting}",
                 f"vllm:num_preemptions_total{{{lbl}}} {self.num_preemptions}",

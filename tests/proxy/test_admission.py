@@ -34,7 +34,7 @@ from pdstack.proxy.routing import block_hashes, stable_hash
 from pdstack.testing import proxy_harness as ph
 from pdstack.testing.fake_engine import FakeEngine, Faults
 
-CAPACITY = 1024  # tokens of KV per fake engine (64 blocks of 16)
+CAPACITY = 1024  # tokens of KV per fake engine (blocks of one token: it counts tokens)
 DATA = Path(__file__).parent / "data"
 
 
@@ -280,7 +280,7 @@ async def test_a_burst_never_waits_for_a_scrape() -> None:
 
 
 async def test_a_shared_prompt_counts_once_on_an_engine() -> None:
-    """17 requests sharing a system prompt all go at once where not one of the same length
+    """16 requests sharing a system prompt all go at once where not one of the same length
     with its own prompt does after them: on one engine the shared prefix's KV counts once
     (vLLM shares its blocks), in the gate's count and in what a new request would add, so
     the gate does not hold what the engine has room for. No scrape after the first: the
@@ -289,16 +289,17 @@ async def test_a_shared_prompt_counts_once_on_an_engine() -> None:
         gate = rp.proxy.admission
         eng.faults = Faults(hang=True)  # every request stays on the engine
         system = words(150, "s")  # 599 characters: two 256-character blocks
-        # ~160 tokens + 4 each; shared: 2 blocks (128 tokens) once + 32 + 4 each: the
-        # hanging one's 14 + 128 + 17 x 36 = 754 <= 0.8 x 1,024 (the 17th adds 36, not 164)
+        # ~162 tokens + 4 each; shared: 2 blocks (~128 tokens) once + ~35 + 4 + 1 (the
+        # fake's one-token block) each: the hanging one's 14 + 128 + 16 x ~40 = ~784 <=
+        # 0.8 x 1,024 (the 16th adds ~40, not ~167)
         shared = [asyncio.create_task(post(rp, f"{system} {words(10, f'u{i}')}"))
-                  for i in range(17)]  # fmt: skip
-        await ph.until(lambda: len(eng.seen()) == 18, "17 shared-prompt requests sent")
+                  for i in range(16)]  # fmt: skip
+        await ph.until(lambda: len(eng.seen()) == 17, "16 shared-prompt requests sent")
         assert gate.queued == 0 and gate.held == {}
         own = [asyncio.create_task(post(rp, words(160, f"d{i}"))) for i in range(6)]
         await ph.until(lambda: gate.queued == 6, "the unshared ones to wait")
         await asyncio.sleep(0.2)
-        assert len(eng.seen()) == 18 and gate.held.get("kv_full", 0) == 1
+        assert len(eng.seen()) == 17 and gate.held.get("kv_full", 0) == 1
         for task in shared + own:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
@@ -324,6 +325,41 @@ def test_a_new_request_adds_only_what_the_engine_does_not_hold() -> None:
     gate.expect("e", 10, *_text("e" * 1000))
     assert gate.check(engine, 250, 10, None, "e") == (False, "kv_full")
     assert not gate.is_open(engine, 250), "a request the gate knows nothing of: all of it"
+
+def test_each_request_counts_one_engine_block_beyond_its_tokens() -> None:
+    """Unit: vLLM allocates whole blocks and shares a prefix only in whole blocks, so a
+    request holds about one block more than its tokens (half for its last block, half for
+    its shared prefix's). With the engine's block size read (128, as vLLM's CPU engine),
+    each request the proxy sends counts its prompt + output + 128, in the proxy's count,
+    in what a new one adds and in what an end frees; an engine whose block size was never
+    read counts none. The mark is 0.85 of 1,000 tokens: a 700 + 100 request beside one of
+    10 fits on tokens alone (820) and not with its blocks (1,076)."""
+    gate, engine = _gate(output_tokens=100)
+    engine.in_flight = 1
+    load = gate.loads.setdefault("d0", EngineLoad())
+    load.rebase(0.0, 1000, time.monotonic())  # no block size read (not a vLLM 0.26 scrape)
+    gate.expect("a", 10)
+    gate.reserve(engine, "a", 10)
+    assert load.total == pytest.approx(20) and load.tail == 0
+    assert gate.check(engine, 700, 100) == (True, "fits")
+    load.rebase(0.0, 1000, time.monotonic(), block_size=128)
+    assert load.tail == 128 and load.total == pytest.approx(148)
+    assert load.upper(True) == pytest.approx(148) and load.adds(700, (), 0.0) == 828
+    assert gate.check(engine, 700, 100) == (False, "kv_full")
+    gate.expect("b", 10)
+    gate.reserve(engine, "b", 100)  # 100 + 10 + 128
+    assert load.total == pytest.approx(386) and load.fresh == pytest.approx(386)
+    gate.release(engine, "b")
+    assert load.total == pytest.approx(148) and load.fresh == pytest.approx(148)
+    # a scrape that holds "a" (landed): its end frees what the engine read, blocks too
+    load.land("a")
+    load.rebase(0.138, 1000, time.monotonic() + 0.001)
+    assert load.block_size == 128, "a scrape that does not read it keeps the last"
+    assert load.base_scale == pytest.approx(1.0)  # 138 read: its prompt, no output, a block
+    assert load.projected(True) == pytest.approx(148)  # + its output to come
+    gate.release(engine, "a")
+    assert load.freed == pytest.approx(138) and load.upper(True) == pytest.approx(0)
+
 
 def test_shared_blocks_count_once_and_free_with_their_last_holder() -> None:
     """Unit: three requests with one 900-character system prompt (9 of their 10 blocks):
@@ -472,6 +508,7 @@ def test_parse_engine_metrics_vllm_026() -> None:
         "waiting": 4.0,  # not the by-reason family
         "kv_usage": 0.8731,
         "capacity_tokens": 6032 * 64.0,
+        "block_size": 64.0,
         "preemptions": 3.0,  # read for the metrics (why the gate holds), not for decisions
     }
 
@@ -730,8 +767,9 @@ async def _burst_checks(
     )
     await asyncio.sleep(0.3)
     assert len(e["p0"].seen()) == 2, "the burst overran the decoder's headroom"
-    # prompt (estimated from characters) + expected output (max_tokens 4), each
-    assert load_of(rp, "d0").total == 2 * (len(words(300, "a")) // 4 + 4)
+    # prompt (estimated from characters) + expected output (max_tokens 4) + 1 for its last
+    # block (the fake's blocks: a token), each
+    assert load_of(rp, "d0").total == 2 * (len(words(300, "a")) // 4 + 4 + 1)
     # the two in prefill are cancelled by their clients: their holds come back
     # and the three held go (the prefiller answers again)
     e["p0"].faults = Faults()
