@@ -31,11 +31,19 @@ CACHE_CONFIG_INFO = "vllm:cache_config_info"
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # 0..1
 RUNNING = ("vllm:num_requests_running",)
 WAITING = ("vllm:num_requests_waiting",)
+# pdstack's proxy: its KV gate's projection per engine, and how far its count was from the
+# engine's at the last scrape (why the gate held, or let an engine preempt)
+GATE_PROJECTED = ("pdstack_proxy_engine_projected_tokens",)
+GATE_BASE_SCALE = ("pdstack_proxy_engine_base_scale",)
 GAUGES: dict[str, tuple[str, ...]] = {
     "kv_cache_usage": KV_USAGE,
     "num_requests_running": RUNNING,
     "num_requests_waiting": WAITING,
+    "gate_projected_tokens": GATE_PROJECTED,
+    "gate_base_scale": GATE_BASE_SCALE,
 }
+# gauges whose total over endpoints is the largest (a fraction or a ratio), not the sum
+_MAX_OVER_ENDPOINTS = ("kv_cache_usage", "gate_base_scale")
 
 
 def parse_samples(text: str) -> Samples:
@@ -173,11 +181,11 @@ def _describe(d: Samples) -> dict[str, Any]:
 
 def parse_gauges(text: str) -> dict[str, float]:
     """The load gauges of one ``/metrics`` text, cheaply (only their lines are read):
-    KV usage is the fullest engine's, running and waiting are summed over engines."""
+    KV usage and the gate's base scale are the largest engine's, the rest summed."""
     found: dict[str, list[float]] = defaultdict(list)
     wanted = {n: key for key, names in GAUGES.items() for n in names}
     for line in text.splitlines():
-        if not line.startswith("vllm:"):
+        if not line.startswith(("vllm:", "pdstack_proxy_engine_")):
             continue
         head, _, value = line.rpartition(" ")
         key = wanted.get(head.split("{", 1)[0])
@@ -191,7 +199,7 @@ def parse_gauges(text: str) -> dict[str, float]:
             found[key].append(v)
     out = {}
     for key, values in found.items():
-        out[key] = max(values) if key == "kv_cache_usage" else sum(values)
+        out[key] = max(values) if key in _MAX_OVER_ENDPOINTS else sum(values)
     return out
 
 
@@ -260,7 +268,7 @@ class GaugeSampler:
             for row in self.rows:
                 vals = [g[key] for g in row.values() if key in g]
                 if vals:
-                    per_tick.append(max(vals) if key == "kv_cache_usage" else sum(vals))
+                    per_tick.append(max(vals) if key in _MAX_OVER_ENDPOINTS else sum(vals))
             total[key] = _peak_mean(per_tick)
         total["samples"] = len(self.rows)
         return {"total": total, "endpoints": endpoints}

@@ -30,8 +30,10 @@ Metric names (all prefixed ``pdstack_proxy_``):
   ``admission_queued`` gauge; per gated engine {backend}: ``engine_kv_usage``,
   ``engine_requests_waiting``, ``engine_requests_running``, ``engine_preemptions`` (what the
   gate last read from it), ``engine_kv_capacity_tokens``, ``engine_projected_tokens`` (the
-  gate's projection: the KV the engine will hold for what it has now) and
-  ``engine_proxy_requests`` (the proxy's requests there).
+  gate's projection: the KV the engine will hold for what it has now),
+  ``engine_base_scale`` (the engine's KV at its last scrape per token the gate estimated
+  for the same requests: how far the gate's count is from the engine's),
+  ``engine_preempt_caution`` and ``engine_proxy_requests`` (the proxy's requests there).
 - Tenants (only when ``pdstack_tenants`` or client keys are configured; label ``tenant`` =
   a configured tenant's name, a plain key's ``key-...``, ``default``, or ``other`` past
   the first 64: bounded): ``tenant_requests_total`` {tenant, outcome} (the outcomes
@@ -60,6 +62,7 @@ Metric names (all prefixed ``pdstack_proxy_``):
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -286,6 +289,8 @@ _ENGINE_GAUGES = (
      "preempted within the last preempt_caution_s"),
     ("kv_capacity_tokens", "the engine's KV capacity in tokens"),
     ("projected_tokens", "KV tokens the gate projects the engine will hold for what it has"),
+    ("base_scale", "the engine's KV at its last scrape per token the gate estimated for the "
+     "same requests (above 1: the gate undercounts; NaN: no request in that scrape)"),
     ("proxy_requests", "the proxy's requests on the engine (sent or held for it)"),
 )
 
@@ -304,6 +309,7 @@ def _engine_gauges(a: Any) -> Iterator[Any]:
             "preempt_caution": float(load.cautious(now, a.config.preempt_caution_s)),
             "kv_capacity_tokens": load.capacity_tokens,
             "projected_tokens": load.projected(fresh), "proxy_requests": load.active,
+            "base_scale": load.base_scale if load.base else math.nan,
         }  # fmt: skip
         for key, family in families.items():
             family.add_metric([name], values[key])

@@ -46,6 +46,22 @@ def test_parse_gauges_reads_only_the_load_gauges() -> None:
     assert promscrape.kv_capacity_tokens(promscrape.parse_samples(AFTER)) == 6032 * 64
 
 
+def test_parse_gauges_reads_the_proxys_gate_per_engine() -> None:
+    """The proxy's gate gauges: the projection summed over its engines, the base scale the
+    largest (NaN: an engine with no request in its last scrape, left out)."""
+    text = "\n".join([
+        "# TYPE pdstack_proxy_engine_projected_tokens gauge",
+        'pdstack_proxy_engine_projected_tokens{backend="a"} 1000.0',
+        'pdstack_proxy_engine_projected_tokens{backend="b"} 500.0',
+        'pdstack_proxy_engine_base_scale{backend="a"} 1.25',
+        'pdstack_proxy_engine_base_scale{backend="b"} NaN',
+        'pdstack_proxy_engine_requests_running{backend="a"} 7.0',
+    ])  # fmt: skip
+    assert promscrape.parse_gauges(text) == {
+        "gate_projected_tokens": 1500.0, "gate_base_scale": 1.25}
+    assert promscrape.parse_gauges('pdstack_proxy_engine_base_scale{backend="b"} NaN') == {}
+
+
 async def test_gauge_sampler_peak_and_mean_over_the_window() -> None:
     texts = [BEFORE, AFTER, BEFORE, AFTER]
     served: list[int] = []

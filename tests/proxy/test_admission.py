@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -357,8 +358,19 @@ def test_each_request_counts_one_engine_block_beyond_its_tokens() -> None:
     assert load.block_size == 128, "a scrape that does not read it keeps the last"
     assert load.base_scale == pytest.approx(1.0)  # 138 read: its prompt, no output, a block
     assert load.projected(True) == pytest.approx(148)  # + its output to come
+    assert _gauge(gate, "base_scale") == pytest.approx(1.0)
     gate.release(engine, "a")
     assert load.freed == pytest.approx(138) and load.upper(True) == pytest.approx(0)
+    load.rebase(0.0, 1000, time.monotonic() + 0.002)
+    assert math.isnan(_gauge(gate, "base_scale")), "no request in the scrape: no scale"
+
+
+def _gauge(gate: KvAdmission, key: str) -> float:
+    """d0's ``pdstack_proxy_engine_<key>`` as the proxy's /metrics would show it."""
+    from pdstack.proxy.metrics import _engine_gauges
+
+    family = next(f for f in _engine_gauges(gate) if f.name == f"pdstack_proxy_engine_{key}")
+    return next(s.value for s in family.samples if s.labels["backend"] == "d0")
 
 
 def test_shared_blocks_count_once_and_free_with_their_last_holder() -> None:
