@@ -95,7 +95,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def python_of(tree: Path) -> list[str]:
     """The venv's python running ``tree``'s pdstack package: ``-m`` puts the working
-    directory first on the path, so the proxy runs from ``tree`` (until stop 52 the
+    directory first on the path, so the proxy runs from ``tree`` (until stop 51 the
     ``kv-before`` proxy ran from this checkout's directory with the old tree only on
     PYTHONPATH, behind it: it was this checkout's code). Checked here, once."""
     py = str(REPO / ".venv" / "bin" / "python")
