@@ -118,8 +118,8 @@ class EngineLoad:
     # the request's last block (vLLM allocates whole blocks) and half for the last engine
     # block of a shared prefix (vLLM shares whole blocks; the proxy's are 256 characters)
     # -- one block on average (:attr:`tail`). One vLLM CPU engine (blocks of 128 tokens,
-    # 6,144 of KV): the base's scale read 1.07-1.34, and the path without it let 14
-    # preemptions through in 90 s at 8 req/s (benchmarks/gate_kv_use.py)
+    # 6,144 of KV): the base's scale read 1.10-1.20 (10th-90th percentile), and the path
+    # without it let 14 preemptions through in 90 s at 8 req/s (benchmarks/gate_kv_use.py)
     block_size: int = 0
     kv_usage: float = 0.0  # the engine's own, at its last good scrape (0..1)
     waiting: float = 0.0  # read for the metrics only
@@ -171,8 +171,8 @@ class EngineLoad:
             if not b.fresh and h not in self.base_blocks:
                 self.fresh += b.tokens
             b.fresh += 1
-        self.total += r.own + output + self.tail
-        self.fresh += r.own + output + self.tail
+        self.total += self._alone(r)
+        self.fresh += self._alone(r)
 
     def send(self, request_id: str) -> None:
         """The request's final leg went to the engine (a hold before it is not sent)."""
@@ -214,12 +214,12 @@ class EngineLoad:
             elif not b.fresh:
                 self.fresh -= b.tokens
                 del self.blocks[h]
-        self.total -= r.own + r.output + self.tail
+        self.total -= self._alone(r)
         if in_base:
             self.freed += (r.own + self.base.pop(request_id) + self.tail) * self.base_scale
             self.base_output -= self.base_left.pop(request_id, 0)
         else:
-            self.fresh -= r.own + r.output + self.tail
+            self.fresh -= self._alone(r)
         return True
 
     def saw_preemptions(self, count: float, started: float) -> None:
@@ -305,10 +305,10 @@ class EngineLoad:
         self.fresh = sum(
             b.tokens for h, b in self.blocks.items() if b.fresh and h not in self.base_blocks
         ) + sum(
-            r.own + r.output + self.tail for rid, r in self.requests.items() if rid not in self.base
+            self._alone(r) for rid, r in self.requests.items() if rid not in self.base
         )
         self.total = sum(b.tokens for b in self.blocks.values()) + sum(
-            r.own + r.output + self.tail for r in self.requests.values()
+            self._alone(r) for r in self.requests.values()
         )
         self.freed = 0.0
 
@@ -366,7 +366,7 @@ class EngineLoad:
                 free = free if left > 0 else 0.0
                 items.append((left, free))
             else:
-                free = r.own + r.output + self.tail if r.landed_at is not None else 0.0
+                free = self._alone(r) if r.landed_at is not None else 0.0
                 items.append((r.output, free))
         items.sort(key=lambda it: it[0])
         out = ([o for o, _ in items], [f for _, f in items], float(sum(o for o, _ in items)))
@@ -382,6 +382,11 @@ class EngineLoad:
         """The KV one request holds beyond its tokens as the proxy counts them, on average
         (see :attr:`block_size`; 0 until a scrape read the engine's block size)."""
         return float(self.block_size)
+
+    def _alone(self, r: InFlight) -> float:
+        """The KV ``r`` holds that no other request shares, at its expected end: its own
+        prompt tokens, its whole expected output and its :attr:`tail`."""
+        return r.own + r.output + self.tail
 
 
 def peak_growth(outs: list[int], frees: list[float], extra: int = 0) -> float:
