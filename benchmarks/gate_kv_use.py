@@ -21,6 +21,7 @@ gate's holds, per variant.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -93,17 +94,29 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def python_of(tree: Path) -> list[str]:
-    """The venv's python running ``tree``'s pdstack package: ``-m`` puts the working
-    directory first on the path, so the proxy runs from ``tree`` (until stop 51 the
-    ``kv-before`` proxy ran from this checkout's directory with the old tree only on
-    PYTHONPATH, behind it: it was this checkout's code). Checked here, once."""
+@functools.cache
+def python_for(tree: Path) -> str:
+    """The venv's python, checked to import ``tree``'s pdstack when run from ``tree``
+    (``-m`` puts the working directory first on the path; until stop 51 the ``kv-before``
+    proxy ran from this checkout's directory with the old tree only on PYTHONPATH, behind
+    it: it was this checkout's code). Once per tree."""
     py = str(REPO / ".venv" / "bin" / "python")
     where = subprocess.run([py, "-c", "import pdstack; print(pdstack.__file__)"], cwd=tree,
                            capture_output=True, text=True, check=True).stdout.strip()
     if not Path(where).resolve().is_relative_to(tree.resolve()):
         raise SystemExit(f"the proxy for {tree} would import pdstack from {where}")
-    return [py]
+    return py
+
+
+def names(flag: str, text: str) -> list[str]:
+    """The variants a comma-separated ``flag`` names; one clear error for an unknown one."""
+    listed = [v for v in text.split(",") if v]
+    unknown = [v for v in listed if v not in VARIANTS]
+    if unknown:
+        print(f"{flag}: unknown {', '.join(unknown)} (known: {', '.join(VARIANTS)})",
+              file=sys.stderr)
+        raise SystemExit(2)
+    return listed
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -130,12 +143,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    chosen = [v for v in args.variants.split(",") if v]
-    unknown = [v for v in chosen + args.before_variants.split(",") if v not in VARIANTS]
-    if unknown:
-        print(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(VARIANTS)})",
-              file=sys.stderr)
-        return 2
+    chosen = names("--variants", args.variants)
+    chosen_before = names("--before-variants", args.before_variants)
     ve.require_venv()
     kv_bytes = str(args.kv_tokens * BYTES_PER_TOKEN)
     rows: list[dict[str, Any]] = []
@@ -160,17 +169,17 @@ def main(argv: list[str] | None = None) -> int:
                 subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach",
                                 str(before), args.before_rev], check=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-                for v in args.before_variants.split(","):
+                for v in chosen_before:
                     variants[f"{v}-before"] = VARIANTS[v]
                     code[f"{v}-before"] = before
             for name, flags in variants.items():
                 ports[name] = ve.free_port()
+                tree = code.get(name, REPO)
                 proxies[name] = subprocess.Popen(
-                    [*python_of(code.get(name, REPO)), "-m", "pdstack.cli", "proxy",
+                    [python_for(tree), "-m", "pdstack.cli", "proxy",
                      "--backends", str(table_file), "--host", "127.0.0.1",
                      "--port", str(ports[name]), *flags],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                    cwd=code.get(name, REPO))
+                    stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=tree)
             time.sleep(3)
             for rnd in range(args.rounds):
                 order = list(variants) if rnd % 2 == 0 else list(reversed(variants))
