@@ -155,13 +155,32 @@ def write_plots(docs: list[tuple[str, dict[str, Any]]], served_png: Path, ttft_p
     plt.close(fig)
 
 
+def finite(value: Any) -> Any:
+    """``value`` with every NaN and +/-inf float, however deep in dicts, lists and tuples,
+    replaced by None: JSON has no such numbers (a proxy's gauge is NaN when it has no
+    request to measure), and the file stays strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
+def dumps(doc: dict[str, Any]) -> str:
+    """The JSON text of a bench document: strict JSON, non-finite floats as null."""
+    return json.dumps(finite(doc), indent=2, sort_keys=False, allow_nan=False) + "\n"
+
+
 def write_outputs(doc: dict[str, Any], output: Path) -> tuple[Path, Path, Path]:
-    """The JSON file and, beside it, ``<stem>_served.png`` and ``<stem>_ttft.png``."""
+    """The JSON file (:func:`dumps`) and, beside it, ``<stem>_served.png`` and
+    ``<stem>_ttft.png``."""
     output.parent.mkdir(parents=True, exist_ok=True)
     served_png, ttft_png = plot_paths(output)
     doc.setdefault("plots", {})
     doc["plots"] = {"served_vs_asked": served_png.name, "ttft_vs_asked": ttft_png.name}
-    output.write_text(json.dumps(doc, indent=2, sort_keys=False, allow_nan=False) + "\n")
+    output.write_text(dumps(doc))
     write_plots([(output.stem, doc)], served_png, ttft_png)
     return output, served_png, ttft_png
 

@@ -5,13 +5,14 @@ and the shape of an OTel-exported LMCache MP counter and gauge."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
 import pytest
 from aiohttp import web
 
-from pdstack.bench import promscrape, report
+from pdstack.bench import promscrape, report, runner
 
 DATA = Path(__file__).parent / "data"
 BEFORE = (DATA / "vllm_metrics_before.prom").read_text()
@@ -115,3 +116,60 @@ def test_sampler_without_urls_returns_at_once() -> None:
     sampler = promscrape.GaugeSampler([])
     asyncio.run(sampler.run(stop_at=time.perf_counter() + 10))
     assert sampler.summary()["total"]["samples"] == 0
+
+
+def _strict_loads(text: str) -> object:
+    def refuse(name: str) -> object:
+        raise ValueError(f"not strict JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+async def test_nan_and_inf_metrics_are_written_as_null(tmp_path: Path) -> None:
+    """A proxy's gauges scraped as NaN / +Inf / -Inf (the base scale with no request in a
+    scrape) go through the bench's scrape path and are written as null, in strict JSON
+    (the writer used to refuse them at the end of the sweep)."""
+    text = "\n".join([
+        "# TYPE pdstack_proxy_engine_base_scale gauge",
+        'pdstack_proxy_engine_base_scale{backend="a"} NaN',
+        'pdstack_proxy_engine_base_scale{backend="b"} +Inf',
+        "# TYPE pdstack_proxy_engine_projected_tokens gauge",
+        'pdstack_proxy_engine_projected_tokens{backend="a"} -Inf',
+        'pdstack_proxy_engine_projected_tokens{backend="b"} 12.0',
+        "",
+    ])  # fmt: skip
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text=text)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    server = web.AppRunner(app)
+    await server.setup()
+    site = web.TCPSite(server, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        before = await promscrape.snapshot([url])
+        sampler = promscrape.GaugeSampler([url], interval=0.05)
+        await sampler.run(stop_at=time.perf_counter() + 0.1)
+        entry: dict[str, object] = {"request_rate": 1.0, "request_throughput": 1.0,
+                                    "median_ttft_ms": float("nan"), "p99_ttft_ms": 5.0}
+        await runner._add_prometheus(entry, [url], {"before": before}, sampler)
+    finally:
+        await server.cleanup()
+    doc = {"slo": {"ttft_p50_ms": 2000.0, "ttft_p99_ms": 3500.0}, "results": [entry]}
+    out, _, _ = report.write_outputs(doc, tmp_path / "run.json")
+    got = _strict_loads(out.read_text())
+    assert isinstance(got, dict)
+    pd = got["results"][0]["prometheus"]["endpoints"][url]["pdstack"]
+    assert pd == {
+        "pdstack_proxy_engine_base_scale{backend=a}": None,
+        "pdstack_proxy_engine_base_scale{backend=b}": None,
+        "pdstack_proxy_engine_projected_tokens{backend=a}": None,
+        "pdstack_proxy_engine_projected_tokens{backend=b}": 12.0,
+    }
+    assert got["results"][0]["median_ttft_ms"] is None
+    assert got["results"][0]["p99_ttft_ms"] == 5.0
+    assert report.finite({"a": (1.0, float("-inf"))}) == {"a": [1.0, None]}
