@@ -10,6 +10,7 @@ from typing import Any
 
 from pdstack.argtypes import positive_int, seconds
 from pdstack.bench import scenarios
+from pdstack.bench.stats import SLO_TTFT_MS
 from pdstack.bench.workload import Distribution, DistributionError, WorkloadConfig
 
 EPILOG = """\
@@ -116,6 +117,10 @@ def register(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentPar
                         "caches and native tier (vLLM keys cached blocks by it)")
     p.add_argument("--slo-ttft-p50-ms", type=float, default=2000.0)
     p.add_argument("--slo-ttft-p99-ms", type=float, default=3500.0)
+    p.add_argument("--slo-ttft-ms", type=float, default=SLO_TTFT_MS,
+                   help="per-request TTFT SLO: a request met it when it completed without "
+                   f"error within this TTFT (slo_goodput_rps, slo_attainment_pct; default "
+                   f"{SLO_TTFT_MS:g})")
     p.add_argument("--gpu-hour-price", type=float, default=None, help="price of one GPU-hour")
     p.add_argument("--gpus", type=int, default=None, help="GPUs serving the target")
     p.add_argument("--tenant", action="append", default=[], metavar="NAME:SHARE",
@@ -212,6 +217,7 @@ def _config(args: argparse.Namespace, resolved: scenarios.Resolved | None = None
         cache_salt=args.cache_salt,
         slo_ttft_p50_ms=args.slo_ttft_p50_ms,
         slo_ttft_p99_ms=args.slo_ttft_p99_ms,
+        slo_ttft_ms=args.slo_ttft_ms,
         gpu_hour_price=args.gpu_hour_price,
         gpus=args.gpus,
         label=args.label,

@@ -22,6 +22,7 @@ import aiohttp
 from pdstack.bench.workload import ChatRequest
 
 ENDPOINTS = ("chat", "completions")
+_HTTP_ERROR = "http_"  # error kind of an HTTP error status: http_429, http_503, ...
 
 
 @dataclass(slots=True)
@@ -38,6 +39,14 @@ class RequestResult:
     output_tokens: int = 0
     error: str | None = None  # kind, e.g. "http_503", "timeout", "disconnected"
     error_detail: str = ""
+    error_time: float | None = None  # when the error (an HTTP error status: its answer) came
+
+    @property
+    def refusal_status(self) -> str | None:
+        """The HTTP status of an error answer ("429", "503", ...), else None."""
+        if self.error is None or not self.error.startswith(_HTTP_ERROR):
+            return None
+        return self.error.removeprefix(_HTTP_ERROR)
 
     @property
     def ok(self) -> bool:
@@ -213,7 +222,7 @@ class BenchClient:
             result.error = result.error or "cancelled"
             raise
         except _HTTPError as exc:
-            result.error, result.error_detail = f"http_{exc.status}", exc.text
+            result.error, result.error_detail = f"{_HTTP_ERROR}{exc.status}", exc.text
         except TimeoutError:
             result.error = "timeout"
         except aiohttp.ClientConnectorError as exc:
@@ -224,6 +233,8 @@ class BenchClient:
             result.error, result.error_detail = "client_error", f"{type(exc).__name__}: {exc}"
         except (ValueError, KeyError, TypeError) as exc:  # bad JSON or shape
             result.error, result.error_detail = "bad_response", f"{type(exc).__name__}: {exc}"
+        if result.error is not None and result.error_time is None:
+            result.error_time = time.perf_counter()
         return result
 
     async def _prefill(self, body: dict[str, Any], headers: dict[str, str]) -> Any:
@@ -260,8 +271,9 @@ class BenchClient:
                 url, data=json.dumps(body), headers=headers
             ) as resp:
                 if resp.status != 200:
+                    result.error_time = time.perf_counter()
                     text = await resp.text()
-                    result.error, result.error_detail = f"http_{resp.status}", text[:300]
+                    result.error, result.error_detail = f"{_HTTP_ERROR}{resp.status}", text[:300]
                     return
                 buf = b""
                 done = False

@@ -19,6 +19,8 @@ COLUMNS: tuple[tuple[str, str, str, int], ...] = (
     ("served/s", "request_throughput", "{:.2f}", 9),
     ("ok", "completed", "{:d}", 6),
     ("err", "failed", "{:d}", 5),
+    ("good/s", "slo_goodput_rps", "{:.2f}", 7),
+    ("SLO%", "slo_attainment_pct", "{:.0f}%", 5),
     ("TTFT p50", "median_ttft_ms", "{:.0f}", 9),
     ("p90", "p90_ttft_ms", "{:.0f}", 7),
     ("p99", "p99_ttft_ms", "{:.0f}", 7),
@@ -49,6 +51,24 @@ def _ms(value: Any) -> str:
     return "-" if value is None else f"{value:.0f}"
 
 
+def _judged(label: str, r: dict[str, Any]) -> str | None:
+    """One line of refusals by HTTP status (with their time to refusal) and of the other
+    failures, for a rate or a tenant; None when there were none."""
+    parts = []
+    if r.get("refusals"):
+        parts.append(
+            f"{label} refusals: " + ", ".join(f"{s} x{n}" for s, n in r["refusals"].items())
+            + f" (time to refusal p50 {_ms(r.get('median_refusal_ms'))} ms, "
+            f"p99 {_ms(r.get('p99_refusal_ms'))} ms)"
+        )
+    if r.get("other_failures"):
+        parts.append(
+            f"{label} other failures: "
+            + ", ".join(f"{k} {n}" for k, n in r["other_failures"].items())
+        )
+    return "; ".join(parts) or None
+
+
 def summary_table(doc: dict[str, Any]) -> str:
     """Fixed-width table, one line per asked rate; times in ms."""
     results = doc["results"]
@@ -65,6 +85,8 @@ def summary_table(doc: dict[str, Any]) -> str:
                 f"{r['request_rate']:g}/s {'ok' if r.get('meets_ttft_slo') else 'MISS'}"
                 for r in results
             )
+            + (f"; per request: TTFT <= {slo['ttft_ms']:.0f} ms (good/s, SLO%)"
+               if slo.get("ttft_ms") is not None else "")
         )
     for r in results:
         for name, t in (r.get("tenants") or {}).items():
@@ -75,8 +97,17 @@ def summary_table(doc: dict[str, Any]) -> str:
                 + (f", {t['output_throughput']:.0f} tok/s" if t.get("output_throughput") else "")
                 + (f", engine time {t['engine_time_share']:.0%}"
                    if t.get("engine_time_share") is not None else "")
+                + (f", good {t['slo_goodput_rps']:.2f}/s, {t['slo_attainment_pct']:.0f}% in SLO"
+                   if t.get("slo_attainment_pct") is not None else "")
                 + (f", errors {t['errors']}" if t.get("errors") else "")
             )
+            line = _judged(f"  {r['request_rate']:g}/s tenant {name}", t)
+            if line:
+                lines.append(line)
+    for r in results:
+        line = _judged(f"{r['request_rate']:g}/s", r)
+        if line:
+            lines.append(line)
     errors = {
         f"{r['request_rate']:g}/s": r["errors"] for r in results if r.get("errors")
     }

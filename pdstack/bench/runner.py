@@ -19,7 +19,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 
 from pdstack.bench import promscrape
 from pdstack.bench.client import BenchClient, RequestResult, first_model
-from pdstack.bench.stats import cost_per_million_output_tokens, summarize
+from pdstack.bench.stats import SLO_TTFT_MS, cost_per_million_output_tokens, summarize
 from pdstack.bench.tenants import BenchTenant, engine_seconds, engine_time, split_rate
 from pdstack.bench.workload import ChatRequest, Workload, WorkloadConfig
 
@@ -44,6 +44,7 @@ class BenchConfig:
     cache_salt: str | None = None  # vLLM cache_salt on every request (cold caches)
     slo_ttft_p50_ms: float = 2000.0
     slo_ttft_p99_ms: float = 3500.0
+    slo_ttft_ms: float = SLO_TTFT_MS  # per request: goodput and attainment
     gpu_hour_price: float | None = None
     gpus: int | None = None
     label: str | None = None
@@ -333,7 +334,7 @@ async def _run_tenants(
     for t, r, (results, s0, s1) in zip(cfg.tenants, rates, runs, strict=True):
         e = summarize(results, window_start=s0, window_end=s1, asked_rate=r,
                       max_concurrency=cfg.max_concurrency, slo_ttft_p50_ms=cfg.slo_ttft_p50_ms,
-                      slo_ttft_p99_ms=cfg.slo_ttft_p99_ms)
+                      slo_ttft_p99_ms=cfg.slo_ttft_p99_ms, slo_ttft_ms=cfg.slo_ttft_ms)
         per[t.name] = {k: e.get(k) for k in TENANT_KEYS}
         per[t.name]["share"] = t.share
     for name, spent in engine_time(cfg.tenants, before, await engine_seconds(cfg.target)).items():
@@ -342,7 +343,9 @@ async def _run_tenants(
 
 
 TENANT_KEYS = ("request_rate", "request_throughput", "output_throughput", "completed",
-               "errors", "median_ttft_ms", "p99_ttft_ms")
+               "errors", "median_ttft_ms", "p99_ttft_ms", "slo_goodput_rps",
+               "slo_attainment_pct", "refusals", "median_refusal_ms", "p99_refusal_ms",
+               "other_failures")
 
 
 async def run_sweep(
@@ -386,7 +389,8 @@ def _sweep_doc(cfg: BenchConfig, model: str) -> dict[str, Any]:
         "backend": "openai-chat" if cfg.endpoint == "chat" and not cfg.workload.token_ids
         else "openai",
         "config": cfg.to_json(),
-        "slo": {"ttft_p50_ms": cfg.slo_ttft_p50_ms, "ttft_p99_ms": cfg.slo_ttft_p99_ms},
+        "slo": {"ttft_p50_ms": cfg.slo_ttft_p50_ms, "ttft_p99_ms": cfg.slo_ttft_p99_ms,
+                "ttft_ms": cfg.slo_ttft_ms},
         "load_before": machine_load(),
         "results": [],
     }
@@ -435,6 +439,7 @@ async def _run_rate(
         max_concurrency=cfg.max_concurrency,
         slo_ttft_p50_ms=cfg.slo_ttft_p50_ms,
         slo_ttft_p99_ms=cfg.slo_ttft_p99_ms,
+        slo_ttft_ms=cfg.slo_ttft_ms,
     )
     if by_tenant:
         entry["tenants"] = by_tenant

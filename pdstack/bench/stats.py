@@ -10,6 +10,13 @@ Definitions, for a measurement window ``[start, end)`` of ``duration`` seconds:
 - ``output_throughput``: output tokens that *arrived* inside the window / duration.
 - latencies (TTFT, TPOT, ITL, E2E) are over the successful requests *sent* in
   the window; percentiles are numpy's linear interpolation (as vllm bench).
+- each request judged against the per-request TTFT SLO (``slo_ttft_ms``): it *met* it
+  when it completed without error and its TTFT was at most the SLO.
+  ``slo_goodput_rps``: the served rate, counting only those (finished in the window);
+  ``slo_attainment_pct``: the share of the requests sent in the window that met it.
+- refusals: requests sent in the window that got an HTTP error status, counted per
+  status, and their time from send to the error answer; ``other_failures``: every
+  other error, by kind.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import numpy as np
 from pdstack.bench.client import RequestResult
 
 PERCENTILES = (50, 90, 99)
+SLO_TTFT_MS = 2000.0  # the per-request TTFT SLO of ``pdstack bench --slo-ttft-ms``
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -51,12 +59,58 @@ def served_rate(results: Iterable[RequestResult], start: float, end: float) -> f
     return _served(results, [(start, end)])
 
 
-def _served(results: Iterable[RequestResult], windows: Sequence[Window]) -> float:
+def _served(
+    results: Iterable[RequestResult], windows: Sequence[Window], slo_ttft_ms: float | None = None
+) -> float:
+    """Successful completions inside the windows per second; with ``slo_ttft_ms``, only
+    those whose TTFT met it."""
     duration = _total(windows)
     done = sum(
         1 for r in results if r.ok and r.end_time is not None and _inside(r.end_time, windows)
+        and (slo_ttft_ms is None or met_slo(r, slo_ttft_ms))
     )
     return done / duration
+
+
+def failures(measured: Iterable[RequestResult]) -> Counter[str]:
+    """How many requests failed, by error kind (``unfinished``: no answer, no error)."""
+    out = Counter(r.error for r in measured if r.error is not None)
+    unfinished = sum(1 for r in measured if r.error is None and r.end_time is None)
+    if unfinished:
+        out["unfinished"] += unfinished
+    return out
+
+
+def met_slo(r: RequestResult, slo_ttft_ms: float) -> bool:
+    """Completed without error, with a TTFT of at most ``slo_ttft_ms``."""
+    return r.ok and r.ttft is not None and r.ttft * 1000.0 <= slo_ttft_ms
+
+
+def judged(
+    results: Sequence[RequestResult], measured: Sequence[RequestResult],
+    windows: Sequence[Window], slo_ttft_ms: float | None,
+) -> dict[str, Any]:
+    """Each request judged: SLO-attained throughput and attainment (with ``slo_ttft_ms``),
+    refusals by HTTP status with their time to refusal, and the other failures by kind.
+    ``measured``: the requests sent in the windows; ``results``: all of them."""
+    refusals = Counter(r.refusal_status for r in measured if r.refusal_status is not None)
+    refusal_ms = [
+        (r.error_time - r.send_time) * 1000.0
+        for r in measured if r.refusal_status is not None and r.error_time is not None
+    ]
+    refused = {r.error for r in measured if r.refusal_status is not None}
+    other = {k: n for k, n in failures(measured).items() if k not in refused}
+    out: dict[str, Any] = {}
+    if slo_ttft_ms is not None:
+        met = sum(1 for r in measured if met_slo(r, slo_ttft_ms))
+        out["slo_ttft_ms"] = slo_ttft_ms
+        out["slo_goodput_rps"] = _served(results, windows, slo_ttft_ms)
+        out["slo_attainment_pct"] = 100.0 * met / len(measured) if measured else None
+    out["refusals"] = dict(sorted(refusals.items()))
+    out["median_refusal_ms"] = percentile(refusal_ms, 50)
+    out["p99_refusal_ms"] = percentile(refusal_ms, 99)
+    out["other_failures"] = dict(sorted(other.items()))
+    return out
 
 
 def tokens_in_window(results: Iterable[RequestResult], start: float, end: float) -> float:
@@ -99,9 +153,11 @@ def summarize(
     max_concurrency: int | None = None,
     slo_ttft_p50_ms: float | None = None,
     slo_ttft_p99_ms: float | None = None,
+    slo_ttft_ms: float | None = None,
 ) -> dict[str, Any]:
     """The per-rate metrics dict that goes into the JSON file. The measurement is
-    ``[window_start, window_end)``, or several ``windows`` pooled (interleaved runs)."""
+    ``[window_start, window_end)``, or several ``windows`` pooled (interleaved runs).
+    ``slo_ttft_ms``: the per-request TTFT SLO of the goodput and attainment keys."""
     if windows is None:
         if window_start is None or window_end is None:
             raise ValueError("need window_start and window_end, or windows")
@@ -117,10 +173,7 @@ def summarize(
         for r in ok
         if r.output_tokens > 1 and r.ttft is not None and r.e2e is not None
     ]
-    errors = Counter(r.error for r in measured if r.error is not None)
-    unfinished = sum(1 for r in measured if r.error is None and r.end_time is None)
-    if unfinished:
-        errors["unfinished"] += unfinished
+    errors = failures(measured)
     out_tokens = _tokens(results, windows)
     in_tokens = sum(r.prompt_tokens for r in ok)
     served = _served(results, windows)
@@ -144,6 +197,7 @@ def summarize(
     metrics.update(_ms_stats("tpot", tpots))
     metrics.update(_ms_stats("itl", itls))
     metrics.update(_ms_stats("e2el", e2es))
+    metrics.update(judged(results, measured, windows, slo_ttft_ms))
     shared = [r.ttft for r in ok if r.shared and r.ttft is not None]
     unique = [r.ttft for r in ok if not r.shared and r.ttft is not None]
     metrics["median_ttft_shared_prefix_ms"] = percentile([t * 1000 for t in shared], 50)

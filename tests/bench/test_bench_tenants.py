@@ -63,6 +63,10 @@ def test_bench_drives_tenants_with_their_keys(fake_engine: FakeFactory, tmp_path
     # nightly's rpm of 3: the proxy refused the rest of its requests (429)
     assert tenants["nightly"]["completed"] <= 3
     assert tenants["nightly"]["errors"].get("http_429", 0) > 0
+    assert tenants["nightly"]["refusals"] == {"429": tenants["nightly"]["errors"]["http_429"]}
+    assert tenants["nightly"]["slo_attainment_pct"] < 100.0
+    assert tenants["acme"]["slo_attainment_pct"] == 100.0
+    assert "8/s tenant nightly refusals: 429 x" in proc.stdout
     assert doc["config"]["tenants"] == [{"name": "acme", "share": 3.0},
                                         {"name": "nightly", "share": 1.0},
                                         {"name": "plain", "share": 1.0}]

@@ -27,6 +27,8 @@ RESULT_KEYS = {
     "mean_itl_ms", "median_itl_ms", "p90_itl_ms", "p99_itl_ms",
     "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms",
     "sent_rate", "served_rate", "errors", "meets_ttft_slo",
+    "slo_ttft_ms", "slo_goodput_rps", "slo_attainment_pct", "refusals", "median_refusal_ms",
+    "p99_refusal_ms", "other_failures",
 }
 
 
@@ -67,6 +69,8 @@ def test_sweep_measures_injected_ttft_and_itl(fake_engine: FakeFactory, tmp_path
         # a load the fake carries easily: everything asked is served
         assert r["request_throughput"] == pytest.approx(r["sent_rate"], abs=1.0)
         assert r["meets_ttft_slo"] is True
+        assert r["slo_ttft_ms"] == 2000.0 and r["slo_attainment_pct"] == 100.0
+        assert r["slo_goodput_rps"] == r["request_throughput"]
         prom = r["prometheus"]["total"]
         assert prom["prompt_tokens_by_source"]["local_compute"] > 0
         assert r["cost_per_1m_output_tokens"] == pytest.approx(
@@ -118,6 +122,11 @@ def test_errors_are_counted_by_kind(fake_engine: FakeFactory, tmp_path: Path) ->
     assert r["median_ttft_ms"] is None
     assert r["meets_ttft_slo"] is False
     assert "http_503" in proc.stdout
+    # each request judged: all refused with 503, quickly; none met the per-request SLO
+    assert r["refusals"] == {"503": r["failed"]} and r["other_failures"] == {}
+    assert 0 < r["median_refusal_ms"] <= r["p99_refusal_ms"] < 1000
+    assert r["slo_attainment_pct"] == 0.0 and r["slo_goodput_rps"] == 0.0
+    assert f"5/s refusals: 503 x{r['failed']}" in proc.stdout
 
 
 def test_compare_overlays_runs(fake_engine: FakeFactory, tmp_path: Path) -> None:
