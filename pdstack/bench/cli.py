@@ -22,6 +22,8 @@ scenarios (presets; an explicit flag overrides its knob; none: the defaults show
   multi-turn    like seed, as conversations: --turns (uniform:3:8) turns, each after an
                 exponential --think-time (mean 4 s); prompt = the conversation so far + a
                 new user message; session id in `user` and X-Session-ID
+  long-input    6-12 k token prompts, Poisson: a shared prefix of uniform:2000:4000 (one of
+                16) + a unique uniform:4000:8000, about a third of each prompt shared
 examples:
   pdstack bench --target http://127.0.0.1:8000 --rates 1,2,5 --duration 60 --output run.json
   pdstack bench --target http://127.0.0.1:8000 --token-ids --metrics-url http://127.0.0.1:8000/metrics

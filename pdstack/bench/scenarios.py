@@ -32,6 +32,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     # system_prompts: sized from the engine's KV capacity (see many_tenants_prompts)
     "many-tenants": _SEED | {"system_prompts": None},
     "multi-turn": _SEED | {"turns": "uniform:3:8", "think_time": 4.0},
+    # 6-12 k tokens: a shared prefix of 2-4 k (one of 16 conversations) + 4-8 k unique,
+    # about a third of each prompt (mean 3 k of 9 k) shared with earlier requests
+    "long-input": _SEED | {
+        "system_prompts": 16,
+        "shared_share": 1.0,
+        "system_len": "uniform:2000:4000",
+        "user_len": "uniform:4000:8000",
+    },
 }
 
 KNOBS = tuple(DEFAULTS)

@@ -235,3 +235,39 @@ def test_seed_scenario_sends_the_pre_change_request_stream(token_ids: bool) -> N
     old, new = Workload(cfg.workload), Workload(cfg.workload)
     arrivals = poisson_arrivals(3.0, 20.0, random.Random("arrivals-1-3.0"))
     assert [(t, old.next_request()) for t in arrivals] == new.schedule(3.0, 20.0, 1)
+
+
+def _new_block_tokens(prompt: list[int], seen: set[int], block: int = 16) -> int:
+    """Tokens of ``prompt`` in full blocks that no earlier prompt had at the same place
+    with the same prefix (vLLM's prefix-cache block hash chain); records its blocks."""
+    new, h = 0, 0
+    for i in range(0, len(prompt) - block + 1, block):
+        h = hash((h, *prompt[i : i + block]))
+        if h not in seen:
+            seen.add(h)
+            new += block
+    return new
+
+
+def test_long_input_scenario_is_6_to_12k_a_third_shared_poisson() -> None:
+    cfg = config("--scenario", "long-input", "--token-ids", "--seed", "3").workload
+    assert cfg.turns is None  # one request per arrival
+    rate, total = 2.0, 150.0
+    sched = Workload(cfg).schedule(rate, total, cfg.seed)
+    # Poisson arrivals at the asked rate
+    assert [t for t, _ in sched] == poisson_arrivals(rate, total, random.Random("arrivals-3-2.0"))
+    assert len(sched) / total == pytest.approx(rate, rel=0.2)
+    seen: set[int] = set()
+    fractions, shared, tokens, prefixes = [], 0, 0, set()
+    for _, req in sched:
+        assert isinstance(req.system, list) and isinstance(req.user, list)
+        prompt = req.system + req.user
+        assert 6000 <= len(prompt) == req.prompt_len <= 12000
+        reused = len(prompt) - _new_block_tokens(prompt, seen)
+        assert req.system_prompt_id is not None  # every prompt starts with a shared prefix
+        if req.system_prompt_id in prefixes:  # not its prefix's first use
+            fractions.append(reused / len(prompt))
+            shared, tokens = shared + reused, tokens + len(prompt)
+        prefixes.add(req.system_prompt_id)
+    assert shared / tokens == pytest.approx(1 / 3, abs=0.03)
+    assert min(fractions) > 0.15 and max(fractions) < 0.55  # each prompt: about a third
