@@ -25,9 +25,10 @@ its whole life (decoders, colocated engines); prefillers hand their KV off.
 
 Held requests wait in a bounded queue with a deadline (``queue_max``, ``queue_timeout_s``;
 past either: 503, OpenAI JSON, ``Retry-After``); a tenant's ``max_queued`` bounds its own
-share (429), a tenant whose queue cannot drain within the deadline at the rate its requests
-are admitted is refused at once (``queue_wait``: 429, or 503 for a tenant alone on the
-engines; not held until it times out), a full
+share (429), a request predicted to wait for its first byte past its class's budget is
+refused at arrival (``queue_wait``: 429, or 503 for a tenant alone on the engines or with no
+tenants; not held until it times out, nor sent to be late: :mod:`pdstack.proxy.wait_budget`),
+a full
 queue sheds the newest waiter of the tenant holding the most of it (429: the flood pays),
 and a batch tenant is refused with 429, never a 5xx. Every
 decision is counted with its reason (``admitted`` / ``held`` by reason in the proxy's
@@ -53,11 +54,9 @@ from pdstack.proxy.routing import PrefixIndex
 from pdstack.proxy.scrape_pace import ScrapePace
 from pdstack.proxy.shares import TenantLedger
 from pdstack.proxy.tenants import TenantState
+from pdstack.proxy.wait_budget import BUDGET_SHARE, WaitBudget
 
 _SENT = ("engines", "")  # the one store of KvAdmission._sent
-# a tenant with at least this many waiters is refused when its queue cannot drain
-# within the deadline at its admission rate (KvAdmission._check_drain)
-DRAIN_MIN_QUEUED = 8
 
 __all__ = [
     "AdmissionConfig",
@@ -105,7 +104,10 @@ class AdmissionConfig:
     # tick, so an engine read at the idle pace keeps its correction until the next read
     stale_after_s: float = 3.0
     queue_max: int = 4096
-    queue_timeout_s: float = 60.0
+    queue_timeout_s: float = 60.0  # the longest wait in the queue; a batch request's budget
+    # the TTFT an interactive request should meet (a P99): one predicted to wait past
+    # BUDGET_SHARE of it is refused at arrival (pdstack.proxy.wait_budget); 0 = no budget
+    ttft_slo_s: float = 2.0
     fairness: bool = True  # per-tenant fair queuing + priorities (False: one FIFO)
     # a lower class's request waits while a higher class's awaits its first byte (.shares)
     interactive_first: bool = True
@@ -150,6 +152,8 @@ class KvAdmission:
         self.wait_seconds_sum = 0.0
         self.admitted: dict[str, int] = {}  # reason -> requests that went
         self.held: dict[str, int] = {}  # reason -> requests that waited
+        self.budget = WaitBudget()  # first bytes, and each arrival's predicted wait
+        self.wait_budget_s = BUDGET_SHARE * config.ttft_slo_s  # an interactive request's
 
     # ------------------------------------------------------------ lifecycle
     async def start(self, session: aiohttp.ClientSession) -> None:
@@ -402,6 +406,7 @@ class KvAdmission:
         load = self.loads.get(backend.name)
         if load is not None:
             load.land(request_id)
+        self.budget.landed(request_id)
         if self.ledger.landed(request_id):
             self.pump()  # its tenant's prefill share has room again
 
@@ -424,6 +429,7 @@ class KvAdmission:
         self._expected.pop(request_id, None)
         self._prompts.pop(request_id, None)
         self._unary.discard(request_id)
+        self.budget.ended(request_id)
         ended = self.ledger.end(request_id)
         dropped = [load.drop(request_id) for load in self.loads.values()]
         if unplaced or ended or any(dropped):
@@ -462,6 +468,7 @@ class KvAdmission:
         name = tenant.name if tenant is not None else ""
         output = self.output_of(request_id)
         reason = kv_gate.HELD_QUEUE
+        self._check_budget(tenant, request_id)
         if not self._queue:
             ok, reason = self._fits(candidates(), tokens, output, name, request_id)
             if ok:
@@ -487,8 +494,6 @@ class KvAdmission:
                     "waiting for the engines); retry later",
                     tenant_fault=True,
                 )
-        if tenant is not None and self.config.fairness:
-            self._check_drain(tenant)
         if len(self._queue) < self.config.queue_max or self._shed_for(tenant):
             return
         raise AdmissionRejected(
@@ -498,28 +503,32 @@ class KvAdmission:
             tenant_fault=tenant is not None and self.config.fairness,
         )
 
-    def _check_drain(self, tenant: TenantState) -> None:
-        """Raise :class:`AdmissionRejected` (``queue_wait``) when the tenant's
-        queue cannot drain within the deadline at the rate its requests are admitted: a
-        new request would wait it out and be refused anyway (a batch tenant flooding at 6x
-        its capacity: 976 of 1,235 requests held until the client gave up, none refused,
-        isolation run 4). A tenant with few waiters is never refused here."""
-        if tenant.queued < DRAIN_MIN_QUEUED:
+    def _check_budget(self, tenant: TenantState | None, request_id: str) -> None:
+        """Raise :class:`AdmissionRejected` (``queue_wait``) when the request's predicted
+        time to first byte is past its class's budget (:mod:`pdstack.proxy.wait_budget`):
+        refused at arrival, not held until the deadline and not sent to be late. 429 while
+        other tenants share the engines (the flood pays), 503 for a tenant alone or without
+        tenants (the server is overloaded); a batch tenant: 429 always (:meth:`wait_open`)."""
+        batch = tenant is not None and tenant.policy.priority == "batch"
+        if tenant is None:
+            ahead = len(self._queue)
+        else:
+            p = tenant.policy
+            ahead = self._queue.ahead_of(tenant.name, p.rank, p.weight)
+        predicted = self.budget.predict(ahead)
+        limit = self.config.queue_timeout_s if batch else self.wait_budget_s
+        if predicted <= limit or limit <= 0:
+            self.budget.arrived(request_id, predicted)
             return
-        rate = self.ledger.admit_rate(tenant.name)
-        if not rate:
-            return  # nothing admitted lately: the deadline judges
-        wait = (tenant.queued + 1) / rate
-        if wait > self.config.queue_timeout_s:
-            raise AdmissionRejected(
-                "queue_wait",
-                f"tenant {tenant.name!r} has {tenant.queued} requests waiting and the engines "
-                f"start {rate:.1f} of them a second: a new one would wait ~{wait:.0f} s, past "
-                f"the {self.config.queue_timeout_s:g} s deadline; retry later",
-                # 429 while other tenants share the engines (the flood pays); a tenant alone
-                # meets an overloaded server: 503 (a batch tenant: 429 always, wait_open)
-                tenant_fault=len(self.ledger.shares()) > 1,
-            )
+        rate = self.budget.rate()
+        raise AdmissionRejected(
+            "queue_wait",
+            f"the engines are saturated: {ahead + self.budget.in_prefill} requests are ahead "
+            f"of this one and the engines start {rate:.1f} a second, so its first token would "
+            f"come in ~{predicted:.1f} s, past its {limit:g} s budget; retry later",
+            tenant_fault=tenant is not None and len(self.ledger.shares()) > 1,
+            retry_after_s=predicted - limit,
+        )
 
     async def _wait(self, waiter: Waiter) -> None:
         queue, tenant = self._queue, waiter.tenant
@@ -614,6 +623,7 @@ class KvAdmission:
     def _go(self, request_id: str, tenant: str, charged: float, tokens: int, reason: str) -> None:
         """An admitted request: counted (by reason) and measured until :meth:`forget`."""
         self.admitted[reason] = self.admitted.get(reason, 0) + 1
+        self.budget.admitted(request_id)
         self.ledger.start(
             request_id, tenant, charged, self.to_prefill(request_id, tokens),
             holds_lower=request_id not in self._unary,

@@ -59,7 +59,15 @@ _ADMISSION = (
     ),
     Flag(
         "queue_timeout_s",
-        "longest wait in the queue; then 503 (429 to a batch tenant; default %(default)s)",
+        "longest wait in the queue; then 503 (429 to a batch tenant); also a batch "
+        "request's wait budget (default %(default)s)",
+        metavar="S",
+    ),
+    Flag(
+        "ttft_slo_s",
+        "the time to first token an interactive request should meet (P99): one predicted "
+        "to wait past 3/4 of it is refused at arrival (503, or 429 while other tenants "
+        "share the engines; Retry-After); 0 = no budget (default %(default)s)",
         metavar="S",
     ),
 )
@@ -70,6 +78,7 @@ _ADMISSION_RANGES = {
     "scrape_interval_s": (0.01, 10.0),
     "scrape_idle_interval_s": (0.01, 60.0),
     "queue_timeout_s": (0.0, 3600.0),
+    "ttft_slo_s": (0.0, 3600.0),
 }
 _ADMISSION_NONNEGATIVE = ("output_tokens", "max_running", "prefill_tokens", "queue_max")
 # flags that are gone, and why (each is one clear error, not silently ignored)

@@ -26,8 +26,12 @@ from pdstack.proxy.tenants import TenantState
 class AdmissionRejected(Exception):
     """No gated engine had KV headroom within the deadline, or the queue was full."""
 
-    def __init__(self, reason: str, message: str, tenant_fault: bool = False) -> None:
+    def __init__(
+        self, reason: str, message: str, tenant_fault: bool = False, retry_after_s: float = 0.0
+    ) -> None:
         super().__init__(message)
+        # when to come back (0: the proxy's default Retry-After)
+        self.retry_after_s = retry_after_s
         # "queue_full" | "timeout" | "shed" | "max_queued" | "queue_wait"
         self.reason = reason
         # the tenant's own doing (over its share, or a batch tenant): 429, not 503
@@ -189,6 +193,23 @@ class FairQueue:
         if heavy is None or heavy[0] == name or len(heavy[1].waiters) / heavy[1].weight <= own:
             return None
         return heavy[1].waiters[-1]
+
+    def ahead_of(self, name: str, rank: int, weight: float) -> int:
+        """How many waiters leave before a new waiter of tenant ``name`` (class ``rank``,
+        ``weight``): all of them with one FIFO; fair: every waiter of a higher class, and of
+        each tenant of its class as many as that tenant's weight gets while the new one's
+        flow drains to it (start-time fair queuing at equal costs)."""
+        if not self.fair:
+            return self._len
+        mine = self._flows.get(name)
+        turns = ((len(mine.waiters) if mine else 0) + 1) / weight
+        ahead = 0
+        for n, f in self._flows.items():
+            if f.rank < rank:
+                ahead += len(f.waiters)
+            elif f.rank == rank:
+                ahead += len(f.waiters) if n == name else min(len(f.waiters), int(turns * f.weight))
+        return ahead
 
     def drain(self) -> list[Waiter]:
         out = [*self._fifo, *(w for f in self._flows.values() for w in f.waiters)]

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -288,9 +289,10 @@ class Flows(LmcachePdFlow):
         except AdmissionRejected as exc:
             ctx.outcome = "rejected"
             self.metrics.admission_rejected.labels(exc.reason).inc()
+            retry = max(exc.retry_after_s, self.config.retry_after_s)
             if exc.tenant_fault and tenant is not None:  # over its share, or batch: 429
                 return self.tenant_limited(
-                    ctx, RateLimited(tenant.name, exc.reason, str(exc), self.config.retry_after_s)
+                    ctx, RateLimited(tenant.name, exc.reason, str(exc), retry)
                 )
             if tenant is not None:
                 self.metrics.tenant_rejected(tenant.label, exc.reason)
@@ -299,7 +301,7 @@ class Flows(LmcachePdFlow):
                 str(exc),
                 "server_error",
                 headers={
-                    "Retry-After": str(self.config.retry_after_s),
+                    "Retry-After": str(max(1, math.ceil(retry))),
                     "X-Request-Id": ctx.request_id,
                 },
             )

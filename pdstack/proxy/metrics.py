@@ -15,7 +15,10 @@ Metric names (all prefixed ``pdstack_proxy_``):
 - ``skip_prefill_total`` counter.
 - ``prefix_index_lookups_total``, ``prefix_index_hits_total`` counters and
   ``prefix_index_hit_ratio`` gauge (hits / lookups; a hit = some prefix cached).
-- ``retries_total`` counter {leg}; ``ejections_total`` counter {backend}.
+- ``retries_total`` counter {leg}; ``ejections_total`` counter {backend, reason}: why each
+  ejection happened (``refused``, ``unreachable``, ``health_failed``, ``engine_5xx``,
+  ``wedged_no_progress``, ``error_rate``, ``half_open``, ``other``:
+  :data:`pdstack.proxy.backends.EJECT_REASONS`).
 - ``wedged_total`` counter {backend}: backends found wedged (a leg stuck with no progress,
   and a 1-token generation unanswered: :mod:`pdstack.proxy.progress`); ``backend_wedged``
   gauge {backend, role, node, generation}: 1 until it generates again.
@@ -71,6 +74,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pdstack.proxy import wait_budget
 from pdstack.proxy.backends import BackendRegistry, BackendState
 
 TTFT_BUCKETS = (
@@ -139,7 +143,7 @@ class ProxyMetrics:
             "pdstack_proxy_prefix_index_hit_ratio", "prefix index hits / lookups", registry=r
         )
         self.retries = _counter(r, "retries", "retried legs", "leg")
-        self.ejections = _counter(r, "ejections", "backends ejected", "backend")
+        self.ejections = _counter(r, "ejections", "backends ejected, by why", "backend", "reason")
         self.wedged = _counter(
             r, "wedged", "backends found wedged (accepting requests, no progress)", "backend"
         )
@@ -277,7 +281,42 @@ class _AdmissionCollector(Collector):
             for reason, n in sorted(counts.items()):
                 family.add_metric([reason], n)
         yield from (queued, waited, wait_s, admitted, held)
+        yield from _budget_series(a.budget)
         yield from _engine_gauges(a)
+
+
+def _budget_series(b: Any) -> Iterator[Any]:
+    """The wait budget's calibration (:mod:`pdstack.proxy.wait_budget`)."""
+    from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+    rate = GaugeMetricFamily(
+        "pdstack_proxy_admission_first_byte_rate",
+        "first bytes per busy second over the last window (0: unknown), the wait budget's rate",
+    )
+    rate.add_metric([], b.rate())
+    prefill = GaugeMetricFamily(
+        "pdstack_proxy_admission_in_prefill", "admitted requests with no first byte yet"
+    )
+    prefill.add_metric([], b.in_prefill)
+    sums = []
+    for key, value, text in (
+        ("predicted", b.predicted_sum, "time to first byte the gate predicted at arrival"),
+        ("actual", b.actual_sum, "actual time to first byte (arrival to first byte), of the "
+         "same requests"),
+    ):  # fmt: skip
+        family = CounterMetricFamily(f"pdstack_proxy_admission_ttft_{key}_seconds", text)
+        family.add_metric([], value)
+        sums.append(family)
+    ratio = HistogramMetricFamily(
+        "pdstack_proxy_admission_ttft_ratio",
+        "actual / predicted time to first byte of each request with a prediction",
+    )
+    cumulative, buckets = 0, []
+    for bound, n in zip(wait_budget.RATIO_BUCKETS, b.ratio_counts, strict=True):
+        cumulative += n
+        buckets.append(("+Inf" if math.isinf(bound) else f"{bound:g}", cumulative))
+    ratio.add_metric([], buckets, sum_value=b.ratio_sum)
+    yield from (rate, prefill, *sums, ratio)
 
 
 _ENGINE_GAUGES = (

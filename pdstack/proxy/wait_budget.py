@@ -1,0 +1,153 @@
+"""The wait budget: past capacity, refuse at arrival what would miss its TTFT budget.
+
+A queue in front of saturated engines only makes every user late (one H100, a replay at 2x
+capacity: everybody waited 35 s, 88 were refused after exactly 60 s). So the gate predicts
+each arriving request's time to its first byte from what it already knows, and refuses the
+request at once when the prediction is past its class's budget:
+
+    predicted = requests ahead of it / first-byte rate
+
+- *ahead*: the proxy's admitted requests that have no first byte yet (they are in the
+  engines' queues or prefill, of any class), plus the waiters in the admission queue that
+  leave before it (:meth:`pdstack.proxy.fair_queue.FairQueue.ahead_of`);
+- *first-byte rate*: the larger of two views of how fast the backlog leaves. Measured: first
+  bytes per *busy* second (a second in which at least one admitted request awaited its first
+  byte) over the last ``RATE_WINDOW_S``; idle seconds do not dilute it. Under load that is
+  what the engines deliver, whatever spreads the wait (the KV gate, the running cap, the
+  engine's own queue). Current: the requests in prefill over the time a request spends
+  there lately (``SOJOURN_EWMA`` over first bytes; Little's law): when a burst arrives the
+  measured rate still says how fast the *earlier* traffic came, but an engine that is not
+  saturated keeps its time per request, so the burst is not refused on the old rate. Past
+  capacity both views agree: the time in prefill grows, and so does the prediction. With
+  fewer than ``MIN_LANDED`` first bytes in the window the rate is unknown and nothing is
+  refused (the queue's deadline judges).
+
+The budget of an ``interactive`` request (and of every request without tenants) is
+``BUDGET_SHARE`` of the TTFT SLO (``--admission-ttft-slo-s``, the inventory's
+``pdstack_ttft_slo_s``). A ``batch`` request's
+budget is the queue's deadline (``queue_timeout_s``). Below capacity the prediction is the
+engines' own TTFT, far under the budget: nothing is refused and nothing is held.
+
+Calibration: each request's prediction and its actual time to first byte (arrival at the
+gate to the first byte the client got) are exported (``pdstack_proxy_admission_ttft_*``):
+their sums and a histogram of actual / predicted.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+
+RATE_WINDOW_S = 10.0  # first bytes counted over this window
+MIN_LANDED = 4  # first bytes in the window below which the rate is unknown
+SOJOURN_EWMA = 0.2  # weight of the newest first byte in the time a request spends in prefill
+RATE_MAX_LANDED = 4096  # first-byte stamps kept (bounded memory at any rate)
+# an interactive request's budget on its predicted TTFT, as a share of the TTFT SLO (a P99)
+# (the prediction is a mean, the SLO a P99; at the default 2 s SLO: 1.5 s)
+BUDGET_SHARE = 0.75
+# actual / predicted time to first byte, histogram bounds
+RATIO_BUCKETS = (0.25, 0.5, 0.8, 1.25, 2.0, 4.0, math.inf)
+ARRIVALS_MAX = 100_000  # predictions kept for calibration (requests in flight)
+
+
+class WaitBudget:
+    """First-byte accounting and the prediction (single-threaded, asyncio)."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, float] = {}  # admitted, no first byte: request id -> since
+        self._busy_cum = 0.0  # busy seconds so far (something awaited a first byte)
+        self._busy_since: float | None = None
+        self.sojourn = 0.0  # admission to first byte, lately (EWMA; 0 before the first)
+        # (monotonic time, busy seconds so far) at each first byte, last RATE_WINDOW_S
+        self._landed: deque[tuple[float, float]] = deque(maxlen=RATE_MAX_LANDED)
+        # request id -> (arrival, predicted seconds to first byte), for calibration
+        self._arrivals: dict[str, tuple[float, float]] = {}
+        self.calibrated = 0  # requests with a prediction and a first byte
+        self.predicted_sum = 0.0
+        self.actual_sum = 0.0
+        self.ratio_counts = [0] * len(RATIO_BUCKETS)
+        self.ratio_sum = 0.0
+
+    # ------------------------------------------------------------ accounting
+    def _busy_now(self, now: float) -> float:
+        since = self._busy_since
+        return self._busy_cum + (now - since if since is not None else 0.0)
+
+    def admitted(self, request_id: str) -> None:
+        """``request_id`` goes to the engines: it awaits its first byte."""
+        if not request_id or request_id in self._waiting:
+            return
+        now = time.monotonic()
+        if not self._waiting:
+            self._busy_since = now
+        self._waiting[request_id] = now
+
+    def _leave(self, request_id: str, now: float, landed: bool = False) -> bool:
+        since = self._waiting.pop(request_id, None)
+        if since is None:
+            return False
+        if landed:
+            spent, old = now - since, self.sojourn
+            self.sojourn = old + SOJOURN_EWMA * (spent - old) if old else spent
+        if not self._waiting and self._busy_since is not None:
+            self._busy_cum += now - self._busy_since
+            self._busy_since = None
+        return True
+
+    def landed(self, request_id: str) -> None:
+        """The request's first byte reached its client."""
+        now = time.monotonic()
+        if self._leave(request_id, now, landed=True):
+            self._landed.append((now, self._busy_now(now)))
+        arrival = self._arrivals.pop(request_id, None)
+        if arrival is not None:
+            self._calibrate(now - arrival[0], arrival[1])
+
+    def ended(self, request_id: str) -> None:
+        """The request is over (answered, failed, cancelled) without a first byte counted."""
+        self._leave(request_id, time.monotonic())
+        self._arrivals.pop(request_id, None)
+
+    def _calibrate(self, actual: float, predicted: float) -> None:
+        """One request's prediction (> 0) against its actual time to first byte."""
+        self.calibrated += 1
+        self.actual_sum += actual
+        self.predicted_sum += predicted
+        ratio = actual / predicted
+        self.ratio_sum += ratio
+        for i, bound in enumerate(RATIO_BUCKETS):
+            if ratio <= bound:
+                self.ratio_counts[i] += 1
+                break
+
+    # ------------------------------------------------------------ prediction
+    @property
+    def in_prefill(self) -> int:
+        """The proxy's admitted requests with no first byte yet."""
+        return len(self._waiting)
+
+    def rate(self) -> float:
+        """How fast the backlog leaves, first bytes a second (see the module); 0.0 when
+        unknown."""
+        now = time.monotonic()
+        landed = self._landed
+        while landed and landed[0][0] < now - RATE_WINDOW_S:
+            landed.popleft()
+        if len(landed) < MIN_LANDED:
+            return 0.0
+        busy = self._busy_now(now) - landed[0][1]  # busy seconds since the oldest one
+        measured = (len(landed) - 1) / busy if busy > 0 else 0.0
+        current = len(self._waiting) / self.sojourn if self.sojourn > 0 else 0.0
+        return max(measured, current)
+
+    def predict(self, ahead_in_queue: int) -> float:
+        """Seconds an arriving request would wait for its first byte behind
+        ``ahead_in_queue`` waiters; 0.0 when the rate is unknown."""
+        rate = self.rate()
+        return (ahead_in_queue + self.in_prefill) / rate if rate else 0.0
+
+    def arrived(self, request_id: str, predicted: float) -> None:
+        """Remember the prediction until its first byte (calibration)."""
+        if request_id and predicted > 0 and len(self._arrivals) < ARRIVALS_MAX:
+            self._arrivals[request_id] = (time.monotonic(), predicted)
