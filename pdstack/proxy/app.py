@@ -22,7 +22,7 @@ from aiohttp import web
 from pdstack.proxy import affinity, tracing
 from pdstack.proxy.admin import AdminAPI, _bearer
 from pdstack.proxy.admission import KvAdmission, prompt_tokens
-from pdstack.proxy.backends import BackendRegistry, BackendState, PendingLegs
+from pdstack.proxy.backends import BackendRegistry, BackendState, PendingLegs, probe_reason
 from pdstack.proxy.breaker import Breaker
 from pdstack.proxy.config import ProxyConfig
 from pdstack.proxy.engine_routes import EngineRoutes
@@ -81,6 +81,7 @@ class Proxy(AdminAPI, EngineRoutes, Flows):
             lambda: self.registry, lambda: self.session, self._auth_headers, cfg,
             lambda b: self.metrics.wedged.labels(b.name).inc(),
         )
+        self.breaker.progressing = self.progress.progressing  # busy is not dead (issue 54)
         self.body_budget = BodyBudget(cfg.max_body_bytes_held)
         self.admin_failures = FailureLimiter(cfg.admin_auth_failures_per_min, 60.0)
         self.leg_budget = LegBudget(
@@ -239,6 +240,7 @@ class Proxy(AdminAPI, EngineRoutes, Flows):
         self._probing.add(backend.name)
         ok, error, unreachable = False, "", False
         started = time.monotonic()
+        sample = self.progress.sample(backend)  # its /metrics too, while legs are on it
         try:
             timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
             async with self.session.get(f"{backend.url}/health", timeout=timeout) as resp:
@@ -249,9 +251,9 @@ class Proxy(AdminAPI, EngineRoutes, Flows):
                 ok, error = await self.progress.readmissible(backend)
         except TimeoutError:
             error = "/health timed out"
-            if backend.last_success >= started:
-                # it answered real requests meanwhile: a slow probe (busy event loop or
-                # busy engine) is no evidence of death
+            if backend.last_success >= started or await self.progress.busy(backend, sample):
+                # it answered real requests meanwhile, or its /metrics answers with legs on
+                # it: a slow probe (busy event loop or busy engine) is no evidence of death
                 return True
             unreachable = True
         except aiohttp.ClientError as exc:
@@ -287,11 +289,11 @@ class Proxy(AdminAPI, EngineRoutes, Flows):
             return
         self.registry.eject(
             backend, f"unreachable: {error}, and a leg waited {now - oldest:.1f}s with nothing "
-            f"from it"
+            f"from it", probe_reason(error)
         )
 
     def _on_eject(self, backend: BackendState) -> None:
-        self.metrics.ejections.labels(backend.name).inc()
+        self.metrics.ejections.labels(backend.name, backend.eject_reason or "other").inc()
         # its legs that have sent nothing to a client: abort now, so they are re-routed
         pending, backend.pending = backend.pending, PendingLegs()
         for proto in pending:

@@ -20,6 +20,25 @@ log = logging.getLogger("pdstack.proxy")
 
 ROLES = ("prefill", "decode", "colocated")
 
+# why a backend is ejected (pdstack_proxy_ejections_total's reason label):
+# refused: a connection refused or reset (a leg's, or /health's); unreachable: nothing
+# answered within its budget (no /health, no /metrics); health_failed: /health answered an
+# error; engine_5xx: a 5xx that /health confirmed; wedged_no_progress: requests held, its
+# progress counters flat and a 1-token generation unanswered for the no-progress budget;
+# error_rate: eject_after legs in a row failed with no progress from it; half_open: it failed
+# on trial after a re-admission; other: an operator or a test
+EJECT_REASONS = ("refused", "unreachable", "health_failed", "engine_5xx", "wedged_no_progress",
+                 "error_rate", "half_open", "other")
+
+
+def probe_reason(error: str) -> str:
+    """The ejection reason a failed /health probe's ``error`` gives."""
+    if error.startswith("/health timed out"):
+        return "unreachable"
+    if error.startswith("/health answered"):
+        return "health_failed"
+    return "refused" if error.startswith("/health failed") else "other"
+
 
 class PendingLegs(set[Any]):
     """The upstream connections of a backend's legs that have sent nothing to a client yet,
@@ -72,6 +91,14 @@ class BackendState:
     # accepted requests and made no progress (pdstack.proxy.progress): ejected, and
     # re-admitted only after a real generation answers, not a bare /health
     wedged: bool = False
+    # why it was last ejected (EJECT_REASONS: the ejections metric's reason label)
+    eject_reason: str = ""
+    # the engine's progress counters at its last /metrics read, and when that was
+    # (time.monotonic()); counters that moved since count as progress (last_success)
+    progress_mark: float | None = None
+    progress_mark_at: float = 0.0
+    # requests the engine held at that read (vllm:num_requests_running + waiting)
+    engine_held: int = 0
     # lmcache-pd decoders: {"host", "init_ports": [..], "alloc_ports": [..]} (per TP rank)
     lmcache_pd: dict[str, Any] | None = None
     # circuit breaker (pdstack.proxy.breaker): re-admitted, on trial until it has served
@@ -268,12 +295,17 @@ class BackendRegistry:
         backend.consecutive_successes = 0
         backend.last_error = error
         if backend.healthy and backend.consecutive_failures >= eject_after:
-            self.eject(backend, error)
+            self.eject(backend, f"{eject_after} failures in a row, the last: {error}",
+                       "error_rate")
 
-    def eject(self, backend: BackendState, reason: str) -> None:
+    def eject(self, backend: BackendState, evidence: str, reason: str = "other") -> None:
+        """Take ``backend`` out of rotation; ``reason`` is one of EJECT_REASONS, ``evidence``
+        what was seen (both logged, the reason counted by the ``on_eject`` hook)."""
         backend.healthy = False
         backend.ejections += 1
-        log.warning("ejected backend %s (%s): %s", backend.name, backend.url, reason)
+        backend.eject_reason = reason if reason in EJECT_REASONS else "other"
+        log.warning("ejected backend %s (%s): %s (reason %s)", backend.name, backend.url,
+                    evidence, backend.eject_reason)
         if self.on_eject is not None:
             self.on_eject(backend)
 
@@ -304,7 +336,8 @@ class BackendRegistry:
             backend.consecutive_successes = 0
             backend.last_error = error
             if backend.healthy and backend.probe_failures >= cfg.eject_after:
-                self.eject(backend, error)
+                self.eject(backend, f"{backend.probe_failures} failed /health probes in a row, "
+                           f"the last: {error}", probe_reason(error))
 
     # ------------------------------------------------------------ admin
     def upsert(self, spec: dict[str, Any]) -> BackendState:

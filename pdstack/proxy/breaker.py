@@ -15,7 +15,15 @@ What counts against a backend, and what does not:
 - a connection error or a timeout counts at once, and the backend is *suspected*: its
   ``/health`` is probed right away, and a failing probe ejects it then (a frozen engine
   is out after one timeout, not after three);
+- but a leg timeout on a backend that makes progress (legs on it answer, or its ``/metrics``
+  counters move: :meth:`pdstack.proxy.progress.ProgressWatch.progressing`) does not count:
+  the engine is busy, not dead (issue 54: a flood ejected every engine in turn); and a
+  ``/health`` that times out while its ``/metrics`` answers with legs on it is load, not a
+  failed probe (:meth:`pdstack.proxy.progress.ProgressWatch.busy`);
 - ``eject_after`` consecutive counted failures eject it too.
+
+Each ejection names its reason (:data:`pdstack.proxy.backends.EJECT_REASONS`), counted in
+``pdstack_proxy_ejections_total{backend,reason}``.
 
 States: closed (healthy) -> open (ejected: no traffic; ``/health`` probed every
 ``readmit_interval_s``, 0.5 s) -> half-open after ``readmit_after`` passing probes (traffic
@@ -30,7 +38,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from pdstack.proxy.backends import BackendRegistry, BackendState
+from pdstack.proxy.backends import BackendRegistry, BackendState, probe_reason
 
 log = logging.getLogger("pdstack.proxy")
 
@@ -47,6 +55,8 @@ class Breaker:
         self.close_after = close_after
         self._suspicions: dict[str, asyncio.Task[None]] = {}
         self._probes: dict[str, asyncio.Future[bool]] = {}
+        # does the backend make progress now? (the proxy wires ProgressWatch.progressing)
+        self.progressing: Callable[[BackendState], bool] = lambda backend: False
 
     async def _probe(self, backend: BackendState) -> bool:
         """One /health probe at a time per backend: concurrent callers (say, fifty
@@ -63,12 +73,17 @@ class Breaker:
             task.add_done_callback(forget)
         return await asyncio.shield(task)
 
-    def failure(self, backend: BackendState, error: str) -> None:
-        """A connection error or timeout: count it, and probe the backend now."""
+    def failure(self, backend: BackendState, error: str, timed_out: bool = False) -> None:
+        """A connection error or timeout: count it, and probe the backend now; a timeout
+        on a backend that makes progress is not counted (busy, not dead)."""
+        if timed_out and self.progressing(backend):
+            backend.last_error = error
+            log.info("%s; %s makes progress: busy, not counted", error, backend.name)
+            return
         if backend.half_open and backend.healthy:
             backend.last_error = error
             backend.consecutive_failures += 1
-            self.registry.eject(backend, f"failed while half-open: {error}")
+            self.registry.eject(backend, f"failed while half-open: {error}", "half_open")
             return
         self.registry.record_failure(backend, error, self.eject_after)
         if backend.healthy:
@@ -82,8 +97,8 @@ class Breaker:
             try:
                 ok = await self._probe(backend)
                 if not ok and backend.healthy:
-                    reason = f"suspected, then /health failed: {backend.last_error}"
-                    self.registry.eject(backend, reason)
+                    evidence = f"suspected, then /health failed: {backend.last_error}"
+                    self.registry.eject(backend, evidence, probe_reason(backend.last_error))
             finally:
                 self._suspicions.pop(backend.name, None)
 
@@ -96,7 +111,7 @@ class Breaker:
         backend.last_error = error
         backend.consecutive_failures += 1
         if backend.healthy:
-            self.registry.eject(backend, f"{error} (and /health failed)")
+            self.registry.eject(backend, f"{error} (and /health failed)", "engine_5xx")
         return True
 
     def success(self, backend: BackendState) -> None:

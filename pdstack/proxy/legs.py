@@ -4,7 +4,6 @@ pass through to the client, or count against the backend: :mod:`pdstack.proxy.br
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -29,6 +28,7 @@ from pdstack.proxy.errors import (
     error_response,
 )
 from pdstack.proxy.metrics import ProxyMetrics
+from pdstack.proxy.progress import ProgressWatch
 from pdstack.proxy.relay import RelayError, RelayPool, RelayProtocol, build_request, split_url
 from pdstack.proxy.sse import (
     ErrorEvents,
@@ -43,8 +43,6 @@ from pdstack.proxy.sse import (
 from pdstack.proxy.tenants import Ticket, tenant_note
 
 log = logging.getLogger("pdstack.proxy")
-
-
 R = TypeVar("R")
 
 
@@ -97,6 +95,7 @@ class Legs:
     metrics: ProxyMetrics
     relay: RelayPool
     breaker: Breaker
+    progress: ProgressWatch  # leg_deadline: a busy engine's legs are not cut while it progresses
     admission: KvAdmission
     session: aiohttp.ClientSession | None
     _addresses: dict[str, tuple[str, int, str]]
@@ -245,7 +244,7 @@ class Legs:
         try:
             # ---------- before the first byte: everything here may be retried elsewhere
             try:
-                async with asyncio.timeout(timeout):
+                async with self.progress.leg_deadline(backend, timeout):
                     proto = await self._open(backend, ctx.path, payload, ctx.upstream_headers)
                     if proto.status == 200:
                         first, pending = await first_event(proto, backend)
@@ -253,7 +252,7 @@ class Legs:
                         await proto.done
             except (RelayError, OSError, TimeoutError) as exc:
                 error = f"{backend.role} {backend.name}: {describe_failure(exc, timeout)}"
-                self.breaker.failure(backend, error)
+                self.breaker.failure(backend, error, isinstance(exc, TimeoutError))
                 raise Retryable(error, isinstance(exc, TimeoutError)) from exc
             finally:
                 if proto is not None:
@@ -369,11 +368,11 @@ class Legs:
         transport error or timeout is recorded against the backend and raised Retryable."""
         backend.in_flight += 1
         try:
-            async with asyncio.timeout(timeout):
+            async with self.progress.leg_deadline(backend, timeout):
                 return await self._call(backend, ctx.path, payload, ctx.upstream_headers)
         except (RelayError, OSError, TimeoutError) as exc:
             error = f"{label} {backend.name}: {describe_failure(exc, timeout)}"
-            self.breaker.failure(backend, error)
+            self.breaker.failure(backend, error, isinstance(exc, TimeoutError))
             raise Retryable(error, isinstance(exc, TimeoutError)) from exc
         finally:
             backend.in_flight -= 1

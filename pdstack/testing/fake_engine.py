@@ -85,8 +85,10 @@ Faults (``FakeEngine.faults``, a :class:`Faults`; applies to generation requests
   stays 200: a "bad request" that makes an engine fail without the engine being sick.
   Independent of the other faults and of ``times``.
 - ``health_status``: what ``/health`` answers (e.g. 503).
-- ``health_hang``: ``/health`` never answers (the engine's host cannot be reached: its link
-  is down), until the client goes away.
+- ``health_hang``: ``/health`` and ``/metrics`` never answer (the engine's host cannot be
+  reached: its link is down), until the client goes away.
+- ``health_delay_ms``: ``/health`` answers that much later (a busy API server); ``/metrics``
+  answers at once.
 
 In-process use (tests)
 ----------------------
@@ -143,6 +145,7 @@ class Faults:
     times: int | None = None
     health_status: int = 200
     health_hang: bool = False
+    health_delay_ms: float = 0.0
     poison: str | None = None
     poison_status: int = 500
 
@@ -387,6 +390,7 @@ class FakeEngine:
                 self.faults = Faults(
                     health_status=faults.health_status,
                     health_hang=faults.health_hang,
+                    health_delay_ms=faults.health_delay_ms,
                     poison=faults.poison,
                     poison_status=faults.poison_status,
                 )
@@ -470,9 +474,13 @@ class FakeEngine:
     async def _handle_health(self, request: web.Request) -> web.Response:
         if self.faults.health_hang:
             await asyncio.Event().wait()  # until the client goes away (cancelled)
+        if self.faults.health_delay_ms > 0:
+            await asyncio.sleep(self.faults.health_delay_ms / 1000)
         return web.Response(status=self.faults.health_status)
 
     async def _handle_metrics(self, request: web.Request) -> web.Response:
+        if self.faults.health_hang:  # the host cannot be reached: nothing answers
+            await asyncio.Event().wait()
         self.metrics_reads += 1
         c = self.counters
         lbl = f'model_name="{self.model}"'
