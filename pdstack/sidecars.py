@@ -9,9 +9,10 @@ engine image, which has Python): nothing to install, nothing to mount.
   when the engine core stops, so requests that reach a stopped core never show there);
   progress is the prompt and generation token and finished-request counters. A request
   held with those counters flat for ``WEDGE_S`` seconds is confirmed with one 1-token
-  generation (4 s deadline, the container's ``VLLM_API_KEY``); it fails = wedged. So is an
-  engine that once answered and whose ``/health`` or ``/metrics`` fails for ``WEDGE_S``
-  (a hung API server). Then it writes one line naming the engine to the container's log
+  generation (4 s deadline); it fails = wedged. So is an engine that once answered and
+  whose ``/health`` or ``/metrics`` fails for ``WEDGE_S`` (a hung API server). Every request
+  it makes carries the container's ``VLLM_API_KEY`` (``/load`` needs it:
+  pdstack.vllm_engine_auth). Then it writes one line naming the engine to the container's log
   (``pdstack-watchdog: NAME wedged: ...``, through PID 1's stdout) and ends every process
   of the container but its init (``kill(-1, SIGKILL)`` in the container's PID namespace):
   the container exits 137 and its restart policy starts it again, on the node, without a
@@ -65,8 +66,10 @@ def restart(why):
             pass
         os.kill(-1, 9)
     sys.exit(1)
+key = os.environ.get('VLLM_API_KEY')
+auth = {'Authorization': 'Bearer ' + key} if key else {}
 def get(path, timeout):
-    return u.urlopen(url + path, timeout=timeout).read().decode()
+    return u.urlopen(u.Request(url + path, headers=auth), timeout=timeout).read().decode()
 try:
     get('/health', 2)
     text = get('/metrics', 2)
@@ -101,9 +104,7 @@ save(up=True, down=None)
 if not last.get('held') or now - last['since'] <= wedge_s:
     sys.exit(0)
 body = json.dumps({'model': model, 'prompt': [1], 'max_tokens': 1}).encode()
-headers = {'Content-Type': 'application/json'}
-if os.environ.get('VLLM_API_KEY'):
-    headers['Authorization'] = 'Bearer ' + os.environ['VLLM_API_KEY']
+headers = {'Content-Type': 'application/json', **auth}
 try:
     u.urlopen(u.Request(url + '/v1/completions', data=body, headers=headers), timeout=4).read()
 except Exception as exc:

@@ -118,19 +118,27 @@ MODULE = "pdstack_vllm_offload_fix"
 PLUGINS_DIR = "vllm-plugins"  # under a launch's log folder, and in a rendered stack
 
 
-def plugin_files() -> dict[str, str]:
-    """What vLLM needs on its PYTHONPATH to load this plugin, by relative path: this module's
-    source as the top-level module ``MODULE`` and a dist-info naming its entry point
-    (importlib.metadata finds distributions on sys.path). ``pdstack launch`` writes them under
-    its log folder, ``pdstack render`` into each stack (mounted into the engines)."""
-    info = f"{PLUGIN_NAME}-0.dist-info"
+def _plugin(name: str, module: str, source: Path) -> dict[str, str]:
+    info = f"{name}-0.dist-info"
     return {
         f"{info}/METADATA":
-            f"Metadata-Version: 2.1\nName: {PLUGIN_NAME.replace('_', '-')}\nVersion: 0\n",
-        f"{info}/entry_points.txt":
-            f"[{PLUGIN_GROUP}]\n{PLUGIN_NAME} = {MODULE}:{register.__name__}\n",
-        f"{MODULE}.py": Path(__file__).read_text(),
+            f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: 0\n",
+        f"{info}/entry_points.txt": f"[{PLUGIN_GROUP}]\n{name} = {module}:register\n",
+        f"{module}.py": source.read_text(),
     }
+
+
+def plugin_files() -> dict[str, str]:
+    """What vLLM needs on its PYTHONPATH to load pdstack's plugins, by relative path: this
+    module's source as the top-level module ``MODULE`` and a dist-info naming its entry point
+    (importlib.metadata finds distributions on sys.path), and the same for
+    :mod:`pdstack.vllm_engine_auth` (every engine route needs the engine key). ``pdstack
+    launch`` writes them under its log folder, ``pdstack render`` into each stack (mounted
+    into the engines)."""
+    from pdstack import vllm_engine_auth as auth
+
+    return (_plugin(PLUGIN_NAME, MODULE, Path(__file__))
+            | _plugin(auth.PLUGIN_NAME, auth.MODULE, Path(auth.__file__)))
 
 
 def plugin_path(root: Path) -> Path:
