@@ -11,6 +11,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdstack import kvmodes
+from pdstack.proxy.wait_budget import TTFT_SLO_S
+
+# pdstack_ttft_slo_s when unset, by profile: chat on GPUs; a CPU engine's first token takes
+# seconds under load (the CPU stack's own tests run at 2 req/s), so its budget is for floods
+TTFT_SLO_DEFAULTS = {"gpu": TTFT_SLO_S, "cpu": 30.0}
 
 KvMode = Literal[
     "colocated", "colocated+l1", "lmcache-pd", "nixl", "nixl+l1", "shared-l1", "shared-l1+nixl"
@@ -149,10 +154,14 @@ class DeploymentSpec(_Strict):
     skip_prefill_threshold_tokens: int = Field(default=0, ge=0)
     proxy_bind_address: str | None = None
     shm_size: str = "16g"
-    # the proxy's KV-aware admission (pdstack.proxy.admission); unset: ``kv`` on GPUs, where
-    # it kept every measured mode off the preemption / eager-step cliff (results/h200x1),
-    # ``off`` on CPU
+    # the proxy's KV-aware admission (pdstack.proxy.admission); unset: ``kv``. On GPUs it
+    # kept every measured mode off the preemption / eager-step cliff (results/h200x1); on
+    # CPU, without it a flood of 300 streams drowned the engines (issue 54)
     proxy_admission: Literal["off", "kv"] | None = None
+    # the TTFT (s, a P99) an interactive request should meet: with admission, one predicted
+    # to wait past 3/4 of it is refused at arrival (pdstack.proxy.wait_budget); unset: the
+    # profile's TTFT_SLO_DEFAULTS
+    ttft_slo_s: float | None = Field(default=None, gt=0, le=3600)
     # where engines keep reusable KV in host RAM (kvmodes.resolve_tier); unset: the measured
     # default of the mode and profile. kv_tier_size_gb: each native-tier engine's GiB (unset:
     # TIER_HOST_FRACTION of its node's pdstack_host_memory_gb, split over the node's engines)
@@ -170,7 +179,12 @@ class DeploymentSpec(_Strict):
         """``pdstack_proxy_admission``, or its profile's default when unset."""
         if self.proxy_admission is not None:
             return self.proxy_admission
-        return "kv" if self.profile == "gpu" else "off"
+        return "kv"
+
+    @property
+    def ttft_slo(self) -> float:
+        """``pdstack_ttft_slo_s``, or its profile's default when unset."""
+        return self.ttft_slo_s if self.ttft_slo_s is not None else TTFT_SLO_DEFAULTS[self.profile]
 
     @property
     def tier(self) -> str:

@@ -54,7 +54,7 @@ from pdstack.proxy.routing import PrefixIndex
 from pdstack.proxy.scrape_pace import ScrapePace
 from pdstack.proxy.shares import TenantLedger
 from pdstack.proxy.tenants import TenantState
-from pdstack.proxy.wait_budget import BUDGET_SHARE, WaitBudget
+from pdstack.proxy.wait_budget import BUDGET_SHARE, TTFT_SLO_S, WaitBudget
 
 _SENT = ("engines", "")  # the one store of KvAdmission._sent
 
@@ -107,7 +107,7 @@ class AdmissionConfig:
     queue_timeout_s: float = 60.0  # the longest wait in the queue; a batch request's budget
     # the TTFT an interactive request should meet (a P99): one predicted to wait past
     # BUDGET_SHARE of it is refused at arrival (pdstack.proxy.wait_budget); 0 = no budget
-    ttft_slo_s: float = 2.0
+    ttft_slo_s: float = TTFT_SLO_S
     fairness: bool = True  # per-tenant fair queuing + priorities (False: one FIFO)
     # a lower class's request waits while a higher class's awaits its first byte (.shares)
     interactive_first: bool = True

@@ -46,6 +46,7 @@ RATE_MAX_LANDED = 4096  # first-byte stamps kept (bounded memory at any rate)
 # an interactive request's budget on its predicted TTFT, as a share of the TTFT SLO (a P99)
 # (the prediction is a mean, the SLO a P99; at the default 2 s SLO: 1.5 s)
 BUDGET_SHARE = 0.75
+TTFT_SLO_S = 2.0  # the default TTFT SLO: chat on GPUs (a CPU deployment's: pdstack.specs)
 # actual / predicted time to first byte, histogram bounds
 RATIO_BUCKETS = (0.25, 0.5, 0.8, 1.25, 2.0, 4.0, math.inf)
 ARRIVALS_MAX = 100_000  # predictions kept for calibration (requests in flight)

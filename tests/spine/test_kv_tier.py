@@ -90,7 +90,9 @@ def test_default_gpu_stack_is_native_tier_from_host_memory() -> None:
     assert json.loads(cmd[cmd.index("--kv-transfer-config") + 1]) == offloading(32)
     assert "--max-cudagraph-capture-size" not in cmd and "--kv-offloading-size" not in cmd
     proxy = next(s for n in plan.nodes.values() for s in n.services if s.kind == "proxy")
-    assert proxy.command[-4:] == ["--admission", "kv", "--admission-max-running", "512"]
+    assert proxy.command[-6:] == [
+        "--admission", "kv", "--admission-max-running", "512", "--admission-ttft-slo-s", "2"
+    ]
 
 
 def test_native_tier_splits_host_memory_and_engine_size_wins(tmp_path: Path) -> None:

@@ -11,9 +11,12 @@ import pytest
 import yaml
 
 from pdstack.plan import admission_max_running, engine_priority, make_plan
-from pdstack.topology import load_topology
+from pdstack.topology import TopologyError, load_topology
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+SLO_GPU = ["--admission-ttft-slo-s", "2"]  # pdstack_ttft_slo_s unset on a GPU
 
 
 def plan_of(inv: Path | str):
@@ -45,13 +48,13 @@ def with_vars(tmp_path: Path, base: str, **extra) -> Path:
 @pytest.mark.parametrize(("inventory", "want"), [
     # gpu without an explicit running limit: capped at vLLM's own defaults, CUDA graphs up to
     # 512 running (H200 / B200: max_num_seqs 1024), max_num_seqs 256 elsewhere (A100)
-    ("h200x1", ["--admission", "kv", "--admission-max-running", "512"]),
-    ("h200x1-nixl", ["--admission", "kv", "--admission-max-running", "512"]),
-    ("h200x2-shared-l1", ["--admission", "kv", "--admission-max-running", "512"]),
-    ("a100x3", ["--admission", "kv", "--admission-max-running", "256"]),
-    ("b200x2", ["--admission", "kv", "--admission-max-running", "512"]),
-    # cpu: off unless asked
-    ("local-cpu", []),
+    ("h200x1", ["--admission", "kv", "--admission-max-running", "512", *SLO_GPU]),
+    ("h200x1-nixl", ["--admission", "kv", "--admission-max-running", "512", *SLO_GPU]),
+    ("h200x2-shared-l1", ["--admission", "kv", "--admission-max-running", "512", *SLO_GPU]),
+    ("a100x3", ["--admission", "kv", "--admission-max-running", "256", *SLO_GPU]),
+    ("b200x2", ["--admission", "kv", "--admission-max-running", "512", *SLO_GPU]),
+    # cpu: on too (a flood drowned its engines: issue 54), with a CPU engine's SLO
+    ("local-cpu", ["--admission", "kv", "--admission-ttft-slo-s", "30"]),
 ])
 def test_proxy_admission_defaults(inventory: str, want: list[str]) -> None:
     assert proxy_admission_args(plan_of(inventory)) == want
@@ -62,6 +65,16 @@ def test_explicit_admission_wins_over_the_profile_default(tmp_path: Path) -> Non
     assert proxy_admission_args(plan_of(off)) == []
     on = with_vars(tmp_path / "b", "local-cpu", pdstack_proxy_admission="kv")
     assert proxy_admission_args(plan_of(on))[:2] == ["--admission", "kv"]
+
+
+def test_the_ttft_slo_reaches_the_proxy_and_a_bad_one_names_its_field(tmp_path: Path) -> None:
+    slo = with_vars(tmp_path / "a", "h200x1", pdstack_ttft_slo_s=0.8)
+    args = proxy_admission_args(plan_of(slo))
+    assert args[args.index("--admission-ttft-slo-s") + 1] == "0.8"
+    bad = with_vars(tmp_path / "b", "h200x1", pdstack_ttft_slo_s=-1)
+    with pytest.raises(TopologyError) as err:
+        load_topology(bad)
+    assert "ttft_slo_s" in str(err.value)
 
 
 def engine_args(tmp_path: Path, prefill: list[str], decode: list[str], **extra) -> Path:
@@ -81,7 +94,8 @@ def test_running_cap_is_the_smallest_limit_of_the_gated_engines(tmp_path: Path) 
     # a decoder's own --max-num-seqs=96 is below vLLM's default limit; a prefiller is not gated
     inv = engine_args(tmp_path / "a", ["--max-num-seqs", "8"], ["--max-num-seqs=96"])
     assert admission_max_running(load_topology(inv)) == 96
-    assert proxy_admission_args(plan_of(inv))[-1] == "96"
+    args = proxy_admission_args(plan_of(inv))
+    assert args[args.index("--admission-max-running") + 1] == "96"
     # an unreadable value: vLLM's default for an H200
     inv = engine_args(tmp_path / "b", ["--max-num-seqs", "8"], ["--max-num-seqs", "x"])
     assert admission_max_running(load_topology(inv)) == 512
