@@ -21,13 +21,13 @@ import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 NODE_SECRETS_FILE = "/etc/pdstack/secrets.env"
 SERVICE_SECRETS_DIR = "/etc/pdstack/secrets"
 
 HF_TOKEN_ENV = "HF_TOKEN"  # gated Hugging Face models (vLLM / huggingface_hub read it)
-ENGINE_API_KEY_ENV = "VLLM_API_KEY"  # vLLM refuses requests without it; the proxy sends it
+ENGINE_API_KEY_ENV = "VLLM_API_KEY"  # every engine route needs it (vllm_engine_auth)
 LEGACY_ENGINE_API_KEY_ENV = "PDSTACK_ENGINE_API_KEY"  # the proxy's older name for it
 ADMIN_TOKEN_ENV = "PDSTACK_ADMIN_TOKEN"  # the proxy's admin API
 API_KEYS_ENV = "PDSTACK_API_KEYS"  # client keys (tenant "default")
@@ -73,26 +73,49 @@ def split_lines(text: str, kind: str) -> str:
     return "".join(f"{line}\n" for line in out)
 
 
-def split_file(node_file: Path, out_dir: Path) -> list[tuple[Path, list[str]]]:
+class Split(NamedTuple):
+    """What ``split_file`` did to one service's file: ``names`` set in it now (None: the file
+    was removed), ``dropped`` the names it held before and no longer does."""
+
+    path: Path
+    names: list[str] | None
+    dropped: list[str]
+
+
+def _names(text: str) -> list[str]:
+    return [m.group(1) for line in text.splitlines() if (m := _KEY.match(line))]
+
+
+def split_file(node_file: Path, out_dir: Path) -> list[Split]:
     """Write each service kind's own file into ``out_dir`` (folder 0700, files 0600, each
-    replaced whole) from the node's secrets file; returns (file, the names set in it). The
-    stack role does the same on a node with Ansible; this is for a stack without it
-    (``./quickstart``, a hand-run ``docker compose up``)."""
-    text = node_file.read_text()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    out_dir.chmod(0o700)
-    written = []
+    replaced whole) from the node's secrets file. Without that file (the operator removed
+    it) the services' files are removed instead, so a recreated service no longer holds
+    what was in it. The stack role does the same on a node with Ansible; this is for a stack
+    without it (``./quickstart``, a hand-run ``docker compose up``)."""
+    text = node_file.read_text() if node_file.is_file() else None
+    out: list[Split] = []
     for kind in SERVICE_SECRETS:
         target = out_dir / f"{kind}.env"
+        try:
+            before = _names(target.read_text())
+        except (FileNotFoundError, NotADirectoryError):
+            before = None
+        if text is None:
+            if before is not None:
+                target.unlink()
+                out.append(Split(target, None, before))
+            continue
+        out_dir.mkdir(parents=True, exist_ok=True)
+        out_dir.chmod(0o700)
         lines = split_lines(text, kind)
         tmp = target.with_name(f".{target.name}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(lines)
         os.replace(tmp, target)
-        names = [m.group(1) for line in lines.splitlines() if (m := _KEY.match(line))]
-        written.append((target, names))
-    return written
+        names = _names(lines)
+        out.append(Split(target, names, [n for n in before or () if n not in names]))
+    return out
 
 
 def register(subparsers: Any, name: str, help_text: str) -> None:
@@ -107,15 +130,23 @@ def register(subparsers: Any, name: str, help_text: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if not args.node_file.is_file():
-        print(f"{args.node_file}: no such file; no secrets to split (the services run "
-              "without any)")
-        return 0
+    node: Path = args.node_file
     try:
-        written = split_file(args.node_file, args.dir)
+        done = split_file(node, args.dir)
     except OSError as exc:
         print(f"pdstack secrets split: {exc}", file=sys.stderr)
         return 1
-    for path, names in written:  # names only, never a value
-        print(f"{path}: {', '.join(names) or '(none set)'}")
+    if not node.is_file():
+        print(f"{node}: no such file; the services get no secrets")
+    for path, names, dropped in done:  # names only, never a value
+        gone = f" (removed: {', '.join(dropped)})" if dropped else ""
+        if names is None:
+            print(f"{path}: removed the file{gone}")
+        else:
+            print(f"{path}: {', '.join(names) or '(none set)'}{gone}")
+    if any(d.dropped for d in done):
+        print("recreate the services so they no longer hold what was removed: "
+              "docker compose up -d (./quickstart does it)")
+    elif not done:
+        print("no secrets to split (the services run without any)")
     return 0
