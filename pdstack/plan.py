@@ -580,7 +580,7 @@ def _proxy_service(topo: Topology, node: NodeSpec) -> Service:
         cap = admission_max_running(topo)
         if cap:
             cmd += ["--admission-max-running", str(cap)]
-        cmd += ["--admission-ttft-slo-s", f"{d.ttft_slo:g}"]
+        cmd += ["--admission-ttft-slo", f"{d.ttft_slo:g}"]
     ports = {"http": d.ports.proxy}
     if _push(d):
         ports["lmcache_pd_notify"] = lmcache_pd_notify_port(d)

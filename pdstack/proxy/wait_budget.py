@@ -23,7 +23,7 @@ request at once when the prediction is past its class's budget:
   refused (the queue's deadline judges).
 
 The budget of an ``interactive`` request (and of every request without tenants) is
-``BUDGET_SHARE`` of the TTFT SLO (``--admission-ttft-slo-s``, the inventory's
+``BUDGET_SHARE`` of the TTFT SLO (``--admission-ttft-slo``, the inventory's
 ``pdstack_ttft_slo_s``). A ``batch`` request's
 budget is the queue's deadline (``queue_timeout_s``). Below capacity the prediction is the
 engines' own TTFT, far under the budget: nothing is refused and nothing is held.

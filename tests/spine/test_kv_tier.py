@@ -91,7 +91,7 @@ def test_default_gpu_stack_is_native_tier_from_host_memory() -> None:
     assert "--max-cudagraph-capture-size" not in cmd and "--kv-offloading-size" not in cmd
     proxy = next(s for n in plan.nodes.values() for s in n.services if s.kind == "proxy")
     assert proxy.command[-6:] == [
-        "--admission", "kv", "--admission-max-running", "512", "--admission-ttft-slo-s", "2"
+        "--admission", "kv", "--admission-max-running", "512", "--admission-ttft-slo", "2"
     ]
 
 

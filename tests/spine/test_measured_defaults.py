@@ -16,7 +16,7 @@ from pdstack.topology import TopologyError, load_topology
 REPO = Path(__file__).resolve().parents[2]
 
 
-SLO_GPU = ["--admission-ttft-slo-s", "2"]  # pdstack_ttft_slo_s unset on a GPU
+SLO_GPU = ["--admission-ttft-slo", "2"]  # pdstack_ttft_slo_s unset on a GPU
 
 
 def plan_of(inv: Path | str):
@@ -54,7 +54,7 @@ def with_vars(tmp_path: Path, base: str, **extra) -> Path:
     ("a100x3", ["--admission", "kv", "--admission-max-running", "256", *SLO_GPU]),
     ("b200x2", ["--admission", "kv", "--admission-max-running", "512", *SLO_GPU]),
     # cpu: on too (a flood drowned its engines: issue 54), with a CPU engine's SLO
-    ("local-cpu", ["--admission", "kv", "--admission-ttft-slo-s", "30"]),
+    ("local-cpu", ["--admission", "kv", "--admission-ttft-slo", "30"]),
 ])
 def test_proxy_admission_defaults(inventory: str, want: list[str]) -> None:
     assert proxy_admission_args(plan_of(inventory)) == want
@@ -70,7 +70,7 @@ def test_explicit_admission_wins_over_the_profile_default(tmp_path: Path) -> Non
 def test_the_ttft_slo_reaches_the_proxy_and_a_bad_one_names_its_field(tmp_path: Path) -> None:
     slo = with_vars(tmp_path / "a", "h200x1", pdstack_ttft_slo_s=0.8)
     args = proxy_admission_args(plan_of(slo))
-    assert args[args.index("--admission-ttft-slo-s") + 1] == "0.8"
+    assert args[args.index("--admission-ttft-slo") + 1] == "0.8"
     bad = with_vars(tmp_path / "b", "h200x1", pdstack_ttft_slo_s=-1)
     with pytest.raises(TopologyError) as err:
         load_topology(bad)
@@ -175,3 +175,21 @@ def test_a_batch_tenant_leaves_the_engine_step_to_vllm(tmp_path: Path) -> None:
     prefill = engine_commands(plan_of(engine_args(tmp_path / "own", own, [], **BATCH)))["prefill"]
     i = prefill.index("--max-num-batched-tokens")
     assert prefill[i:i + 4] == own and prefill.count("--max-num-batched-tokens") == 1
+
+
+@pytest.mark.parametrize("inventory", ["h200x1", "local-cpu", "h200x1-nixl"])
+def test_the_planned_proxy_command_parses_with_the_proxys_own_flags(inventory: str) -> None:
+    """Every flag the planner gives the proxy is one ``pdstack proxy`` knows, with the value
+    the plan meant (a flag the proxy does not know stops the stack at start)."""
+    import argparse
+
+    from pdstack.proxy.admission_flags import admission_from_args
+    from pdstack.proxy.cli import register
+
+    parser = register(argparse.ArgumentParser().add_subparsers(), "proxy", "")
+    cmd = service(plan_of(inventory), "proxy").command
+    args = parser.parse_args(cmd[cmd.index("proxy") + 1:])
+    admission = admission_from_args(args)
+    assert admission.enabled
+    want = 30.0 if inventory == "local-cpu" else 2.0
+    assert admission.ttft_slo_s == want
