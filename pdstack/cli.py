@@ -1,5 +1,8 @@
 """The ``pdstack`` command line.
 
+Its help is plain text: :func:`plain` takes the reST markup (````x````, ``:func:`x```) out of
+the descriptions and help strings the subcommand modules take from their docstrings.
+
 Each subcommand lives in its own module, which exposes ``register(subparsers)``;
 modules are imported only when their subcommand runs, so ``pdstack render``
 never pays for the proxy's or the bench's imports.
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from collections.abc import Sequence
 
@@ -29,8 +33,35 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+DESCRIPTION = ("pdstack plans and deploys prefill/decode vLLM stacks (engines, LMCache, the "
+               "OpenAI proxy) from an inventory. Exit codes: 0 ok, 1 a check failed, 2 misuse "
+               "or invalid input.")
+_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+_LITERAL = re.compile(r"``([^`]+)``")
+_EMPHASIS = re.compile(r"\*\*([^*]+)\*\*")
+
+
+def plain(text: str | None) -> str | None:
+    """``text`` without reST markup: ``:func:`x``` and ````x```` become x, ``**x**`` x."""
+    if not text:
+        return text
+    return _EMPHASIS.sub(r"\1", _LITERAL.sub(r"\1", _ROLE.sub(r"\1", text)))
+
+
+def _plain_help(parser: argparse.ArgumentParser) -> None:
+    parser.description = plain(parser.description)
+    parser.epilog = plain(parser.epilog)
+    for action in parser._actions:
+        action.help = plain(action.help)
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action._choices_actions:
+                choice.help = plain(choice.help)
+            for sub in dict.fromkeys(action.choices.values()):
+                _plain_help(sub)
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdstack", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="pdstack", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         if only is not None and name != only:
@@ -38,6 +69,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             continue
         module = importlib.import_module(module_name)
         module.register(sub, name, help_text)
+    _plain_help(parser)
     return parser
 
 

@@ -8,6 +8,10 @@ commands it prints at the end.
     python -m pdstack.quickstart model STACK_DIR DEST              -> the host copy's path
     python -m pdstack.quickstart bench-line STACK_DIR TOKENIZER    -> a `vllm bench serve` line
     python -m pdstack.quickstart url|served-model|engine-image STACK_DIR
+    QUESTION=... python -m pdstack.quickstart ask STACK_DIR  -> streams the answer (sends the
+                                                    first client key when keys are set)
+
+Every failure is one line on stderr naming the next step (exit 2), never a traceback.
 
 The default stack is the committed render ``compose/cpu`` (project ``pdstack-local-cpu``,
 proxy on 8000). ``PDSTACK_QUICKSTART_NAME`` / ``PDSTACK_PORT_OFFSET`` (``stack --name`` /
@@ -20,12 +24,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import yaml
 
@@ -256,6 +266,102 @@ def copy_model(stack_dir: Path, dest_root: Path) -> Path:
     return dest
 
 
+# ------------------------------------------------------------------ the first question
+def client_key(files: Sequence[Path]) -> str | None:
+    """The key the quickstart's request sends: the first of ``PDSTACK_API_KEYS``, else of
+    ``PDSTACK_TENANT_KEYS`` (``TENANT:KEY,...``), from the first of ``files`` that exists
+    (the proxy's own secrets file, then the node's); None when no key is set (the proxy
+    then checks none)."""
+    from pdstack.proxy.config import read_env_file
+    from pdstack.secrets import API_KEYS_ENV, TENANT_KEYS_ENV
+
+    for path in files:
+        try:
+            values = read_env_file(path)
+        except OSError:
+            continue
+        for key in values.get(API_KEYS_ENV, "").split(","):
+            if key.strip():
+                return key.strip()
+        for entry in values.get(TENANT_KEYS_ENV, "").split(","):
+            _, sep, key = entry.partition(":")
+            if sep and key.strip():
+                return key.strip()
+        return None
+    return None
+
+
+def _error_message(body: bytes) -> str:
+    try:
+        err = json.loads(body).get("error")
+        msg = err.get("message") if isinstance(err, dict) else err
+        return " ".join(str(msg).split())[:200]
+    except (ValueError, AttributeError):
+        return " ".join(body.decode(errors="replace").split())[:200]
+
+
+def ask(url: str, model: str, question: str, key: str | None, keys_from: str,
+        out: TextIO = sys.stdout, timeout: float = 300.0) -> tuple[int, float | None, float]:
+    """One streaming chat request through the proxy, the answer written to ``out`` as it
+    streams, with ``Authorization: Bearer key`` when there is a key; returns (chunks, seconds
+    to the first, seconds in all). Every failure is a QuickstartError of one line naming the
+    next step (``keys_from``: where the key came from, for that line)."""
+    body = {"model": model, "stream": True, "max_tokens": 48, "temperature": 0,
+            "messages": [{"role": "system", "content": "You are a helpful assistant."},
+                         {"role": "user", "content": question}]}
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers=headers)
+    t0 = time.monotonic()
+    ttft: float | None = None
+    n = 0
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            out.write("\n  answer> ")
+            for raw in resp:
+                line = raw.decode(errors="replace").strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[5:])
+                if event.get("error"):
+                    raise QuickstartError(
+                        f"the answer stopped with an error: {_error_message(line[5:].encode())};"
+                        " see the engines' logs: docker compose --project-directory <stack> logs")
+                for choice in event.get("choices", []):
+                    piece = (choice.get("delta") or {}).get("content") or ""
+                    if piece:
+                        ttft = ttft if ttft is not None else time.monotonic() - t0
+                        n += 1
+                        out.write(piece)
+                        out.flush()
+    except urllib.error.HTTPError as exc:
+        said = _error_message(exc.read())
+        if exc.code in (401, 403) and key:
+            raise QuickstartError(
+                f"the proxy refused the client key from {keys_from} ({exc.code}: {said}); it"
+                " holds the keys of its last start: run ./quickstart again to split the secrets"
+                " and recreate it") from None
+        if exc.code in (401, 403):
+            raise QuickstartError(
+                f"the proxy wants a client key ({exc.code}: {said}) and {keys_from} has none:"
+                " put PDSTACK_API_KEYS=<key> in /etc/pdstack/secrets.env and run ./quickstart"
+                " again (docs/tenants.md)") from None
+        raise QuickstartError(
+            f"the proxy answered {exc.code} ({said}); see its log: docker compose"
+            " --project-directory <stack> logs proxy, then ./quickstart again") from None
+    except (urllib.error.URLError, OSError) as exc:
+        why = getattr(exc, "reason", None) or exc
+        raise QuickstartError(
+            f"no answer from the proxy at {url} ({why}); check the stack: docker compose"
+            " --project-directory <stack> ps, then ./quickstart again") from None
+    except ValueError as exc:
+        raise QuickstartError(f"the proxy's stream was not OpenAI's ({exc}); see its log:"
+                              " docker compose --project-directory <stack> logs proxy") from None
+    return n, ttft, time.monotonic() - t0
+
+
 # ------------------------------------------------------------------ printed commands
 def proxy_url(stack_dir: Path) -> str:
     text = (stack_dir / "compose.yaml").read_text()
@@ -295,10 +401,16 @@ def main(argv: list[str] | None = None) -> int:
     bl = sub.add_parser("bench-line", help="print a `vllm bench serve` argument line")
     bl.add_argument("stack_dir", type=Path)
     bl.add_argument("tokenizer")
+    sk = sub.add_parser("ask", help="stream the answer to $QUESTION through the proxy")
+    sk.add_argument("stack_dir", type=Path)
+    sk.add_argument("--secrets", type=Path, action="append", default=None,
+                    help="where the client keys are (default: the proxy's secrets file, "
+                         "then the node's)")
     for name, what in (("url", "the proxy's URL"), ("served-model", "the served model name"),
                        ("engine-image", "the first engine's image")):
         sub.add_parser(name, help=f"print {what}").add_argument("stack_dir", type=Path)
     a = ap.parse_args(argv)
+    a.stack_dir_shown = getattr(a, "stack_dir", None) or "<stack>"
     try:
         if a.cmd == "stack":
             if not a.name and not a.port_offset:
@@ -315,12 +427,32 @@ def main(argv: list[str] | None = None) -> int:
             print(proxy_url(a.stack_dir))
         elif a.cmd == "served-model":
             print(served_model(a.stack_dir))
+        elif a.cmd == "ask":
+            _ask(a.stack_dir, a.secrets)
         else:
             print(stack_model(a.stack_dir)[0])
     except QuickstartError as exc:
-        print(f"quickstart: {exc}", file=sys.stderr)
+        print(f"quickstart: {str(exc).replace('<stack>', str(a.stack_dir_shown))}",
+              file=sys.stderr)
+        return 2
+    except (OSError, ValueError, KeyError, subprocess.SubprocessError) as exc:
+        print(f"quickstart: {a.cmd} failed: {exc.__class__.__name__}: {exc}; run ./quickstart"
+              " again, or see docs/getting-started.md", file=sys.stderr)
         return 2
     return 0
+
+
+def _ask(stack_dir: Path, files: list[Path] | None) -> None:
+    from pdstack.secrets import NODE_SECRETS_FILE, service_file
+
+    files = files or [Path(service_file("proxy") or NODE_SECRETS_FILE), Path(NODE_SECRETS_FILE)]
+    key = client_key(files)
+    where = next((str(f) for f in files if f.is_file()), str(files[-1]))
+    question = os.environ.get("QUESTION") or "Explain in one sentence what a prefill node does."
+    n, ttft, total = ask(proxy_url(stack_dir), served_model(stack_dir), question, key, where)
+    print(f"\n\n  ({n} streamed chunks, first token after {1000 * (ttft or 0):.0f} ms,"
+          f" {total:.1f} s total{', sent the first client key' if key else ''}; the model"
+          " has random weights, so the words are gibberish by design)\n")
 
 
 if __name__ == "__main__":
