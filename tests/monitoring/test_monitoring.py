@@ -171,9 +171,9 @@ def test_dashboards_load_back_and_point_at_the_rendered_prometheus(tmp_path, inv
 
 
 @pytest.mark.parametrize(("inventory", "want"), [
-    # admission: on by default on the gpu profile (pdstack_proxy_admission unset), off on cpu
+    # admission: on by default on both profiles (pdstack_proxy_admission unset)
     ("local-cpu", dict(pd=True, connector=True, lmcache=True, nixl=False, lmcache_pd=False,
-                       skip_prefill=False, admission=False, native_tier=False, tenants=False)),
+                       skip_prefill=False, admission=True, native_tier=False, tenants=False)),
     ("h200x2-colocated", dict(pd=False, connector=False, lmcache=False, nixl=False,
                               lmcache_pd=False, skip_prefill=False, admission=True,
                               native_tier=False, tenants=False)),
@@ -202,8 +202,8 @@ def test_admission_panels_only_with_kv_admission(tmp_path):
     inv = tmp_path / "inv"
     shutil.copytree(REPO / "inventory" / "local-cpu", inv)
     with (inv / "group_vars" / "all.yml").open("a") as f:
-        f.write("pdstack_proxy_admission: kv\n")
-    for path, want in ((REPO / "inventory" / "local-cpu", False), (inv, True)):
+        f.write('pdstack_proxy_admission: "off"\n')
+    for path, want in ((inv, False), (REPO / "inventory" / "local-cpu", True)):
         topo = load_topology(path)
         files = render_monitoring(topo.deployment, make_plan(topo))
         titles = {p["title"] for p in json.loads(

@@ -342,7 +342,10 @@ async def _noisy_neighbour(fairness: bool) -> dict[str, Any]:
             "tenants": {"alpha": TenantPolicy("alpha", max_queued=32),
                         "beta": TenantPolicy("beta")},
             "tenant_keys": keyed("alpha", "beta"),
-            "admission": AdmissionConfig(enabled=True, max_running=CAPACITY, fairness=fairness),
+            # no wait budget without fairness: the queue's order alone (with the budget, A's
+            # excess is refused at arrival and B waits at most the budget even in FIFO)
+            "admission": AdmissionConfig(enabled=True, max_running=CAPACITY, fairness=fairness,
+                                         ttft_slo_s=2.0 if fairness else 0.0),
         }
         async with ph.running_proxy(table(e["e0"]), **cfg) as rp:
             alone: list[float] = []
