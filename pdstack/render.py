@@ -78,7 +78,9 @@ def render_node(topo: Topology, plan: Plan, node_name: str) -> dict[str, str]:
         # 20.10 (Debian 12's docker.io) drops start_interval and checks every interval
         "engine_start_interval": "1s",
         "env_prefix": env_prefix,
-        "engine_command": lambda svc: engine_command(svc, model_arg),
+        # the node's LMCache data port is a socket in a volume only it and the engines mount
+        "engine_command": lambda svc: sidecars.engine_on_data_socket(
+            engine_command(svc, model_arg)),
         "engine_env": lambda svc: {**svc.env, "PYTHONPATH": PLUGINS_MOUNT},
         "plugins_dir": vllm_offload_fix.PLUGINS_DIR,
         "plugins_mount": PLUGINS_MOUNT,
@@ -91,6 +93,11 @@ def render_node(topo: Topology, plan: Plan, node_name: str) -> dict[str, str]:
             svc.bind_address, svc.ports["metrics"], f"unix:{sidecars.LMCACHE_API_SOCKET}"
         ),
         "lmcache_api_dir": os.path.dirname(sidecars.LMCACHE_API_SOCKET),
+        "lmcache_env": lambda svc: {**svc.env,
+                                    sidecars.LMCACHE_DATA_ENV: sidecars.LMCACHE_DATA_SOCKET},
+        "lmcache_data_dir": os.path.dirname(sidecars.LMCACHE_DATA_SOCKET),
+        "lmcache_data_path": lambda svc: sidecars.lmcache_data_endpoint(
+            svc.ports["zmq"]).removeprefix("ipc://"),
     }
     has_proxy = any(s.kind == "proxy" for s in node.services)
     # the monitoring profile (Prometheus + Grafana) lives on the proxy's node

@@ -28,7 +28,14 @@ engine image, which has Python): nothing to install, nothing to mount.
   with the metrics gate only (Compose: a volume mounted in those two services); the ZMQ port
   the engines use is untouched. It replaces the host and port LMCache gives uvicorn
   (``uvicorn.Config``), which ``lmcache server`` runs its API with
-  (keyword arguments in every LMCache version seen; run with 0.5.6).
+  (keyword arguments in every LMCache version seen; run with 0.5.6). With
+  ``PDSTACK_LMCACHE_DATA_SOCKET=PATH`` in its environment (the Compose stacks: PATH is
+  :data:`LMCACHE_DATA_SOCKET`, in a volume only LMCache and the node's engines mount) its data
+  port goes there too: the ZMQ bind of ``tcp://HOST:PORT`` (``--host``/``--port``) becomes
+  ``ipc://PATH:PORT`` (folder 0700), the endpoint the engines' ``lmcache.mp.host`` =
+  ``ipc://PATH`` joins to (:func:`engine_on_data_socket`): that port takes STORE, RETRIEVE and
+  CLEAR without credentials, and on TCP any process of the node reached it (issue 54).
+  ``pdstack launch`` sets no such variable: its LMCache keeps the TCP port.
   Arguments: ``SOCKET`` then ``lmcache``'s own (``server ...``).
 - :data:`METRICS_GATE` serves ``GET /metrics`` of that API on an address others reach, and
   nothing else (404), so Prometheus scrapes LMCache through it. ``UPSTREAM`` is
@@ -36,6 +43,8 @@ engine image, which has Python): nothing to install, nothing to mount.
 """
 
 from __future__ import annotations
+
+import json
 
 ENGINE_WATCHDOG = """\
 import json, os, sys, time, urllib.request as u
@@ -119,6 +128,18 @@ sock = sys.argv[1]
 folder = os.path.dirname(sock)
 os.makedirs(folder, mode=0o700, exist_ok=True)
 os.chmod(folder, 0o700)
+data = os.environ.get('PDSTACK_LMCACHE_DATA_SOCKET')
+if data:
+    os.makedirs(os.path.dirname(data), mode=0o700, exist_ok=True)
+    os.chmod(os.path.dirname(data), 0o700)
+    args = sys.argv[2:]
+    port = args[args.index('--port') + 1]
+    tcp = 'tcp://%s:%s' % (args[args.index('--host') + 1], port)
+    import zmq
+    bind = zmq.Socket.bind
+    def on_data_socket(self, addr, *a, **kw):
+        return bind(self, 'ipc://%s:%s' % (data, port) if addr == tcp else addr, *a, **kw)
+    zmq.Socket.bind = on_data_socket
 init = uvicorn.Config.__init__
 def on_socket(self, *args, **kw):
     kw.pop('host', None)
@@ -173,6 +194,11 @@ http.server.ThreadingHTTPServer((host, port), Gate).serve_forever()
 # LMCache's HTTP API socket, in the LMCache server's and its metrics gate's containers (a
 # volume only those two mount); `pdstack launch` puts it in its log folder
 LMCACHE_API_SOCKET = "/run/pdstack-lmcache/api.sock"
+# LMCache's data (ZMQ) endpoint in the Compose stacks: ipc://SOCKET:PORT in a volume only the
+# LMCache server and the node's engines mount, no TCP port (LMCACHE_API_ON_SOCKET binds it
+# there when its environment names it; the engines' lmcache.mp.host points at it)
+LMCACHE_DATA_SOCKET = "/run/pdstack-lmcache-data/mp.sock"
+LMCACHE_DATA_ENV = "PDSTACK_LMCACHE_DATA_SOCKET"
 
 WATCHDOG_STATE = "/tmp/pdstack-watchdog.json"
 
@@ -222,3 +248,41 @@ def lmcache_api_socket(command: list[str]) -> str | None:
     if command[:3] == ["python3", "-c", LMCACHE_API_ON_SOCKET]:
         return command[3]
     return None
+
+
+def lmcache_data_endpoint(port: int, socket_path: str = LMCACHE_DATA_SOCKET) -> str:
+    """The ZMQ endpoint LMCache binds and its engines connect to when its data port is on
+    ``socket_path`` (the connectors join ``lmcache.mp.host`` and ``lmcache.mp.port`` with
+    a colon, so the socket file is named ``PATH:PORT``)."""
+    return f"ipc://{socket_path}:{port}"
+
+
+def engine_on_data_socket(command: list[str], socket_path: str = LMCACHE_DATA_SOCKET) -> list[str]:
+    """An engine's command with every ``lmcache.mp.host`` of its ``--kv-transfer-config``
+    (a MultiConnector's too) on ``ipc://socket_path``: it reaches the node's LMCache server
+    through the socket, not a TCP port (a command without one is returned unchanged)."""
+    if "--kv-transfer-config" not in command:
+        return command
+    at = command.index("--kv-transfer-config") + 1
+    config = json.loads(command[at])
+    changed = False
+
+    def walk(node: object) -> None:
+        nonlocal changed
+        if isinstance(node, dict):
+            extra = node.get("kv_connector_extra_config")
+            if isinstance(extra, dict) and "lmcache.mp.host" in extra:
+                extra["lmcache.mp.host"] = f"ipc://{socket_path}"
+                changed = True
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(config)
+    if not changed:
+        return command
+    out = list(command)
+    out[at] = json.dumps(config, separators=(",", ":"))
+    return out
