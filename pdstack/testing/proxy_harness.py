@@ -98,6 +98,21 @@ async def until(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> N
 
 
 @contextlib.asynccontextmanager
+async def serve(app: web.Application | web.AppRunner, backlog: int = 128) -> AsyncIterator[str]:
+    """Serve ``app`` (or an app's runner) on a free port of 127.0.0.1: its base URL; cleaned
+    up on exit."""
+    runner = app if isinstance(app, web.AppRunner) else web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, backlog=backlog)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
 async def running_proxy(
     backend_table: dict[str, Any], **config: Any
 ) -> AsyncIterator[RunningProxy]:
@@ -108,17 +123,11 @@ async def running_proxy(
     }
     defaults.update(config)
     proxy = Proxy(BackendRegistry.from_table(backend_table), ProxyConfig(**defaults))
-    runner = proxy.runner()
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0, backlog=4096)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        try:
-            yield RunningProxy(proxy, f"http://127.0.0.1:{port}", session)
-        finally:
-            await runner.cleanup()
+    async with serve(proxy.runner(), backlog=4096) as url, aiohttp.ClientSession(
+        connector=connector
+    ) as session:
+        yield RunningProxy(proxy, url, session)
 
 
 @contextlib.asynccontextmanager

@@ -16,6 +16,7 @@ from pdstack.bench import report
 from pdstack.bench.client import BenchClient, RequestResult
 from pdstack.bench.stats import summarize
 from pdstack.bench.workload import ChatRequest
+from pdstack.testing.proxy_harness import serve
 
 SLO_MS = 200.0
 SLOW_S = 0.4  # the 503s' time to refusal and the late answers' TTFT: past the SLO
@@ -51,13 +52,8 @@ async def _completions(request: web.Request) -> web.StreamResponse:
 async def server() -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_post("/v1/completions", _completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    yield f"http://127.0.0.1:{port}"
-    await runner.cleanup()
+    async with serve(app) as url:
+        yield url
 
 
 async def _send_all(url: str) -> tuple[list[RequestResult], float, float]:

@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 
 from pdstack.bench import promscrape, report, runner
+from pdstack.testing.proxy_harness import serve
 
 DATA = Path(__file__).parent / "data"
 BEFORE = (DATA / "vllm_metrics_before.prom").read_text()
@@ -77,19 +78,12 @@ async def test_gauge_sampler_peak_and_mean_over_the_window() -> None:
     app = web.Application()
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/broken", broken)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    good, bad = f"http://127.0.0.1:{port}/metrics", f"http://127.0.0.1:{port}/broken"
-    try:
+    async with serve(app) as base:
+        good, bad = f"{base}/metrics", f"{base}/broken"
         sampler = promscrape.GaugeSampler([good, bad], interval=0.25)
         t0 = time.perf_counter()
         await sampler.run(stop_at=t0 + 0.9)
         elapsed = time.perf_counter() - t0
-    finally:
-        await runner.cleanup()
     assert 0.75 <= elapsed < 1.5
     assert len(sampler.rows) == 4  # ticks at 0, 0.25, 0.5, 0.75
     s = sampler.summary()
@@ -144,21 +138,14 @@ async def test_nan_and_inf_metrics_are_written_as_null(tmp_path: Path) -> None:
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
-    server = web.AppRunner(app)
-    await server.setup()
-    site = web.TCPSite(server, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    url = f"http://127.0.0.1:{port}/metrics"
-    try:
+    async with serve(app) as base:
+        url = f"{base}/metrics"
         before = await promscrape.snapshot([url])
         sampler = promscrape.GaugeSampler([url], interval=0.05)
         await sampler.run(stop_at=time.perf_counter() + 0.1)
         entry: dict[str, object] = {"request_rate": 1.0, "request_throughput": 1.0,
                                     "median_ttft_ms": float("nan"), "p99_ttft_ms": 5.0}
         await runner._add_prometheus(entry, [url], {"before": before}, sampler)
-    finally:
-        await server.cleanup()
     doc = {"slo": {"ttft_p50_ms": 2000.0, "ttft_p99_ms": 3500.0}, "results": [entry]}
     out, _, _ = report.write_outputs(doc, tmp_path / "run.json")
     got = _strict_loads(out.read_text())

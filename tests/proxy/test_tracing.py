@@ -15,7 +15,14 @@ from opentelemetry.trace import StatusCode
 
 from pdstack.proxy import tracing
 from pdstack.testing.fake_engine import Faults
-from pdstack.testing.proxy_harness import backend, engines, running_proxy, stream_completion, table
+from pdstack.testing.proxy_harness import (
+    backend,
+    engines,
+    running_proxy,
+    serve,
+    stream_completion,
+    table,
+)
 
 PROMPT = "You are a helpful assistant. " * 20 + "question"
 
@@ -129,29 +136,24 @@ async def test_spans_reach_an_otlp_http_endpoint() -> None:
 
     app = web.Application()
     app.router.add_post("/v1/traces", traces)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    endpoint = f"http://127.0.0.1:{port}/v1/traces"
-    try:
-        assert tracing.configure_from_env({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint,
-                                           "OTEL_SERVICE_NAME": "proxy-under-test"}) == endpoint
-        async with engines("p0", "d0", output_tokens=2) as e:
-            t = table("nixl", [backend("p0", "prefill", e["p0"]),
-                               backend("d0", "decode", e["d0"])])
-            async with running_proxy(t) as rp:
-                res = await stream_completion(rp.session, rp.url, PROMPT,
-                                              headers={"X-Request-Id": "otlp-1"}, max_tokens=2)
-                assert res.status == 200
-        # the exporter posts from its own thread: flush there, not on this loop
-        import asyncio
+    async with serve(app) as base:
+        endpoint = f"{base}/v1/traces"
+        try:
+            assert tracing.configure_from_env({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint,
+                                               "OTEL_SERVICE_NAME": "proxy-under-test"}) == endpoint
+            async with engines("p0", "d0", output_tokens=2) as e:
+                t = table("nixl", [backend("p0", "prefill", e["p0"]),
+                                   backend("d0", "decode", e["d0"])])
+                async with running_proxy(t) as rp:
+                    res = await stream_completion(rp.session, rp.url, PROMPT,
+                                                  headers={"X-Request-Id": "otlp-1"}, max_tokens=2)
+                    assert res.status == 200
+            # the exporter posts from its own thread: flush there, not on this loop
+            import asyncio
 
-        assert await asyncio.to_thread(tracing.flush)
-    finally:
-        tracing.disable()
-        await runner.cleanup()
+            assert await asyncio.to_thread(tracing.flush)
+        finally:
+            tracing.disable()
     spans = [(rs, s) for m in received for rs in m.resource_spans
              for ss in rs.scope_spans for s in ss.spans]
     names = sorted(s.name for _, s in spans)
