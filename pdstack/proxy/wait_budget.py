@@ -17,10 +17,13 @@ request at once when the prediction is past its class's budget:
   engine's own queue). Current: the requests in prefill over the time a request spends
   there lately (``SOJOURN_EWMA`` over first bytes; Little's law): when a burst arrives the
   measured rate still says how fast the *earlier* traffic came, but an engine that is not
-  saturated keeps its time per request, so the burst is not refused on the old rate. Past
-  capacity both views agree: the time in prefill grows, and so does the prediction. With
-  fewer than ``MIN_LANDED`` first bytes in the window the rate is unknown and nothing is
-  refused (the queue's deadline judges).
+  saturated keeps its time per request, so the burst is not refused on the old rate. Only
+  up to ``BURST_GROWTH`` x the concurrency the engines were seen to serve lately (the most
+  requests in prefill at a first byte in the window): past that nobody knows the engines'
+  time per request, and a flood of 300 at once was predicted its pre-flood TTFT, 93x low
+  (one vLLM CPU stack, benchmarks/cpu_faults.py). Past capacity both views agree: the time
+  in prefill grows, and so does the prediction. With fewer than ``MIN_LANDED`` first bytes
+  in the window the rate is unknown and nothing is refused (the queue's deadline judges).
 
 The budget of an ``interactive`` request (and of every request without tenants) is
 ``BUDGET_SHARE`` of the TTFT SLO (``--admission-ttft-slo``, the inventory's
@@ -30,7 +33,10 @@ engines' own TTFT, far under the budget: nothing is refused and nothing is held.
 
 Calibration: each request's prediction and its actual time to first byte (arrival at the
 gate to the first byte the client got) are exported (``pdstack_proxy_admission_ttft_*``):
-their sums and a histogram of actual / predicted.
+their sums and a histogram of actual / predicted. The prediction is also corrected by them:
+it is scaled by the recent actual / uncorrected ratio (``SCALE_EWMA``, within
+``SCALE_BOUNDS``): on one H100 past its knee the uncorrected prediction was 1.3-1.7x low
+(results/h200x1-overload/run1-h100), so a 1.5 s budget let TTFT P99 reach 2.4 s.
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ from collections import deque
 RATE_WINDOW_S = 10.0  # first bytes counted over this window
 MIN_LANDED = 4  # first bytes in the window below which the rate is unknown
 SOJOURN_EWMA = 0.2  # weight of the newest first byte in the time a request spends in prefill
+BURST_GROWTH = 2.0  # the current view trusts up to this x the concurrency served lately
+SCALE_EWMA = 0.05  # weight of the newest first byte in the correction
+SCALE_BOUNDS = (0.5, 4.0)  # the correction's range (an outlier cannot run away with it)
 RATE_MAX_LANDED = 4096  # first-byte stamps kept (bounded memory at any rate)
 # an interactive request's budget on its predicted TTFT, as a share of the TTFT SLO (a P99)
 # (the prediction is a mean, the SLO a P99; at the default 2 s SLO: 1.5 s)
@@ -60,10 +69,12 @@ class WaitBudget:
         self._busy_cum = 0.0  # busy seconds so far (something awaited a first byte)
         self._busy_since: float | None = None
         self.sojourn = 0.0  # admission to first byte, lately (EWMA; 0 before the first)
-        # (monotonic time, busy seconds so far) at each first byte, last RATE_WINDOW_S
-        self._landed: deque[tuple[float, float]] = deque(maxlen=RATE_MAX_LANDED)
-        # request id -> (arrival, predicted seconds to first byte), for calibration
-        self._arrivals: dict[str, tuple[float, float]] = {}
+        # (monotonic time, busy seconds so far, requests in prefill) at each first byte,
+        # last RATE_WINDOW_S
+        self._landed: deque[tuple[float, float, int]] = deque(maxlen=RATE_MAX_LANDED)
+        # request id -> (arrival, prediction used, uncorrected), for calibration
+        self._arrivals: dict[str, tuple[float, float, float]] = {}
+        self.scale = 1.0  # actual / uncorrected prediction, lately (the correction)
         self.calibrated = 0  # requests with a prediction and a first byte
         self.predicted_sum = 0.0
         self.actual_sum = 0.0
@@ -99,11 +110,16 @@ class WaitBudget:
     def landed(self, request_id: str) -> None:
         """The request's first byte reached its client."""
         now = time.monotonic()
+        served = len(self._waiting)  # requests in prefill alongside it, itself included
         if self._leave(request_id, now, landed=True):
-            self._landed.append((now, self._busy_now(now)))
+            self._landed.append((now, self._busy_now(now), served))
         arrival = self._arrivals.pop(request_id, None)
         if arrival is not None:
-            self._calibrate(now - arrival[0], arrival[1])
+            actual = now - arrival[0]
+            self._calibrate(actual, arrival[1])
+            lo, hi = SCALE_BOUNDS
+            ratio = min(hi, max(lo, actual / arrival[2]))
+            self.scale += SCALE_EWMA * (ratio - self.scale)
 
     def ended(self, request_id: str) -> None:
         """The request is over (answered, failed, cancelled) without a first byte counted."""
@@ -139,16 +155,17 @@ class WaitBudget:
             return 0.0
         busy = self._busy_now(now) - landed[0][1]  # busy seconds since the oldest one
         measured = (len(landed) - 1) / busy if busy > 0 else 0.0
-        current = len(self._waiting) / self.sojourn if self.sojourn > 0 else 0.0
+        served = BURST_GROWTH * max(n for _, _, n in landed)
+        current = min(len(self._waiting), served) / self.sojourn if self.sojourn > 0 else 0.0
         return max(measured, current)
 
     def predict(self, ahead_in_queue: int) -> float:
         """Seconds an arriving request would wait for its first byte behind
-        ``ahead_in_queue`` waiters; 0.0 when the rate is unknown."""
+        ``ahead_in_queue`` waiters (corrected); 0.0 when the rate is unknown."""
         rate = self.rate()
-        return (ahead_in_queue + self.in_prefill) / rate if rate else 0.0
+        return (ahead_in_queue + self.in_prefill) / rate * self.scale if rate else 0.0
 
     def arrived(self, request_id: str, predicted: float) -> None:
-        """Remember the prediction until its first byte (calibration)."""
+        """Remember the prediction (corrected) until its first byte (calibration)."""
         if request_id and predicted > 0 and len(self._arrivals) < ARRIVALS_MAX:
-            self._arrivals[request_id] = (time.monotonic(), predicted)
+            self._arrivals[request_id] = (time.monotonic(), predicted, predicted / self.scale)

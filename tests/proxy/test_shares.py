@@ -609,3 +609,48 @@ def test_ahead_of_counts_who_leaves_first() -> None:
         assert FairQueue(fair=False).ahead_of("x", 0, 1.0) == 0
     finally:
         loop.close()
+
+
+def test_a_burst_is_predicted_from_the_concurrency_served_not_past_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One request at a time lately, 0.5 s each: 10 arriving at once are not each given the
+    old 0.5 s (the engines were never seen serving 10); the current view trusts up to
+    BURST_GROWTH x 1 in prefill, so the 10 leave at 2 / 0.5 s = 4 a second: 2.5 s."""
+    from pdstack.proxy import wait_budget
+
+    clock = [100.0]
+    monkeypatch.setattr(wait_budget.time, "monotonic", lambda: clock[0])
+    b = wait_budget.WaitBudget()
+    for i in range(wait_budget.MIN_LANDED):
+        b.admitted(f"r{i}")
+        clock[0] += 0.5
+        b.landed(f"r{i}")
+        clock[0] += 2.0  # idle between them
+    for i in range(10):
+        b.admitted(f"burst{i}")
+    assert wait_budget.BURST_GROWTH == 2.0
+    assert b.predict(0) == pytest.approx(10 / (2 / 0.5))
+
+
+def test_the_prediction_corrects_itself_by_what_came_true(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Requests predicted 1 s that take 2 s: the correction moves toward 2 and the next
+    predictions with it (bounded: one 100x outlier moves it at most to SCALE_BOUNDS)."""
+    from pdstack.proxy import wait_budget
+
+    clock = [100.0]
+    monkeypatch.setattr(wait_budget.time, "monotonic", lambda: clock[0])
+    b = wait_budget.WaitBudget()
+    for i in range(200):
+        b.arrived(f"q{i}", 1.0 * b.scale)  # an uncorrected 1 s, as predict() would scale it
+        clock[0] += 2.0
+        b.landed(f"q{i}")
+    assert b.scale == pytest.approx(2.0, rel=0.01)
+    assert b.predicted_sum > 0 and b.actual_sum == pytest.approx(400.0)
+    b.arrived("outlier", 1.0 * b.scale)
+    clock[0] += 100.0
+    b.landed("outlier")
+    hi = wait_budget.SCALE_BOUNDS[1]
+    assert b.scale <= 2.0 + wait_budget.SCALE_EWMA * (hi - 2.0) + 1e-9
