@@ -242,8 +242,10 @@ def _proxy(d: DeploymentSpec, f: Features) -> Board:
                 _q("sum(rate(pdstack_proxy_admission_waited_total[1m]))", "waited /s"),
             ]),
             Panel("KV admission: held / admitted by reason", "reqps", [
-                _q("sum by (reason) (rate(pdstack_proxy_admission_held_total[5m]))",
-                   "held: {{reason}}"),
+                # or vector(0): a gate that never held (the CPU stack's, below its budget)
+                # has no held series at all
+                _q("sum by (reason) (rate(pdstack_proxy_admission_held_total[5m]))"
+                   " or vector(0)", "held: {{reason}}"),
                 _q("sum by (reason) (rate(pdstack_proxy_admission_admitted_total[5m]))",
                    "went: {{reason}}"),
             ], description="why the gate held requests (kv_full, running_cap, tenant_share, "
