@@ -269,6 +269,9 @@ async def test_unreachable_decoder_ejected_at_a_failed_probe_and_its_legs_rerout
             assert not d0.healthy and not d0.wedged  # not the wedge probe's doing
             assert any("ejected backend d0" in r.getMessage() and "unreachable: /health timed"
                        in r.getMessage() for r in caplog.records)
+            text = await rp.metrics()
+            assert ph.metric_value(text, "pdstack_proxy_ejections_total", backend="d0",
+                                   reason="unreachable") == 1, text
 
 
 async def test_the_probe_that_reaches_eject_after_ejects_as_unreachable(

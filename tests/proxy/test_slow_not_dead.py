@@ -139,27 +139,6 @@ async def test_frozen_decoder_still_ejected_with_its_reason(
             assert "counters" in lines[0], lines
 
 
-async def test_lost_link_ejects_fast_as_unreachable() -> None:
-    """d0's link is lost while requests wait on it (nothing answers: no token, no /health,
-    no /metrics): it is ejected at the first probe past the wedge budget (issue 38's
-    link-loss rule, aab2c85), counted as ``unreachable``."""
-    async with ph.engines("p0", "d0", "d1", output_tokens=3) as e:
-        cfg = {"leg_budget_base_s": 10.0, "wedge_after_s": 0.5, "wedge_probe_timeout_s": 10.0,
-               "eject_after": 100}
-        async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0", "d1"]), **cfg) as rp:
-            e["d0"].faults = Faults(hang=True, health_hang=True)
-            t0 = time.monotonic()
-            results = await asyncio.gather(*(
-                ph.stream_completion(rp.session, rp.url, f"q{i}", max_tokens=3) for i in range(6)))
-            took = time.monotonic() - t0
-            text = await rp.metrics()
-            assert all(r.status == 200 and r.events[-1] == "[DONE]" for r in results)
-            assert e["d0"].seen("/v1/completions"), "no request went to d0: nothing tested"
-            assert took < 4.0, f"requests on the unreachable decoder waited {took:.1f}s"
-            assert ph.metric_value(text, "pdstack_proxy_ejections_total", backend="d0",
-                                   reason="unreachable") == 1, text
-
-
 async def test_refused_prefiller_ejected_as_refused() -> None:
     """A prefiller that is gone (connection refused) is ejected as ``refused``."""
     async with ph.engines("p0", "p1", "d0", output_tokens=2) as e:
