@@ -411,9 +411,13 @@ def peak_growth(outs: list[int], frees: list[float], extra: int = 0) -> float:
 
 
 def parse_engine_metrics(text: str) -> dict[str, float]:
-    """The few vLLM series the gate reads. Request counts are summed over label sets
-    (an API server fronting data-parallel engines lists one per engine); KV usage is the
-    fullest engine's (a fraction per engine: summing would pass 1 and read as percent)."""
+    """The few vLLM series the gate (and the proxy's progress watch,
+    :mod:`pdstack.proxy.progress`) reads. Request counts are summed over label sets (an API
+    server fronting data-parallel engines lists one per engine); KV usage is the fullest
+    engine's (a fraction per engine: summing would pass 1 and read as percent); ``progress``
+    is the sum of the engine's progress counters (prompt and generated tokens, finished
+    requests: what the engine container's watchdog reads, :mod:`pdstack.sidecars`), absent
+    when it exports none. A value that is not a finite number is skipped."""
     out: dict[str, float] = {}
     wanted = {
         "vllm:kv_cache_usage_perc": "kv_usage",
@@ -421,6 +425,9 @@ def parse_engine_metrics(text: str) -> dict[str, float]:
         "vllm:num_requests_waiting": "waiting",
         "vllm:num_requests_running": "running",
         "vllm:num_preemptions_total": "preemptions",
+        "vllm:prompt_tokens_total": "progress",
+        "vllm:generation_tokens_total": "progress",
+        "vllm:request_success_total": "progress",
     }
     for line in text.splitlines():
         if not line.startswith("vllm:"):
@@ -439,6 +446,8 @@ def parse_engine_metrics(text: str) -> dict[str, float]:
         try:
             value = float(raw_value)
         except ValueError:
+            continue
+        if not math.isfinite(value):
             continue
         if key == "kv_usage":
             out[key] = max(out.get(key, 0.0), value)

@@ -47,7 +47,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -55,44 +54,15 @@ from typing import Any
 import aiohttp
 
 from pdstack.proxy.backends import BackendRegistry, BackendState, PendingLegs
+from pdstack.proxy.kv_gate import parse_engine_metrics
 
 log = logging.getLogger("pdstack.proxy")
 
-# the engine's progress (sums; what the engine container's watchdog reads) and the requests
-# it holds (vLLM's scheduler gauges)
-PROGRESS_COUNTERS = frozenset(
-    ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total")
-)
-HELD_GAUGES = frozenset(("vllm:num_requests_running", "vllm:num_requests_waiting"))
 HELD_PER_BUDGET = 4  # requests held that add one wedge_probe_timeout_s to the budget
 MAX_BUDGETS = 6  # the no-progress budget is at most this many wedge_probe_timeout_s
 # what the confirmation's own 1-token generation may add to the counters (its prompt's few
 # tokens, one generated, one finished): moving by no more than this is no progress
 PROBE_SLACK = 4.0
-
-
-def parse_progress(text: str) -> tuple[float | None, int]:
-    """(the sum of the progress counters, None when the engine exports none; the requests it
-    holds) from a Prometheus text exposition."""
-    progress: float | None = None
-    held = 0.0
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        key = line.split("{", 1)[0].split(" ", 1)[0]
-        if key not in PROGRESS_COUNTERS and key not in HELD_GAUGES:
-            continue
-        try:
-            value = float(line.rsplit(" ", 1)[1])
-        except (IndexError, ValueError):
-            continue
-        if not math.isfinite(value):
-            continue
-        if key in PROGRESS_COUNTERS:
-            progress = (progress or 0.0) + value
-        else:
-            held += value
-    return progress, int(held)
 
 
 async def generation_probe(
@@ -160,7 +130,9 @@ class ProgressWatch:
                 text = await resp.text() if resp.status == 200 else ""
         except (TimeoutError, aiohttp.ClientError, UnicodeDecodeError):
             return None
-        progress, held = parse_progress(text)
+        series = parse_engine_metrics(text)
+        progress = series.get("progress")
+        held = int(series.get("running", 0.0) + series.get("waiting", 0.0))
         now = time.monotonic()
         mark, mark_at = backend.progress_mark, backend.progress_mark_at
         backend.progress_mark, backend.progress_mark_at = progress, now
