@@ -72,6 +72,9 @@ class WaitBudget:
         # (monotonic time, busy seconds so far, requests in prefill) at each first byte,
         # last RATE_WINDOW_S
         self._landed: deque[tuple[float, float, int]] = deque(maxlen=RATE_MAX_LANDED)
+        # the window's most requests in prefill at a first byte, as (time, count) in falling
+        # counts (a sliding maximum: rate() runs at every arrival, a scan of _landed would not)
+        self._served_max: deque[tuple[float, int]] = deque()
         # request id -> (arrival, prediction used, uncorrected), for calibration
         self._arrivals: dict[str, tuple[float, float, float]] = {}
         self.scale = 1.0  # actual / uncorrected prediction, lately (the correction)
@@ -113,6 +116,10 @@ class WaitBudget:
         served = len(self._waiting)  # requests in prefill alongside it, itself included
         if self._leave(request_id, now, landed=True):
             self._landed.append((now, self._busy_now(now), served))
+            peaks = self._served_max
+            while peaks and peaks[-1][1] <= served:
+                peaks.pop()
+            peaks.append((now, served))
         arrival = self._arrivals.pop(request_id, None)
         if arrival is not None:
             actual = now - arrival[0]
@@ -151,11 +158,14 @@ class WaitBudget:
         landed = self._landed
         while landed and landed[0][0] < now - RATE_WINDOW_S:
             landed.popleft()
+        peaks = self._served_max
+        while peaks and (not landed or peaks[0][0] < landed[0][0]):
+            peaks.popleft()  # older than the window's (or the bounded deque's) oldest
         if len(landed) < MIN_LANDED:
             return 0.0
         busy = self._busy_now(now) - landed[0][1]  # busy seconds since the oldest one
         measured = (len(landed) - 1) / busy if busy > 0 else 0.0
-        served = BURST_GROWTH * max(n for _, _, n in landed)
+        served = BURST_GROWTH * peaks[0][1]
         current = min(len(self._waiting), served) / self.sojourn if self.sojourn > 0 else 0.0
         return max(measured, current)
 
