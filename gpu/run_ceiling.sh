@@ -45,6 +45,7 @@ MORE=${MORE:-8}            # rate step of an extension sweep (2 rates each)
 RATES_MAX=${RATES_MAX:-96}
 RATES_TURN=${RATES_TURN:-8,16,24,32}
 RATES_SEED=${RATES_SEED:-8,16,24}
+RATES_LONG=${RATES_LONG:-1,2,3}   # long-input (6-12 k token prompts): below its knee
 # pdstack's stack (the p engine + proxy): inventory/h200x1, or a variant on the same ports
 # (inventory/h200x1-st2: the tier's store threshold; give it its own W=/tmp/pdceil-...)
 PD_INV=${PD_INV:-inventory/h200x1}
@@ -73,8 +74,8 @@ STACKS=(
   "pdstack-kv97 http://127.0.0.1:8160 http://127.0.0.1:8063 p $PD_INV engine-0,proxy"
 )
 # the workloads (data): sweep-name prefix, rates variable, bench arguments
-declare -A WL_RATES=([mt]=RATES [turn]=RATES_TURN [seed]=RATES_SEED)
-declare -A WL_ARGS=([mt]="${GPU_MT[*]}" [turn]="--scenario multi-turn" [seed]="--scenario seed")
+declare -A WL_RATES=([mt]=RATES [turn]=RATES_TURN [seed]=RATES_SEED [long]=RATES_LONG)
+declare -A WL_ARGS=([mt]="${GPU_MT[*]}" [turn]="--scenario multi-turn" [seed]="--scenario seed" [long]="--scenario long-input")
 
 if [ ! -f "$W/results/machine.txt" ]; then
   { echo "# h200x1-ceiling machine facts, $(date -u +%FT%TZ)"; uname -a; nproc; free -g
@@ -93,10 +94,10 @@ stack() {  # NAME: "engine target key inventory services" of a stack, or nothing
 }
 # the launch keys SWEEPS need: only their engines start (a card of ~78 GiB holds one V2-Lite
 # engine of 10 GiB KV, an H200 three)
-parse_sweep() {  # NAME ([turn-|seed-]STACK[-rN]): prints "WORKLOAD STACK"
+parse_sweep() {  # NAME ([turn-|seed-|long-]STACK[-rN]): prints "WORKLOAD STACK"
   local st=$1 wl=mt
   [[ $st =~ ^(.*)-r[0-9]+$ ]] && st=${BASH_REMATCH[1]}  # a repeat: NAME-rN.json, same stack
-  case $st in turn-*|seed-*) wl=${st%%-*}; st=${st#*-} ;; esac
+  case $st in turn-*|seed-*|long-*) wl=${st%%-*}; st=${st#*-} ;; esac
   echo "$wl $st"
 }
 # STOP_ONLY=1: no sweep (none resumed or extended), only step 4: the engines stopped but KEEP's
