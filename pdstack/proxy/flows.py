@@ -27,7 +27,11 @@ Request flow (``/v1/completions``, ``/v1/chat/completions``):
    request (none usable with a usable paired decoder, or every prefill try failed: left
    none usable, or failed without timing out, as on a prefiller that crashed), one leg
    with the original request to a decoder (p2c), which computes the prompt itself; route
-   ``decode_fallback``, counted in ``decode_fallback_total``.
+   ``decode_fallback``, counted in ``decode_fallback_total``. The same after every decode
+   try of a P/D request failed before its first byte (502/503, not a timeout): e.g. a
+   decoder cut while it pulled the KV from a prefiller that a rolling upgrade stopped. That
+   prefiller counts the decode leg in its ``in_flight`` until the leg's first byte, so a
+   drain waits for the pull, not only for the prefill answer.
 Retries: a failed prefill leg, or a decode leg that has not produced its first byte,
 is retried on another backend (which failures count against a backend, and the circuit
 breaker: :mod:`pdstack.proxy.breaker`); each leg waits at most its budget
@@ -195,8 +199,30 @@ class Flows(LmcachePdFlow):
                 self.metrics.pair(chosen_prefill, chosen).inc()
             return chosen
 
-        return await self._final_leg(
-            request, ctx, pick_decoder, decode_payload, no_backend_hint=chosen_prefill
+        prefill.in_flight += 1  # until the decode leg's first byte (RequestContext.kv_source)
+        ctx.kv_source = prefill
+        try:
+            answer = await self._final_leg(
+                request, ctx, pick_decoder, decode_payload, no_backend_hint=chosen_prefill
+            )
+        finally:
+            ctx.release_kv_source()
+        if not self._fallback_after_decode(ctx, answer):
+            return answer
+        ctx.outcome = "ok"  # no decode try got a first byte: a decoder computes it whole
+        return await self._serve_decode_fallback(request, ctx, "every decode try failed")
+
+    def _fallback_after_decode(self, ctx: RequestContext, answer: web.StreamResponse) -> bool:
+        """Every decode try failed before its first byte (``answer``: the client's 502 or
+        503; nothing was sent): a usable decoder serves the request whole instead (it
+        recomputes the prompt), as after failed prefill tries. A decoder cut while it pulled
+        the KV from a prefiller that stopped (a rolling upgrade's) was such a 502. Not after
+        a timed-out try (504: the client has waited a budget already)."""
+        return (
+            ctx.outcome in ("no_backend", "upstream_error")
+            and answer.status in (502, 503)
+            and not answer.prepared
+            and self._decoder_up()
         )
 
     def _prefill_down(self) -> bool:

@@ -85,6 +85,15 @@ class RequestContext:
     cached_tokens: int | None = None
     trace: Any = None  # tracing.RequestTrace while traced
     ticket: Ticket | None = None  # its tenant's share (pdstack.proxy.tenants); None: no tenants
+    # P/D: the prefiller whose KV the decode leg reads, counted in its in_flight until that
+    # leg's first byte (a drain waits for the pull, not only for the prefill answer)
+    kv_source: BackendState | None = None
+
+    def release_kv_source(self) -> None:
+        """The decode leg has its first byte (or ended): the prefiller is free of it."""
+        if self.kv_source is not None:
+            self.kv_source.in_flight -= 1
+            self.kv_source = None
 
 
 class Legs:
@@ -265,6 +274,7 @@ class Legs:
                 await self._leading_error(backend, opened_with)
 
             # ---------- first byte: from here on, never retry
+            ctx.release_kv_source()
             backend.last_success = time.monotonic()  # it answers: progress (not wedged)
             response, chunked = await start_stream(request, ctx.request_id, proto)
             engine_errors = ErrorEvents()

@@ -96,7 +96,10 @@ async def test_error_event_with_no_other_decoder(chat: bool) -> None:
     proxy's OpenAI error JSON (502, server_error), after one try; the decoder stays in."""
     async with (
         ph.engines("p0", "d0", output_tokens=TOKENS) as e,
-        ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"]), eject_after=1) as rp,
+        # without the decode fallback (which serves it whole: test_decode_first_byte.py)
+        ph.running_proxy(
+            ph.pd_table(e, ["p0"], ["d0"]), eject_after=1, decode_fallback=False
+        ) as rp,
     ):
         e["d0"].faults = Faults(error_event_after_chunks=0)
         res = await ph.stream_completion(rp.session, rp.url, "hello", chat=chat)
@@ -117,7 +120,9 @@ async def test_error_events_within_the_retry_budget() -> None:
     failure before the first byte, then the proxy's 502."""
     async with (
         ph.engines("p0", "d0", "d1", "d2", output_tokens=TOKENS) as e,
-        ph.running_proxy(ph.pd_table(e, ["p0"], ["d0", "d1", "d2"]), max_retries=1) as rp,
+        ph.running_proxy(
+            ph.pd_table(e, ["p0"], ["d0", "d1", "d2"]), max_retries=1, decode_fallback=False
+        ) as rp,
     ):
         for name in ("d0", "d1", "d2"):
             e[name].faults = Faults(error_event_after_chunks=0)
