@@ -81,6 +81,11 @@ _TUNING = (
         "deadline of that generation; past it the backend is wedged (default %(default)s)",
     ),
     Flag("max_retries"),
+    Flag(
+        "max_migrations",
+        "continue a stream whose leg failed mid-stream on another engine at most this often "
+        "a request; 0 = off (default %(default)s)",
+    ),
     Flag("connect_timeout_s"),
     Flag(
         "leg_budget_base_s",

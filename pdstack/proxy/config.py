@@ -77,6 +77,9 @@ class ProxyConfig:
     decode_fallback: bool = True
     # retries and timeouts (per leg)
     max_retries: int = 2
+    # a stream whose leg fails mid-stream goes on on another engine of the same role and
+    # generation at most this often (pdstack.proxy.migration); 0 = off (an error event)
+    max_migrations: int = 2
     connect_timeout_s: float = 10.0
     # the prefill answer and the decoder's first byte: a budget from the prompt length
     # (pdstack.proxy.limits.LegBudget), unless fixed here

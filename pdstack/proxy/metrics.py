@@ -24,6 +24,11 @@ Metric names (all prefixed ``pdstack_proxy_``):
   gauge {backend, role, node, generation}: 1 until it generates again.
 - ``decode_fallback_total`` counter: requests a decoder served whole because no prefiller
   was usable (route ``decode_fallback`` in ``ttft_seconds``).
+- ``migrations_total`` counter {reason, outcome}: streams whose leg failed mid-stream
+  (reason ``cut``, ``stall``, ``error_event``, ``ejected``) and what followed (outcome
+  ``continued`` on another engine, ``failed``: the client got an error event);
+  ``migration_gap_seconds`` histogram: the failure seen -> the next engine's first event
+  written to the client (:mod:`pdstack.proxy.migration`).
 - KV-aware admission (``--admission kv``): ``admission_admitted_total`` counter {reason}
   (why a request went: ``idle`` engine, ``fits`` under the KV watermark, ``no_capacity``
   known), ``admission_held_total`` counter {reason} (why one waited: ``kv_full``,
@@ -149,6 +154,14 @@ class ProxyMetrics:
         )
         self.decode_fallback = _counter(
             r, "decode_fallback", "requests served whole by a decoder: no usable prefiller"
+        )
+        self.migrations = _counter(
+            r, "migrations", "streams whose leg failed mid-stream, by why and what followed",
+            "reason", "outcome",
+        )
+        self.migration_gap = _histogram(
+            r, "migration_gap_seconds",
+            "a migrated stream's gap: its leg's failure seen -> the next engine's first event",
         )
         self.pairs = _counter(
             r, "pairs", "requests per prefiller/decoder pair",
