@@ -16,9 +16,11 @@ from pdstack import kvmodes, naming, secrets, sidecars
 from pdstack.ports import (
     engine_names,
     engine_tp,
+    kv_events_replay_port,
     lmcache_pd_notify_port,
     lmcache_pd_receiver_ports,
     make_node_ports,
+    zmq_tcp,
 )
 from pdstack.ports import has_lmcache_server as _has_lmcache_server
 from pdstack.ports import lmcache_push as _push
@@ -118,6 +120,23 @@ def _drop_none(data: dict, *keys: str) -> dict:
     return data
 
 
+class KvEventsSource(_Model):
+    """One engine's vLLM KV events: the ZMQ topic its batches carry (the backend's name)
+    and its replay endpoint (a ROUTER on its private address)."""
+
+    topic: str
+    replay: str
+
+
+class KvEventsListen(_Model):
+    """Where the proxy's ZMQ SUB binds for every engine's KV events (their PUBs connect
+    to it), and the ``PYTHONHASHSEED`` the engines hash blocks with (vLLM's NONE_HASH)."""
+
+    host: str
+    port: int
+    hash_seed: str
+
+
 class Backend(_Model):
     name: str
     role: str
@@ -126,10 +145,11 @@ class Backend(_Model):
     generation: str = ""
     # lmcache-pd decoders only (omitted from the JSON otherwise)
     lmcache_pd: LmcachePdReceiver | None = None
+    kv_events: KvEventsSource | None = None
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict:
-        return _drop_none(handler(self), "lmcache_pd")
+        return _drop_none(handler(self), "lmcache_pd", "kv_events")
 
 
 class Pairing(_Model):
@@ -151,10 +171,12 @@ class BackendTable(_Model):
     # every engine runs vLLM's --scheduling-policy priority: the proxy sets each request's
     # ``priority`` from its tenant's class (:func:`engine_priority`; omitted when false)
     engine_priority: bool = False
+    # every engine's KV events go there (omitted when none publish)
+    kv_events: KvEventsListen | None = None
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict:
-        data = _drop_none(handler(self), "lmcache_pd_notify")
+        data = _drop_none(handler(self), "lmcache_pd_notify", "kv_events")
         if not data.get("tenants"):
             data.pop("tenants", None)
         if not data.get("engine_priority"):
@@ -230,6 +252,28 @@ def model_path(d: DeploymentSpec) -> str:
 
 
 # --------------------------------------------------------------------------- connectors
+
+# vLLM hashes a prompt's first block with NONE_HASH, derived from PYTHONHASHSEED: vLLM 0.26
+# draws it at random when the variable is unset (vllm/v1/core/kv_cache_utils.py
+# init_none_hash), so no other process could compute the engine's block hashes. Every engine
+# gets this seed; the proxy hashes requests with it (pdstack.proxy.kv_index).
+KV_EVENTS_HASH_SEED = "0"
+
+
+def kv_events_config(topo: Topology, node: NodeSpec, index: int, proxy_addr: str) -> dict:
+    """An engine's ``--kv-events-config``: its PUB *connects* to the proxy's SUB (vLLM 0.26
+    and 0.32 bind a PUB endpoint only for ``*``, ``::`` or ipc, i.e. every interface, and
+    connect to any other), topic = its backend name; replays are answered by a ROUTER bound
+    on its private address (both versions bind the replay endpoint as given)."""
+    d = topo.deployment
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": zmq_tcp(proxy_addr, d.ports.kv_events),
+        "replay_endpoint": zmq_tcp(node.private_address, kv_events_replay_port(d, index)),
+        "topic": f"{node.name}/{engine_names(node)[index]}",
+    }
+
 
 
 def native_tier_connector(size_gb: float, store_threshold: int | None = None) -> dict:
@@ -363,7 +407,8 @@ def _engine_env(
     d = topo.deployment
     eng = node.engines[index]
     ports = make_node_ports(topo, node)
-    env = {"VLLM_NO_USAGE_STATS": "1", "LMCACHE_TRACK_USAGE": "false"}
+    env = {"VLLM_NO_USAGE_STATS": "1", "LMCACHE_TRACK_USAGE": "false",
+           "PYTHONHASHSEED": KV_EVENTS_HASH_SEED}
     if f"{name} nixl side channel" in ports:
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = node.private_address
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ports[f"{name} nixl side channel"])
@@ -409,6 +454,10 @@ def _engine_service(
         # GET /load: the API server's requests in flight, which the engine watchdog counts
         # as held (pdstack.sidecars): the scheduler's gauges freeze with a stopped core
         "--enable-server-load-tracking",
+        # every block stored and evicted (GPU, and the native tier's medium CPU), to the
+        # proxy's index (pdstack.proxy.kv_events)
+        "--kv-events-config",
+        json.dumps(kv_events_config(topo, node, index, proxy_addr), separators=(",", ":")),
     ]
     if "{revision}" not in m.name and not m.name.startswith("/"):
         cmd += ["--revision", m.revision]
@@ -431,7 +480,7 @@ def _engine_service(
     cmd += [*m.extra_args, *eng.extra_args]
 
     env, tmpfs = _engine_env(topo, node, index, name, proxy_addr)
-    service_ports = {"http": http}
+    service_ports = {"http": http, "kv_events_replay": kv_events_replay_port(d, index)}
     if "VLLM_NIXL_SIDE_CHANNEL_PORT" in env:
         service_ports["nixl_side_channel"] = int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
     return Service(
@@ -581,7 +630,7 @@ def _proxy_service(topo: Topology, node: NodeSpec) -> Service:
         if cap:
             cmd += ["--admission-max-running", str(cap)]
         cmd += ["--admission-ttft-slo", f"{d.ttft_slo:g}"]
-    ports = {"http": d.ports.proxy}
+    ports = {"http": d.ports.proxy, "kv_events": d.ports.kv_events}
     if _push(d):
         ports["lmcache_pd_notify"] = lmcache_pd_notify_port(d)
     return Service(
@@ -647,6 +696,10 @@ def make_plan(topo: Topology) -> Plan:
                     url=f"http://{node.private_address}:{svc.ports['http']}",
                     generation=svc.generation or "",
                     lmcache_pd=receiver,
+                    kv_events=KvEventsSource(
+                        topic=f"{node.name}/{name}",
+                        replay=zmq_tcp(node.private_address, svc.ports["kv_events_replay"]),
+                    ),
                 )
             )
         if node.proxy:
@@ -687,6 +740,10 @@ def make_plan(topo: Topology) -> Plan:
         ),
         tenants=topo.tenants,
         engine_priority=engine_priority(topo),
+        kv_events=KvEventsListen(
+            host=proxy_node.private_address, port=d.ports.kv_events,
+            hash_seed=KV_EVENTS_HASH_SEED,
+        ),
     )
     return Plan(
         deployment=d.name,
@@ -718,6 +775,11 @@ def _edges(
         for svc in node.services:
             if svc.kind == "engine":
                 add(proxy_node, node.name, svc.ports["http"], f"proxy->{svc.name} http")
+                # its KV events: PUB -> the proxy's SUB, and the proxy's replay requests
+                add(node.name, proxy_node, topo.deployment.ports.kv_events,
+                    f"{svc.name}->proxy kv events")
+                add(proxy_node, node.name, svc.ports["kv_events_replay"],
+                    f"proxy->{svc.name} kv events replay")
                 if svc.depends_on:
                     add(node.name, node.name, topo.deployment.ports.lmcache_zmq,
                         f"{svc.name}->lmcache zmq")

@@ -18,6 +18,7 @@ def make_node_ports(topo: Topology, node: NodeSpec) -> dict[str, int]:
     ports: dict[str, int] = {}
     for i, (eng, name) in enumerate(zip(node.engines, engine_names(node), strict=True)):
         ports[f"{name} http"] = d.ports.engine_http_base + i
+        ports[f"{name} kv events replay"] = kv_events_replay_port(d, i)
         if uses_nixl(topo, node, eng.role):
             ports[f"{name} nixl side channel"] = d.ports.nixl_side_channel_base + i
         if lmcache_push(d) and eng.role == "decode":
@@ -32,12 +33,23 @@ def make_node_ports(topo: Topology, node: NodeSpec) -> dict[str, int]:
         ports["lmcache http"] = d.ports.lmcache_http
     if node.proxy:
         ports["proxy http"] = d.ports.proxy
+        ports["proxy kv events"] = d.ports.kv_events
         if lmcache_push(d):
             ports["proxy lmcache-pd notify"] = lmcache_pd_notify_port(d)
         if d.monitoring:
             ports["prometheus http"] = d.observability.prometheus_port
             ports["grafana http"] = d.observability.grafana_port
     return ports
+
+
+def kv_events_replay_port(d: DeploymentSpec, index: int) -> int:
+    """Where engine ``index`` of a node answers KV-event replay requests (its ZMQ ROUTER)."""
+    return d.ports.kv_events_replay_base + index
+
+
+def zmq_tcp(host: str, port: int) -> str:
+    """A ZMQ TCP endpoint (IPv6 addresses in brackets)."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 def engine_tp(d: DeploymentSpec, eng: EngineSpec) -> int:

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_STACK = ROOT / "compose" / "cpu"
 BASE_INVENTORY = ROOT / "inventory" / "local-cpu"
 PORT_FIELDS = ("proxy", "engine_http_base", "nixl_side_channel_base", "lmcache_zmq",
-               "lmcache_http", "lmcache_pd_base")
+               "lmcache_http", "lmcache_pd_base", "kv_events", "kv_events_replay_base")
 OBSERVABILITY_PORTS = {"prometheus_port": 9090, "grafana_port": 3000}
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,40}$")
 

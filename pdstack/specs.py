@@ -114,6 +114,11 @@ class PortSpec(_Strict):
     lmcache_zmq: int = Field(default=6000, ge=1, le=65535)
     lmcache_http: int = Field(default=6001, ge=1, le=65535)
     lmcache_pd_base: int = Field(default=7300, ge=1, le=65535)
+    # vLLM KV events (pdstack.proxy.kv_events): every engine's ZMQ PUB connects to the
+    # proxy's SUB on ``kv_events``; engine i of a node answers replays on
+    # ``kv_events_replay_base + i``
+    kv_events: int = Field(default=5557, ge=1, le=65535)
+    kv_events_replay_base: int = Field(default=5500, ge=1, le=65535)
 
 
 class LmcacheSpec(_Strict):
