@@ -4,7 +4,6 @@ pass through to the client, or count against the backend: :mod:`pdstack.proxy.br
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import time
@@ -16,31 +15,24 @@ import aiohttp
 from aiohttp import web
 
 from pdstack.proxy import tracing
-from pdstack.proxy.admission import KvAdmission
-from pdstack.proxy.backends import BackendRegistry, BackendState
-from pdstack.proxy.breaker import Breaker
-from pdstack.proxy.config import ProxyConfig
+from pdstack.proxy.backends import BackendState
 from pdstack.proxy.errors import (
     describe_failure,
     engine_error,
-    error_event,
     error_event_status,
     error_response,
 )
-from pdstack.proxy.metrics import ProxyMetrics
-from pdstack.proxy.progress import ProgressWatch
-from pdstack.proxy.relay import RelayError, RelayPool, RelayProtocol, build_request, split_url
+from pdstack.proxy.migration import Migration
+from pdstack.proxy.migration_stream import with_token_ids
+from pdstack.proxy.relay import RelayError, RelayProtocol, build_request, split_url
 from pdstack.proxy.sse import (
-    ErrorEvents,
     cached_tokens,
     first_event,
     leading_error,
-    relay_body,
     start_stream,
-    stream_rewriter,
     usage_rewriter,
 )
-from pdstack.proxy.tenants import Ticket, tenant_note
+from pdstack.proxy.tenants import Ticket
 
 log = logging.getLogger("pdstack.proxy")
 R = TypeVar("R")
@@ -88,6 +80,7 @@ class RequestContext:
     # P/D: the prefiller whose KV the decode leg reads, counted in its in_flight until that
     # leg's first byte (a drain waits for the pull, not only for the prefill answer)
     kv_source: BackendState | None = None
+    migratable: bool | None = None  # its stream may migrate (pdstack.proxy.migration); once
 
     def release_kv_source(self) -> None:
         """The decode leg has its first byte (or ended): the prefiller is free of it."""
@@ -96,16 +89,12 @@ class RequestContext:
             self.kv_source = None
 
 
-class Legs:
-    """Mixin of :class:`pdstack.proxy.app.Proxy`: the legs and upstream calls."""
+class Legs(Migration):
+    """Mixin of :class:`pdstack.proxy.app.Proxy`: the legs and upstream calls (the rest of
+    a stream after its first byte, and its migration: :class:`Migration`)."""
 
-    registry: BackendRegistry
-    config: ProxyConfig
-    metrics: ProxyMetrics
-    relay: RelayPool
-    breaker: Breaker
-    progress: ProgressWatch  # leg_deadline: a busy engine's legs are not cut while it progresses
-    admission: KvAdmission
+    # and Migration's: registry, config, metrics, relay, breaker, admission, progress
+    # (leg_deadline: a busy engine's legs are not cut while it progresses)
     session: aiohttp.ClientSession | None
     _addresses: dict[str, tuple[str, int, str]]
 
@@ -243,13 +232,12 @@ class Legs:
     ) -> web.StreamResponse:
         """A streaming final leg: retryable until its first event reaches the client."""
         started = time.perf_counter()
-        host, port, _ = self._address(backend)
         backend.in_flight += 1
         proto: RelayProtocol | None = None
-        streaming: RelayProtocol | None = None
         response: web.StreamResponse | None = None
         timeout = self.config.decode_first_byte_timeout_s or ctx.budget_s
-        confirm: str | None = None  # a 5xx error event mid-stream, for /health to confirm
+        if self._migratable(ctx):
+            payload = with_token_ids(payload)
         try:
             # ---------- before the first byte: everything here may be retried elsewhere
             try:
@@ -273,58 +261,21 @@ class Legs:
             if opened_with is not None:
                 await self._leading_error(backend, opened_with)
 
-            # ---------- first byte: from here on, never retry
+            # ---------- first byte: from here on, never retry (a stream that can migrate
+            # goes on on another engine instead: pdstack.proxy.migration)
             ctx.release_kv_source()
             backend.last_success = time.monotonic()  # it answers: progress (not wedged)
             response, chunked = await start_stream(request, ctx.request_id, proto)
-            engine_errors = ErrorEvents()
-            rewrite: Callable[[bytes], bytes] = stream_rewriter(ctx.cached_tokens, engine_errors)
-            first, pending = rewrite(first), rewrite(pending) if pending else pending
+            out = self._client_stream(ctx, request, response, chunked)
+            first = out.rewrite(first)
             if ctx.ticket is not None:  # the tenant's real usage (tpm settles with it)
-                rewrite = ctx.ticket.meter.wrap(rewrite, first)
+                out.rewrite = ctx.ticket.meter.wrap(out.rewrite, first)
             await response.write(first)
             self.admission.landed(backend, ctx.request_id)
             self.admission.streamed(backend, ctx.request_id, first.count(b"data: {"))
             self.metrics.leg_decode_first.observe(self._first_byte(ctx) - started)
-            client = request.transport
-            if client is None or client.is_closing():
-                raise ConnectionResetError("client went away")
-            streaming = proto
-            backend.streaming.add(streaming)
-
-            def progress(chunk: bytes) -> None:
-                backend.last_success = time.monotonic()
-                # its KV grows by a token per event: the gate's output still to come shrinks
-                self.admission.streamed(backend, ctx.request_id, chunk.count(b"data: {"))
-
-            failure = await relay_body(proto, client, chunked, pending,
-                                       self.config.stream_idle_timeout_s, rewrite, progress)
-            if failure:
-                message = f"{backend.role} {backend.name} failed mid-stream: {failure}"
-                log.warning("%s (request %s%s)", message, ctx.request_id, tenant_note(ctx.ticket))
-                self.breaker.failure(backend, message)
-                ctx.outcome = "stream_error"
-                await response.write(error_event(message))
-            elif engine_errors.status is not None:
-                # the engine's own error event after tokens (passed on, rewritten): a 4xx
-                # is the request's fault; a 5xx counts once /health confirms it (below)
-                status = engine_errors.status
-                message = (f"{backend.role} {backend.name} sent an error mid-stream "
-                           f"({status}): {engine_errors.text}")
-                log.warning("%s (request %s%s)", message, ctx.request_id, tenant_note(ctx.ticket))
-                ctx.outcome = "client_error" if status < 500 else "stream_error"
-                confirm = message if status >= 500 else None
-                self.relay.release(host, port, proto)
-                proto = None
-            else:
-                self.breaker.success(backend)
-                backend.last_success = time.monotonic()
-                backend.served += 1
-                self.relay.release(host, port, proto)
-                proto = None
-            self.metrics.leg_decode.observe(time.perf_counter() - started)
-            with contextlib.suppress(ConnectionError):
-                await response.write_eof()
+            taken, proto = proto, None  # _relay_to_end owns it
+            await self._relay_to_end(ctx, backend, taken, out, pending, started)
             return response
         except ConnectionError:
             # the client went away while we wrote: abort upstream (finally) and stop
@@ -332,12 +283,8 @@ class Legs:
             return response if response is not None else web.Response(status=499)
         finally:
             backend.in_flight -= 1
-            if streaming is not None:
-                backend.streaming.discard(streaming)
             if proto is not None:
                 proto.abort()  # the engine sees a disconnect and aborts the request
-            if confirm is not None:  # after the client's answer ended
-                await self.breaker.confirm_5xx(backend, confirm)
 
     async def _open(
         self, backend: BackendState, path: str, payload: bytes, headers: dict[str, str]

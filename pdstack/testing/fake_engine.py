@@ -16,6 +16,12 @@ Endpoints
   ``prompt_tokens_details.cached_tokens`` (vLLM's ``--enable-prompt-tokens-details``):
   all prompt tokens for a prompt this engine has seen before, and for a decode leg
   carrying ``do_remote_prefill`` (its KV came from the prefiller), else 0.
+- ``return_token_ids`` (vLLM's): each token event's choice carries ``token_ids`` (output
+  token `` t<k>`` is ``OUTPUT_ID_BASE + k``) and the first event the prompt's
+  ``prompt_token_ids`` (its characters' code points; a chat stream's role event, at its
+  top level). A token-id prompt that holds output ids (a stream continued elsewhere:
+  prompt ids + the output's so far) is answered as that prompt's continuation: the tokens
+  that follow, up to ``output_tokens`` in all, as greedy decoding of one model would.
 - ``api_key``: when set, generation requests without ``Authorization: Bearer <it>``
   get 401 (vLLM's ``--api-key`` / ``VLLM_API_KEY``).
 - ``kv_transfer_params`` (the vLLM NIXL P/D protocol): a request with
@@ -177,7 +183,27 @@ class SeenRequest:
         return dataclasses.asdict(self)
 
 
+# the fake's token ids (``return_token_ids``): a prompt's are its characters' code points,
+# output token `` t<k>``'s is OUTPUT_ID_BASE + k
+OUTPUT_ID_BASE = 2_000_000
+
+
+def _continued(body: dict[str, Any]) -> tuple[str, int] | None:
+    """A token-id prompt that carries output ids (a stream continued elsewhere, as the
+    proxy's migration sends it): (the original prompt's text, output tokens already made)."""
+    prompt = body.get("prompt")
+    if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+        return None
+    done = sum(1 for t in prompt if t >= OUTPUT_ID_BASE)
+    if not done:
+        return None
+    return "".join(chr(t) for t in prompt if t < OUTPUT_ID_BASE), done
+
+
 def _prompt_text(body: dict[str, Any]) -> str:
+    continued = _continued(body)
+    if continued is not None:
+        return continued[0]
     if "messages" in body:
         parts: list[str] = []
         for message in body.get("messages") or []:
@@ -225,6 +251,7 @@ class _Answer:
     model: Any
     response_id: str
     created: int
+    prompt_ids: list[int] | None = None  # with return_token_ids: the prompt's token ids
 
 
 class FakeEngine:
@@ -397,9 +424,9 @@ class FakeEngine:
             return taken
         return faults
 
-    def _tokens(self, prompt: str, count: int) -> list[str]:
+    def _tokens(self, prompt: str, count: int, start: int = 0) -> list[str]:
         seed = int.from_bytes(hashlib.blake2b(prompt.encode(), digest_size=8).digest(), "big")
-        return [f" t{(seed + 7919 * i) % 1000}" for i in range(count)]
+        return [f" t{(seed + 7919 * i) % 1000}" for i in range(start, start + count)]
 
     def _push_lmcache_pd_notify(self, req_id: str) -> None:
         """LMCache's sender: after the push, PUSH ProxyNotif(req_id) to the proxy."""
@@ -639,13 +666,13 @@ class FakeEngine:
         """What the answer says: tokens, usage, kv_transfer_params; counts the prompt."""
         chat = request.path.endswith("/chat/completions")
         prompt = _prompt_text(body)
-        prompt_tokens = len(prompt.split())
+        done = (_continued(body) or ("", 0))[1]  # a continuation: output tokens made before
+        prompt_tokens = len(prompt.split()) + done
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
-        count = (
-            self.output_tokens if max_tokens is None else min(int(max_tokens), self.output_tokens)
-        )
+        left = self.output_tokens - done
+        count = left if max_tokens is None else min(int(max_tokens), left)
         count = max(count, 1)
-        tokens = self._tokens(prompt, count)
+        tokens = self._tokens(prompt, count, done)
         request_id = request.headers.get("X-Request-Id") or f"fake-{uuid.uuid4().hex}"
         kv_in = body.get("kv_transfer_params") or {}
         kv_out: dict[str, Any] | None = None
@@ -686,7 +713,15 @@ class FakeEngine:
             model=body.get("model") or self.model,
             response_id=f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
             created=int(time.time()),
+            prompt_ids=self._prompt_ids(body, prompt) if body.get("return_token_ids") else None,
         )
+
+    @staticmethod
+    def _prompt_ids(body: dict[str, Any], prompt: str) -> list[int]:
+        given = body.get("prompt")
+        if isinstance(given, list) and given and all(isinstance(t, int) for t in given):
+            return given
+        return [ord(c) for c in prompt]
 
     async def _unary(
         self, ans: _Answer, fault: Faults | None, transport: asyncio.BaseTransport | None
@@ -747,11 +782,13 @@ class FakeEngine:
         head += json.dumps(ans.model) + ',"choices":[{"index":0,'
         if self.ttft_ms > 0:
             await asyncio.sleep(self.ttft_ms / 1000)
+        ids = ans.prompt_ids
         if ans.chat:
+            extra = "" if ids is None else ',"prompt_token_ids":' + json.dumps(ids)
             await response.write(
                 (
                     "data: " + head + '"delta":{"role":"assistant","content":""},'
-                    '"logprobs":null,"finish_reason":null}]}\n\n'
+                    '"logprobs":null,"finish_reason":null}]' + extra + "}\n\n"
                 ).encode()
             )
         for i, token in enumerate(ans.tokens):
@@ -772,7 +809,12 @@ class FakeEngine:
                 event = head + '"delta":{"content":' + json.dumps(token) + "},"
             else:
                 event = head + '"text":' + json.dumps(token) + ","
-            event += '"logprobs":null,"finish_reason":' + finish + "}]"
+            event += '"logprobs":null,"finish_reason":' + finish
+            if ids is not None:  # return_token_ids: the token's id (the prompt's, first)
+                if not ans.chat and i == 0:
+                    event += ',"prompt_token_ids":' + json.dumps(ids)
+                event += f',"token_ids":[{OUTPUT_ID_BASE + int(token[2:])}]'
+            event += "}]"
             if last and ans.kv_out is not None:
                 event += ',"kv_transfer_params":' + json.dumps(ans.kv_out)
             event += "}"

@@ -153,11 +153,13 @@ async def test_unary_generation_error_in_proxy_vocabulary() -> None:
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 async def test_error_event_after_tokens_mapped_not_retried(chat: bool) -> None:
     """(c) The error event after 2 tokens reached the client: passed on as the proxy's
-    error event (server_error, the engine's message), then [DONE]; never retried."""
+    error event (server_error, the engine's message), then [DONE]; never retried. (Without
+    stream migration, which continues it on d1: tests/proxy/test_migration.py.)"""
     async with ph.engines("p0", "d0", "d1", output_tokens=8) as e:
         for name in ("d0", "d1"):
             e[name].faults = Faults(error_event_after_chunks=2)
-        async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0", "d1"]), eject_after=1) as rp:
+        t = ph.pd_table(e, ["p0"], ["d0", "d1"])
+        async with ph.running_proxy(t, eject_after=1, max_migrations=0) as rp:
             res = await ph.stream_completion(rp.session, rp.url, "hello", chat=chat)
             text = await rp.metrics()
             healthy = all(b.healthy for b in rp.registry.backends.values())
