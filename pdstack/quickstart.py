@@ -23,6 +23,7 @@ proxy on 8000). ``PDSTACK_QUICKSTART_NAME`` / ``PDSTACK_PORT_OFFSET`` (``stack -
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -38,6 +39,8 @@ from pathlib import Path
 from typing import TextIO
 
 import yaml
+
+from pdstack import sidecars
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_STACK = ROOT / "compose" / "cpu"
@@ -114,13 +117,17 @@ def project_name(stack_dir: Path) -> str:
 
 def stack_ports(stack_dir: Path) -> list[int]:
     """Every host port the stack binds (its services all run with network_mode: host): the
-    ``--port`` / ``--http-port`` arguments, and the LMCache metrics gate's (the port
-    argument of its inline script)."""
-    text = (stack_dir / "compose.yaml").read_text()
-    ports = {int(p) for p in re.findall(r'"--(?:port|http-port)", "(\d+)"', text)}
-    gate = {int(p) for p in re.findall(r'"python3", "-c", "[^"]*", "[^"]+", "(\d+)"', text)}
-    # >= 1024: not the engine watchdog's arguments (its "30" is seconds)
-    return sorted(ports | {p for p in gate if p >= 1024})
+    ``--port`` / ``--http-port`` arguments of their commands, and the LMCache metrics gate's
+    (``python3 -m pdstack.sidecars.metrics_gate HOST PORT UPSTREAM``)."""
+    services = yaml.safe_load((stack_dir / "compose.yaml").read_text())["services"]
+    ports: set[int] = set()
+    for svc in services.values():
+        cmd = [str(a) for a in svc.get("command") or []]
+        ports |= {int(v) for k, v in itertools.pairwise(cmd)
+                  if k in ("--port", "--http-port") and v.isdigit()}
+        if cmd[:3] == ["python3", "-m", sidecars.METRICS_GATE]:
+            ports.add(int(cmd[4]))
+    return sorted(ports)
 
 
 def _listeners() -> dict[int, list[int]]:

@@ -13,15 +13,30 @@ from pathlib import Path
 
 import jinja2
 
-from pdstack import monitoring, naming, secrets, sidecars, vllm_offload_fix
+from pdstack import monitoring, naming, secrets, sidecars
+from pdstack.compose_yaml import yaml_list, yaml_map
 from pdstack.plan import Plan, Service, model_path
 from pdstack.topology import Topology
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "compose" / "templates"
+REPO = sidecars.PACKAGE.parent
+TEMPLATE_DIR = REPO / "compose" / "templates"
 STACK_FILES = ("compose.yaml", ".env", "backends.json")
-STACK_DIRS = ("monitoring", vllm_offload_fix.PLUGINS_DIR)  # replaced as a whole
-# where an engine container finds pdstack's vLLM plugin (the stack's vllm-plugins/, read-only)
-PLUGINS_MOUNT = "/opt/pdstack/" + vllm_offload_fix.PLUGINS_DIR
+# replaced as a whole; vllm-plugins: where stacks carried the vLLM plugins before pdstack/
+STACK_DIRS = ("monitoring", "pdstack", "vllm-plugins")
+# a stack rendered into this checkout's compose/ mounts the package from here; any other
+# carries a copy of what its containers run (pdstack.sidecars.container_files) in pdstack/
+IN_TREE = REPO / "compose"
+CARRIED = "./pdstack"
+
+
+def package_source(target: Path | None) -> str:
+    """Where the stack written to ``target`` finds pdstack's package (the sidecars and the
+    vLLM plugins), as a Compose bind-mount source: the package itself, relative to the stack
+    (``../../pdstack``), for a stack in this checkout's ``compose/``; else the stack's own
+    ``./pdstack`` (it may go to another machine: Ansible copies it)."""
+    if target is not None and target.resolve().is_relative_to(IN_TREE.resolve()):
+        return os.path.relpath(sidecars.PACKAGE, target.resolve())
+    return CARRIED
 
 
 def env_prefix(svc: Service) -> str:
@@ -51,13 +66,18 @@ def _environment() -> jinja2.Environment:
     return env
 
 
-def render_node(topo: Topology, plan: Plan, node_name: str) -> dict[str, str]:
-    """The files of one node's stack, by file name."""
+def render_node(topo: Topology, plan: Plan, node_name: str,
+                target: Path | None = None) -> dict[str, str]:
+    """The files of one node's stack, by file name, for a stack written to ``target``
+    (:func:`package_source`; None: a stack that carries the package's files)."""
     d = topo.deployment
     node = plan.nodes[node_name]
     env = _environment()
+    env.filters["yaml_list"] = yaml_list
+    env.filters["yaml_map"] = yaml_map
     model_arg = model_path(d)
     wedge_s = sidecars.engine_wedge_s(d.profile)
+    source = package_source(target)
     ctx = {
         "plan": plan,
         "node": node,
@@ -81,9 +101,10 @@ def render_node(topo: Topology, plan: Plan, node_name: str) -> dict[str, str]:
         # the node's LMCache data port is a socket in a volume only it and the engines mount
         "engine_command": lambda svc: sidecars.engine_on_data_socket(
             engine_command(svc, model_arg)),
-        "engine_env": lambda svc: {**svc.env, "PYTHONPATH": PLUGINS_MOUNT},
-        "plugins_dir": vllm_offload_fix.PLUGINS_DIR,
-        "plugins_mount": PLUGINS_MOUNT,
+        "engine_env": lambda svc: {**svc.env, "PYTHONPATH": sidecars.ENGINE_PYTHONPATH},
+        "package_source": source,
+        "package_mount": sidecars.CONTAINER_PACKAGE,
+        "sidecar_env": {"PYTHONPATH": sidecars.CONTAINER_PYTHONPATH},
         "engine_wedge_s": wedge_s,
         "engine_healthcheck": lambda svc: sidecars.engine_healthcheck(
             (svc.healthcheck_url or "").removesuffix("/health"), wedge_s, svc.name,
@@ -94,7 +115,8 @@ def render_node(topo: Topology, plan: Plan, node_name: str) -> dict[str, str]:
         ),
         "lmcache_api_dir": os.path.dirname(sidecars.LMCACHE_API_SOCKET),
         "lmcache_env": lambda svc: {**svc.env,
-                                    sidecars.LMCACHE_DATA_ENV: sidecars.LMCACHE_DATA_SOCKET},
+                                    sidecars.LMCACHE_DATA_ENV: sidecars.LMCACHE_DATA_SOCKET,
+                                    "PYTHONPATH": sidecars.CONTAINER_PYTHONPATH},
         "lmcache_data_dir": os.path.dirname(sidecars.LMCACHE_DATA_SOCKET),
         "lmcache_data_path": lambda svc: sidecars.lmcache_data_endpoint(
             svc.ports["zmq"]).removeprefix("ipc://"),
@@ -106,16 +128,19 @@ def render_node(topo: Topology, plan: Plan, node_name: str) -> dict[str, str]:
         "compose.yaml": env.get_template("node-compose.yaml.j2").render(ctx),
         ".env": env.get_template("node.env.j2").render(ctx),
     }
-    files |= {f"{vllm_offload_fix.PLUGINS_DIR}/{rel}": text
-              for rel, text in vllm_offload_fix.plugin_files().items()}
+    if source == CARRIED:
+        files |= {f"pdstack/{rel}": text for rel, text in sidecars.container_files().items()}
     if has_proxy:
         files["backends.json"] = plan.backend_table.model_dump_json(indent=2) + "\n"
         files |= monitoring.render_monitoring(d, plan)
     return files
 
 
-def render_all(topo: Topology, plan: Plan) -> dict[str, dict[str, str]]:
-    return {name: render_node(topo, plan, name) for name in plan.nodes}
+def render_all(topo: Topology, plan: Plan,
+               dirs: dict[str, Path] | None = None) -> dict[str, dict[str, str]]:
+    """Every node's files, for stacks written to ``dirs`` (:func:`output_dirs`; None: stacks
+    that carry the package's files)."""
+    return {name: render_node(topo, plan, name, (dirs or {}).get(name)) for name in plan.nodes}
 
 
 def output_dirs(plan: Plan, out: Path | None) -> dict[str, Path]:

@@ -26,8 +26,10 @@ request without the key gets 401, one with it reaches the route and ``/health`` 
 the key is set and any of that fails, ``register`` raises ``SystemExit``: the engine does not
 start rather than run with its other routes open.
 
-Standalone (stdlib, plus FastAPI/Starlette where vLLM runs): ``pdstack launch`` and ``pdstack
-render`` ship it beside :mod:`pdstack.vllm_offload_fix` (its :func:`plugin_files`).
+Standalone (stdlib, plus FastAPI/Starlette where vLLM runs), loaded as
+``pdstack.vllm_engine_auth`` through its entry point in ``pdstack/vllm_plugins/``: ``pdstack
+launch`` and the Compose stacks ship it beside :mod:`pdstack.vllm_offload_fix` (its
+:func:`plugin_files`).
 ``VLLM_PLUGINS`` names the plugins vLLM loads: ``VLLM_PLUGINS=none`` turns this one off too
 (``VLLM_PLUGINS=pdstack_engine_auth`` keeps only this one).
 """
@@ -54,7 +56,6 @@ KEY_OPTION = "--api-key"
 OPEN_PATHS = ("/health", "/metrics", "/metrics/")
 OPEN_METHODS = ("GET", "HEAD")
 PLUGIN_NAME = "pdstack_engine_auth"
-MODULE = "pdstack_vllm_engine_auth"
 _MARK = "__pdstack_engine_auth__"
 
 Scope = MutableMapping[str, Any]

@@ -21,11 +21,11 @@ whose key or blocks arrive later is still stored then. Other vLLM versions are l
 
 vLLM loads ``vllm.general_plugins`` entry points in every process, in the EngineCore before
 it builds its scheduler (0.26.0 ``vllm/v1/engine/core.py`` l. 112). This module is that plugin,
-standalone (stdlib and vLLM only): ``pdstack launch`` writes it with its dist-info
-(:func:`plugin_files`) under its log folder and puts that first on each engine's PYTHONPATH;
-``pdstack render`` puts the same files in each stack's ``vllm-plugins/``, which the Compose
-engines mount read-only with PYTHONPATH set to it. ``VLLM_PLUGINS=none`` in an engine's
-environment turns it off.
+standalone (stdlib and vLLM only), loaded as ``pdstack.vllm_offload_fix`` through the entry
+point in ``pdstack/vllm_plugins/``: ``pdstack launch`` writes it, its package's ``__init__`` and
+that dist-info (:func:`plugin_files`) under its log folder and puts that first on each engine's
+PYTHONPATH; the Compose engines mount the package read-only (pdstack/render.py).
+``VLLM_PLUGINS=none`` in an engine's environment turns it off.
 """
 
 from __future__ import annotations
@@ -112,33 +112,23 @@ def register() -> None:
         log.exception("pdstack offload fix: not applied")
 
 
-# the module's name where vLLM loads it (plugin_files): standalone, stdlib + vLLM only, so an
-# engine image without pdstack loads it too
-MODULE = "pdstack_vllm_offload_fix"
-PLUGINS_DIR = "vllm-plugins"  # under a launch's log folder, and in a rendered stack
-
-
-def _plugin(name: str, module: str, source: Path) -> dict[str, str]:
-    info = f"{name}-0.dist-info"
-    return {
-        f"{info}/METADATA":
-            f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: 0\n",
-        f"{info}/entry_points.txt": f"[{PLUGIN_GROUP}]\n{name} = {module}:register\n",
-        f"{module}.py": source.read_text(),
-    }
+PLUGINS_DIR = "vllm-plugins"  # under a launch's log folder
 
 
 def plugin_files() -> dict[str, str]:
-    """What vLLM needs on its PYTHONPATH to load pdstack's plugins, by relative path: this
-    module's source as the top-level module ``MODULE`` and a dist-info naming its entry point
-    (importlib.metadata finds distributions on sys.path), and the same for
-    :mod:`pdstack.vllm_engine_auth` (every engine route needs the engine key). ``pdstack
-    launch`` writes them under its log folder, ``pdstack render`` into each stack (mounted
-    into the engines)."""
-    from pdstack import vllm_engine_auth as auth
+    """What vLLM needs on its PYTHONPATH to load pdstack's plugins (this module and
+    :mod:`pdstack.vllm_engine_auth`: every engine route needs the engine key), by relative
+    path: the package's files the engines run (``pdstack/...``: ``pdstack.sidecars.
+    container_files``, the sidecars too) and the plugins' dist-infos at the top, naming their
+    entry points (importlib.metadata finds distributions on sys.path). ``pdstack launch``
+    writes them under its log folder; the Compose stacks mount the package itself."""
+    from pdstack import sidecars
 
-    return (_plugin(PLUGIN_NAME, MODULE, Path(__file__))
-            | _plugin(auth.PLUGIN_NAME, auth.MODULE, Path(auth.__file__)))
+    out = {}
+    for rel, text in sidecars.container_files().items():
+        top = rel.removeprefix(sidecars.PLUGINS_DIR + "/")
+        out[top if top != rel else f"pdstack/{rel}"] = text
+    return out
 
 
 def plugin_path(root: Path) -> Path:

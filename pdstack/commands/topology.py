@@ -68,8 +68,8 @@ def cmd_render(args: argparse.Namespace) -> int:
 
     topo = load_or_exit(args.inventory)
     plan = make_plan(topo)
-    rendered = render_all(topo, plan)
     dirs = output_dirs(plan, Path(args.output) if args.output else None)
+    rendered = render_all(topo, plan, dirs)
     if args.check:
         stale = [
             str(dirs[n] / f)

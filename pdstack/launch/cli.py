@@ -18,7 +18,7 @@ then SIGKILL after ``--grace`` seconds.
 
 ``start --foreground`` stays and supervises, as the Compose stack's restart policy and engine
 healthcheck do: a service that dies is started again (backoff 1 s doubling to 60 s), and an
-engine that the engine watchdog (``pdstack.sidecars.ENGINE_WATCHDOG``) finds wedged has its
+engine that the engine watchdog (``pdstack.sidecars.watchdog``) finds wedged has its
 process group killed and is started again; the others keep running (``--restart no``: the
 first death stops all). A detached ``start`` supervises nothing: run ``--foreground`` under
 systemd, a Slurm step or tmux.
@@ -31,7 +31,7 @@ environment is not passed on. They are never printed, logged or put on a command
 
 The LMCache server's HTTP API (``/run_script``, ``/cache/clear``, ... unauthenticated) is on
 a unix socket in ``<log-dir>/lmcache-api/`` (mode 0700), not on a TCP port
-(``pdstack.sidecars.LMCACHE_API_ON_SOCKET``); no metrics gate runs here: read LMCache's
+(``pdstack.sidecars.lmcache_socket``); no metrics gate runs here: read LMCache's
 metrics with ``curl --unix-socket <log-dir>/lmcache-api/api.sock http://lmcache/metrics``.
 """
 

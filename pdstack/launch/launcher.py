@@ -91,7 +91,7 @@ class Launcher(Services):
         """Foreground: stay until SIGINT/SIGTERM, then stop everything. Like the Compose
         stack's ``restart: unless-stopped`` and engine healthcheck: a service that dies is
         started again after a backoff (``RESTART_BACKOFF_S``), and so is an engine that the
-        engine watchdog (``pdstack.sidecars.ENGINE_WATCHDOG``, run here in its ``dry`` mode)
+        engine watchdog (``pdstack.sidecars.watchdog``, run here in its ``dry`` mode)
         finds wedged -- requests held with no progress, or ``/health`` failing once it had
         answered, for ``wedge_s`` -- after its process group is killed; the other services
         keep running. ``restart="no"``: the first death stops everything (exit 1)."""

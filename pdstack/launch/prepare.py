@@ -129,13 +129,15 @@ def prepare(
         if names is not None and svc.name not in names:
             continue
         env = service_env(svc, secrets, overrides)
-        if svc.kind == "engine":  # vLLM finds pdstack's patch for 0.26.0 (vllm_offload_fix)
+        command = list(svc.command)
+        sock = sidecars.lmcache_api_socket(command)
+        if svc.kind == "engine" or sock is not None:
+            # vLLM finds pdstack's plugins there (vllm_offload_fix.plugin_files), LMCache's
+            # Python the program that puts its API on a socket (pdstack.sidecars)
             plugins = str(vllm_offload_fix.plugin_path(log_dir.resolve()))
             env["PYTHONPATH"] = os.pathsep.join(p for p in (plugins, env.get("PYTHONPATH")) if p)
-        command = list(svc.command)
         if svc.kind == "proxy" and "--backends" in command:
             command[command.index("--backends") + 1] = str(log_dir / "backends.json")
-        sock = sidecars.lmcache_api_socket(command)
         if sock is not None:  # its API socket in the log folder (the shim makes it 0700)
             command[command.index(sock)] = str(log_dir.resolve() / LMCACHE_API_SOCKET)
             command[0] = lmcache_python(env.get("PATH"))

@@ -2,7 +2,7 @@
 stack's restart policy and engine healthcheck do.
 
 A service that dies is started again after a backoff (``RESTART_BACKOFF_S``), and so is an
-engine that the engine watchdog (``pdstack.sidecars.ENGINE_WATCHDOG``, run here in its
+engine that the engine watchdog (``pdstack.sidecars.watchdog``, run here in its
 ``dry`` mode) finds wedged, after its process group is killed; the other services keep
 running.  ``restart="no"``: the first death stops everything (exit 1).
 """
@@ -150,7 +150,7 @@ class Supervisor:
         model = self.services.plan.backend_table.served_model_name
         args = sidecars.engine_watchdog_args(url, self.wedge_s, str(w.state_file), svc.name,
                                              model)
-        return Popen([sys.executable, "-c", sidecars.ENGINE_WATCHDOG, *args, "dry"],
+        return Popen([sys.executable, "-m", sidecars.WATCHDOG, *args, "dry"],
                      env=w.prepared.env, stdin=DEVNULL, stdout=subprocess.PIPE,
                      stderr=DEVNULL, text=True)
 

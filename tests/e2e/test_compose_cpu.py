@@ -337,7 +337,7 @@ PLUGIN_PROBE = """
 import importlib.metadata as m, json, os
 from vllm.plugins import load_general_plugins
 load_general_plugins()  # what vLLM does in every process it starts
-import pdstack_vllm_offload_fix as fix
+import pdstack.vllm_offload_fix as fix
 import vllm
 found = m.entry_points(group="vllm.general_plugins")
 print(json.dumps({"pythonpath": os.environ.get("PYTHONPATH"), "file": fix.__file__,
@@ -347,9 +347,10 @@ print(json.dumps({"pythonpath": os.environ.get("PYTHONPATH"), "file": fix.__file
 
 
 def test_engines_load_pdstacks_vllm_plugin(cpu_stack: dict[str, float]) -> None:
-    """The stack mounts pdstack's vLLM plugin (vllm-plugins/, pdstack/vllm_offload_fix.py)
-    into every engine with PYTHONPATH set to it: vLLM's own plugin discovery in the engine's
-    container finds it and loads it; on this image's vLLM (not 0.26.0) it patches nothing."""
+    """The stack mounts pdstack's package (its vLLM plugin: pdstack/vllm_offload_fix.py, and
+    the plugins' entry points in pdstack/vllm_plugins/) into every engine with PYTHONPATH set
+    to it: vLLM's own plugin discovery in the engine's container finds it and loads it; on
+    this image's vLLM (not 0.26.0) it patches nothing."""
     import subprocess
 
     for svc, spec in _compose_services().items():
@@ -359,9 +360,9 @@ def test_engines_load_pdstacks_vllm_plugin(cpu_stack: dict[str, float]) -> None:
                              capture_output=True, text=True, timeout=120)
         assert run.returncode == 0, (svc, run.stderr[-2000:])
         got = json.loads(run.stdout.strip().splitlines()[-1])
-        assert got["pythonpath"] == "/opt/pdstack/vllm-plugins", (svc, got)
-        assert got["file"] == "/opt/pdstack/vllm-plugins/pdstack_vllm_offload_fix.py", (svc, got)
-        assert ["pdstack_offload_fix", "pdstack_vllm_offload_fix:register"] in [
+        assert got["pythonpath"] == "/opt/pdstack:/opt/pdstack/pdstack/vllm_plugins", (svc, got)
+        assert got["file"] == "/opt/pdstack/pdstack/vllm_offload_fix.py", (svc, got)
+        assert ["pdstack_offload_fix", "pdstack.vllm_offload_fix:register"] in [
             list(p) for p in got["plugins"]], (svc, got)
         assert got["vllm"] != "0.26.0" and got["applied"] is False, (svc, got)
 

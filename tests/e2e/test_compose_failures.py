@@ -1,18 +1,22 @@
 """`up --wait` failures name the failing service and show its last log lines (not a generic
 timeout): a wrong model path, and a port already taken. Each runs on a copy of compose/cpu
-under its own project name, with only the service under test (and what it depends on)."""
+(inventory/local-cpu rendered outside compose/: it carries pdstack's container files) under
+its own project name, with only the service under test (and what it depends on)."""
 
 from __future__ import annotations
 
-import shutil
 import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from pdstack.compose_up import ComposeUpError, compose_down, compose_up
+from pdstack.plan import make_plan
+from pdstack.render import render_all, write_stacks
+from pdstack.topology import load_topology
 
 from .conftest import CPU_STACK, port_in_use, stack_ports
 
@@ -28,9 +32,12 @@ def stack_copy(docker_ready: None, tmp_path: Path) -> Iterator[Path]:
         pytest.fail(f"ports {busy} are in use (a running stack?): `docker compose "
                     f"--project-directory compose/cpu down` first")
     d = tmp_path / "stack"
-    d.mkdir()
-    for name in ("compose.yaml", ".env", "backends.json"):
-        shutil.copy(CPU_STACK / name, d / name)
+    topo = load_topology(CPU_STACK.parents[1] / "inventory" / "local-cpu")
+    rendered = render_all(topo, make_plan(topo))
+    (node,) = rendered
+    write_stacks(rendered, {node: d})
+    assert (d / "compose.yaml").read_text() == (CPU_STACK / "compose.yaml").read_text().replace(
+        "../../pdstack:", "./pdstack:")
     try:
         yield d
     finally:
@@ -42,6 +49,11 @@ def _set_env(stack: Path, key: str, value: str) -> None:
     assert any(line.startswith(key + "=") for line in lines), f"{key} not in .env"
     (stack / ".env").write_text("\n".join(
         f"{key}={value}" if line.startswith(key + "=") else line for line in lines) + "\n")
+
+
+def _port(stack: Path, service: str) -> str:
+    command = yaml.safe_load((stack / "compose.yaml").read_text())["services"][service]["command"]
+    return str(command[command.index("--port") + 1])
 
 
 def _decode_0_fails(stack: Path) -> tuple[ComposeUpError, float]:
@@ -66,7 +78,7 @@ def test_wrong_model_path_names_service_and_shows_logs(stack_copy: Path) -> None
 
 def test_port_taken_names_service_and_shows_logs(stack_copy: Path) -> None:
     port = 8101  # decode-0's HTTP port in compose/cpu
-    assert '"--port", "8101"' in (stack_copy / "compose.yaml").read_text()
+    assert _port(stack_copy, "decode-0") == "8101"
     with socket.socket() as blocker:
         blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         blocker.bind(("127.0.0.1", port))
@@ -84,7 +96,7 @@ def test_crash_looping_proxy_is_reported_not_waited_for(stack_copy: Path) -> Non
     """The proxy has `restart: unless-stopped`: a bad port makes it crash-loop, which a bare
     `up --wait` would sit through until its timeout."""
     port = 8000
-    assert '"--port", "8000"' in (stack_copy / "compose.yaml").read_text()
+    assert _port(stack_copy, "proxy") == "8000"
     with socket.socket() as blocker:
         blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         blocker.bind(("127.0.0.1", port))

@@ -182,7 +182,7 @@ def test_start_status_stop_shared_l1(stacks: list[Stack], tmp_path: Path) -> Non
     planned = {s.name: s for s in plan.nodes["n1"].services}
     assert pre["argv"] == planned["prefill-0"].command[1:]
     # LMCache: `lmcache server ...` with its HTTP API on a unix socket in the log folder
-    # (0700), not on a TCP port (the plan's shim: pdstack.sidecars.LMCACHE_API_ON_SOCKET)
+    # (0700), not on a TCP port (the plan's shim: pdstack.sidecars.lmcache_socket)
     assert lm["argv"] == planned["lmcache"].command[4:] and lm["argv"][0] == "server"
     assert lm["api"] == str(st.logs.resolve() / "lmcache-api" / "api.sock")
     assert lm["api_folder_mode"] == "0o700"

@@ -149,16 +149,31 @@ def test_plugin_files_ship_both_plugins(tmp_path: Path, monkeypatch: pytest.Monk
     dists = importlib.metadata.distributions(path=[str(path)])
     found = sorted((ep.name, ep.value) for dist in dists
                    for ep in dist.entry_points if ep.group == "vllm.general_plugins")
-    assert found == [("pdstack_engine_auth", "pdstack_vllm_engine_auth:register"),
-                     ("pdstack_offload_fix", "pdstack_vllm_offload_fix:register")]
-    assert (path / "pdstack_vllm_engine_auth.py").read_text() == Path(auth.__file__).read_text()
+    assert found == [("pdstack_engine_auth", "pdstack.vllm_engine_auth:register"),
+                     ("pdstack_offload_fix", "pdstack.vllm_offload_fix:register")]
+    assert (path / "pdstack" / "vllm_engine_auth.py").read_text() == Path(
+        auth.__file__).read_text()
 
 
 def test_rendered_stacks_ship_the_key_check() -> None:
+    """compose/cpu and compose/gpu mount the package itself into their engines (no copy),
+    with the plugins' entry points on the engines' PYTHONPATH."""
+    import yaml
+
     repo = Path(__file__).resolve().parents[2]
     for stack in ("cpu", "gpu"):
-        plugin = repo / "compose" / stack / "vllm-plugins" / "pdstack_vllm_engine_auth.py"
-        assert plugin.read_text() == Path(auth.__file__).read_text(), stack
+        compose = yaml.safe_load((repo / "compose" / stack / "compose.yaml").read_text())
+        engines = {n: s for n, s in compose["services"].items()
+                   if (s.get("command") or [])[:2] == ["vllm", "serve"]}
+        assert engines, stack
+        for name, spec in engines.items():
+            volumes = compose["x-engine"]["volumes"] if "volumes" not in spec else spec["volumes"]
+            (src,) = [v.split(":")[0] for v in volumes if ":/opt/pdstack/pdstack:" in v]
+            package = (repo / "compose" / stack / src).resolve()
+            assert package == Path(auth.__file__).resolve().parent, (stack, name, src)
+            roots = spec["environment"]["PYTHONPATH"].split(":")
+            assert roots == ["/opt/pdstack", "/opt/pdstack/pdstack/vllm_plugins"], (stack, name)
+        assert not (repo / "compose" / stack / "vllm-plugins").exists(), stack
 
 
 # ------------------------------------------------------------------ vllm: FastAPI, vLLM
@@ -198,7 +213,7 @@ def test_vllm_plugin_loader_installs_it_or_stops_the_process(tmp_path: Path) -> 
     with the reason, the key never printed."""
     plugins = vllm_offload_fix.plugin_path(tmp_path)
     load = "from vllm.plugins import load_general_plugins\nload_general_plugins()\n"
-    check = load + ("import os, pdstack_vllm_engine_auth as a\n"
+    check = load + ("import os, pdstack.vllm_engine_auth as a\n"
                     "a.self_test([os.environ['VLLM_API_KEY']])\nprint('ok')\n")
     run = _vllm_python(check, plugins, KEY)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]

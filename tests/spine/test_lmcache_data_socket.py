@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
-from pdstack import sidecars
+from pdstack import sidecars, vllm_offload_fix
 from pdstack.render import render_all
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,7 +80,7 @@ def test_rendered_lmcache_data_port_is_a_socket_only_engines_mount() -> None:
         services = compose["services"]
         lm = services["lmcache"]
         port = lm["command"][lm["command"].index("--port") + 1]
-        assert lm["command"][:3] == ["python3", "-c", sidecars.LMCACHE_API_ON_SOCKET], name
+        assert lm["command"][:3] == ["python3", "-m", sidecars.LMCACHE_SOCKET], name
         assert lm["environment"][sidecars.LMCACHE_DATA_ENV] == sidecars.LMCACHE_DATA_SOCKET
         assert "ports" not in lm and "lmcache-data" in _mounts(lm), name
         health = " ".join(lm["healthcheck"]["test"])
@@ -190,7 +190,9 @@ def test_real_lmcache_on_the_socket_serves_an_engine_and_no_tcp(tmp_path: Path) 
               "--eviction-policy", "LRU", "--chunk-size", "256",
               "--supported-transfer-mode", "engine_driven"]
     cmd = sidecars.lmcache_on_socket_command(str(run / "api" / "api.sock"), server)
-    env = ve.base_env("nobind") | {sidecars.LMCACHE_DATA_ENV: str(data)}
+    # LMCache's Python finds pdstack.sidecars where `pdstack launch` puts it
+    env = ve.base_env("nobind") | {sidecars.LMCACHE_DATA_ENV: str(data),
+                                   "PYTHONPATH": str(vllm_offload_fix.plugin_path(run))}
     with heavy_lock():
         lm = ve.spawn("lmcache-data-socket", [str(ve.VENV / "bin" / "python"), *cmd[1:]], env)
         try:

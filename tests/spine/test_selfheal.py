@@ -53,7 +53,7 @@ def test_services_restart_and_each_reads_only_its_own_secrets_file(stack: str) -
         assert "env_file" not in services[name], f"{name} is given secrets"
     for name in engines:
         test = services[name]["healthcheck"]["test"]
-        assert test[:3] == ["CMD", "python3", "-c"] and test[3] == sidecars.ENGINE_WATCHDOG
+        assert test[:4] == ["CMD", "python3", "-m", sidecars.WATCHDOG], name
 
 
 @pytest.mark.parametrize("stack", [*STACKS, "one-gpu"])
@@ -128,7 +128,7 @@ def test_lmcache_api_on_a_socket_only_its_metrics_gate_shares(stack: str) -> Non
     assert sock == sidecars.LMCACHE_API_SOCKET and cmd[4] == "server"
     zmq_host = cmd[cmd.index("--host") + 1]
     gate = services["lmcache-metrics"]["command"]
-    assert gate[:3] == ["python3", "-c", sidecars.METRICS_GATE]
+    assert gate[:3] == ["python3", "-m", sidecars.METRICS_GATE]
     host, port, upstream = gate[3:]
     assert host == zmq_host  # the node's private address: Prometheus scrapes it
     assert upstream == f"unix:{sock}"
@@ -211,8 +211,8 @@ async def test_engine_watchdog_fails_an_engine_that_holds_requests_without_progr
         async def watchdog(wedge_s: float) -> tuple[int, str]:
             return await _run(
                 sys.executable,
-                "-c",
-                sidecars.ENGINE_WATCHDOG,
+                "-m",
+                sidecars.WATCHDOG,
                 engine.url,
                 str(wedge_s),
                 state,
@@ -273,7 +273,7 @@ async def test_engine_watchdog_waits_for_a_starting_engine(tmp_path: Path) -> No
     port = _free_port()
     state = str(tmp_path / "state.json")
     for _ in range(2):
-        rc, out = await _run(sys.executable, "-c", sidecars.ENGINE_WATCHDOG,
+        rc, out = await _run(sys.executable, "-m", sidecars.WATCHDOG,
                              f"http://127.0.0.1:{port}", "0.1", state, "decode-0", "m", "dry")
         assert rc == 1 and "wedged" not in out, out
         await asyncio.sleep(0.2)

@@ -26,22 +26,27 @@ WHEEL_ENV = "PDSTACK_VLLM_0260_WHEEL"
 ABORTED = "FINISHED_ABORTED"
 
 
-def test_plugin_path_names_the_entry_point(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """What ``pdstack launch`` puts on an engine's PYTHONPATH (and ``pdstack render`` mounts
-    into its engines): importlib.metadata (vLLM's plugin discovery) finds the entry point
-    there, and it loads a standalone copy of this module's register."""
+def test_plugin_path_names_the_entry_point(tmp_path: Path) -> None:
+    """What ``pdstack launch`` puts on an engine's PYTHONPATH: importlib.metadata (vLLM's
+    plugin discovery) finds the entry point there, and a Python with nothing else on its path
+    (no site-packages: no pdstack installed) loads this module's register from it."""
     path = vllm_offload_fix.plugin_path(tmp_path)
     assert vllm_offload_fix.plugin_path(tmp_path) == path  # again: same folder, no error
     found = [ep for dist in importlib.metadata.distributions(path=[str(path)])
              for ep in dist.entry_points if ep.group == "vllm.general_plugins"]
     found = [ep for ep in found if ep.name == "pdstack_offload_fix"]  # beside engine auth
     assert [(ep.name, ep.value) for ep in found] == [
-        ("pdstack_offload_fix", "pdstack_vllm_offload_fix:register")]
-    monkeypatch.syspath_prepend(str(path))
-    register = found[0].load()
-    assert register.__module__ == "pdstack_vllm_offload_fix"
-    assert Path(sys.modules[register.__module__].__file__ or "").parent == path
-    assert (path / "pdstack_vllm_offload_fix.py").read_text() == Path(
+        ("pdstack_offload_fix", "pdstack.vllm_offload_fix:register")]
+    code = ("import importlib.metadata as m, sys\n"
+            "(ep,) = [e for e in m.entry_points(group='vllm.general_plugins')"
+            " if e.name == 'pdstack_offload_fix']\n"
+            "f = ep.load()\nprint(f.__module__, sys.modules[f.__module__].__file__)\n")
+    run = subprocess.run([sys.executable, "-S", "-c", code], env={"PYTHONPATH": str(path)},
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["pdstack.vllm_offload_fix",
+                                  str(path / "pdstack" / "vllm_offload_fix.py")]
+    assert (path / "pdstack" / "vllm_offload_fix.py").read_text() == Path(
         vllm_offload_fix.__file__).read_text()
 
 

@@ -1,5 +1,5 @@
 """Stand-in for ``uvicorn`` in launch tests: only ``Config``, whose keyword arguments the
-LMCache API shim (``pdstack.sidecars.LMCACHE_API_ON_SOCKET``) rewrites."""
+LMCache API shim (``pdstack.sidecars.lmcache_socket``) rewrites."""
 
 from __future__ import annotations
 
