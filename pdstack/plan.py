@@ -518,7 +518,7 @@ def _lmcache_service(d: DeploymentSpec, node: NodeSpec) -> Service:
         "--max-gpu-workers", str(max(1, sum(mode.uses_tier(e.role) for e in node.engines))),
     ]
     # its HTTP API (/run_script, /cache/clear, /env ... unauthenticated) on a unix socket
-    # only the metrics gate shares, never on a port (pdstack.sidecars.LMCACHE_API_ON_SOCKET);
+    # only the metrics gate shares, never on a port (pdstack.sidecars.lmcache_socket);
     # the gate serves GET /metrics of it on lmcache_http
     cmd = sidecars.lmcache_on_socket_command(sidecars.LMCACHE_API_SOCKET, server)
     return Service(
