@@ -28,6 +28,7 @@ from pdstack.proxy.config import ProxyConfig
 from pdstack.proxy.engine_routes import EngineRoutes
 from pdstack.proxy.errors import ProxyRunner, error_response, openai_errors
 from pdstack.proxy.flows import Flows
+from pdstack.proxy.kv_events_route import KvRouting
 from pdstack.proxy.legs import RequestContext
 from pdstack.proxy.limits import (
     BodyBudget,
@@ -88,6 +89,9 @@ class Proxy(AdminAPI, EngineRoutes, Flows):
             cfg.leg_budget_base_s, cfg.leg_budget_per_1k_tokens_s, cfg.chars_per_token
         )
         self.index = PrefixIndex(self.config.index_block_chars, self.config.index_capacity)
+        self.kv_routing = KvRouting(  # the engines' KV events (issue 56); idle without them
+            self.config.kv_events, lambda: self.session, self._auth_headers, self.metrics.registry
+        )
         self.session: aiohttp.ClientSession | None = None
         self.relay = RelayPool()
         self._addresses: dict[str, tuple[str, int, str]] = {}
@@ -161,6 +165,7 @@ class Proxy(AdminAPI, EngineRoutes, Flows):
             every(self._readmit_pace, self.probe_down, "re-admission round failed")
         )
         await self.admission.start(self.session)
+        await self.kv_routing.start()
 
     async def _start_notifier(self) -> None:
         table = self.registry.lmcache_pd_notify or {}
@@ -183,6 +188,7 @@ class Proxy(AdminAPI, EngineRoutes, Flows):
 
     async def _on_cleanup(self, app: web.Application) -> None:
         await self.admission.stop()
+        await self.kv_routing.close()
         if self.notifier is not None:
             await self.notifier.close()
             self.notifier = None

@@ -40,6 +40,7 @@ from pdstack import kvmodes
 from pdstack.proxy.admission_flags import add_admission_flags, admission_from_args
 from pdstack.proxy.config import MIB, ProxyConfig, load_secrets
 from pdstack.proxy.flags import Flag, add_fields, dest
+from pdstack.proxy.kv_events_route import KvEventsConfig
 
 DEFAULT_ENV_FILE = "/etc/pdstack/secrets.env"
 KV_MODE_CHOICES = kvmodes.NAMES
@@ -135,6 +136,11 @@ def register(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentPar
     add_fields(p, d, _TUNING)
     _add_limit_flags(p, d)
     add_admission_flags(p, d.admission)
+    p.add_argument(
+        "--kv-events", choices=("on", "off"), default="on",
+        help="follow the engines' vLLM KV events (the backend table's kv_events) and route "
+        "colocated requests by the blocks each engine holds (default %(default)s)",
+    )
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run)
     return p
@@ -260,6 +266,10 @@ def config_from_args(args: argparse.Namespace, table: Any = None) -> ProxyConfig
         tenants={name: TenantPolicy.from_spec(name, spec) for name, spec in tenants.items()},
         engine_priority=bool(getattr(table, "engine_priority", False)),
     )
+    if table is not None:
+        config.kv_events = KvEventsConfig.from_table(
+            table, enabled=getattr(args, "kv_events", "on") == "on"
+        )
     env_file = args.env_file
     if env_file is None and Path(DEFAULT_ENV_FILE).exists():
         env_file = DEFAULT_ENV_FILE

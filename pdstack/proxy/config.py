@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdstack.proxy.admission import AdmissionConfig
+from pdstack.proxy.kv_events_route import KvEventsConfig
 from pdstack.proxy.tenants import TENANT_KEYS_ENV, TenantPolicy, parse_tenant_keys
 from pdstack.secrets import (
     ADMIN_TOKEN_ENV,
@@ -56,6 +57,9 @@ class ProxyConfig:
     chars_per_token: float = 4.0  # the proxy does not tokenize; it estimates
     index_block_chars: int = 256
     index_capacity: int = 200_000
+    # the engines' KV events (pdstack.proxy.kv_events_route): colocated requests routed by
+    # what each engine holds; off without sources (the backend table's ``kv_events``)
+    kv_events: KvEventsConfig = field(default_factory=lambda: KvEventsConfig(enabled=False))
     # health
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0

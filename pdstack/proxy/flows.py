@@ -56,6 +56,7 @@ from pdstack.proxy import tracing
 from pdstack.proxy.admission import AdmissionRejected, prompt_tokens
 from pdstack.proxy.backends import BackendState
 from pdstack.proxy.errors import error_response
+from pdstack.proxy.kv_events_route import KvRouting, RequestBlocks
 from pdstack.proxy.legs import RequestContext
 from pdstack.proxy.lmcache_pd import LmcachePdFlow
 from pdstack.proxy.migration_fallback import DecodeFallback
@@ -83,6 +84,7 @@ class Flows(LmcachePdFlow, DecodeFallback):
     flow: Flow  # pick_flow(), set once at start
 
     index: PrefixIndex
+    kv_routing: KvRouting
     skip_threshold_tokens: int
     _rings: dict[str, tuple[int, HashRing]]  # role -> (registry version, ring)
 
@@ -113,11 +115,15 @@ class Flows(LmcachePdFlow, DecodeFallback):
         rejected = await self._admit(ctx, lambda: self.registry.by_role("colocated"))
         if rejected is not None:
             return rejected
+        # what each engine holds of the prompt, from its KV events (None: not followed)
+        blocks = await self.kv_routing.blocks_for(
+            ctx.body, ctx.path, self.registry.by_role("colocated")
+        )
         return await self._final_leg(
             request,
             ctx,
             lambda tried: self._pick_affinity(
-                "colocated", key_hash, tried, ctx.tokens, ctx.request_id
+                "colocated", key_hash, tried, ctx.tokens, ctx.request_id, blocks, ctx
             ),
             lambda backend: ctx.raw,
         )
@@ -338,6 +344,8 @@ class Flows(LmcachePdFlow, DecodeFallback):
         tried: set[str],
         tokens: int | None = None,
         request_id: str = "",
+        blocks: RequestBlocks | None = None,
+        ctx: RequestContext | None = None,
     ) -> BackendState | None:
         """Bounded-load consistent hashing over usable ``role`` backends; with ``tokens``
         (gated roles) the ones with KV headroom for it come first."""
@@ -358,6 +366,9 @@ class Flows(LmcachePdFlow, DecodeFallback):
                 b.name: b
                 for b in self.admission.prefer_open(list(candidates.values()), tokens, request_id)
             }
+        if blocks is not None and ctx is not None:  # by cost (pdstack.proxy.kv_events_route)
+            return self.kv_routing.pick(ring, key_hash, candidates, self.config.load_factor,
+                                        blocks, request_id, "cache_salt" in ctx.body)
         return pick_bounded_load(ring, key_hash, candidates, self.config.load_factor)
 
     async def _try_skip_prefill(

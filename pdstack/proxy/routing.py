@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from pdstack.proxy.backends import BackendState
+from pdstack.proxy.kv_index import Held
 
 
 def stable_hash(text: str) -> int:
@@ -95,6 +96,33 @@ def pick_p2c(candidates: Sequence[BackendState], rng: random.Random) -> BackendS
         j += 1
     a, b = candidates[i], candidates[j]
     return a if a.in_flight <= b.in_flight else b
+
+
+def pick_by_cost(
+    costed: Sequence[tuple[BackendState, Held]],
+    prompt_tokens: int,
+    cpu_hit_cost: float,
+    load_tokens: float,
+) -> tuple[BackendState, float]:
+    """The cheapest engine for a request, from what each holds of its prompt (its KV events:
+    :mod:`pdstack.proxy.kv_events_route`): cost = the prompt tokens it would compute (a
+    block its CPU tier holds counts ``cpu_hit_cost`` of one it computes: loading it is not
+    free) + ``load_tokens`` for each request queued or running on it (the proxy's in flight
+    or the engine's own count, whichever is larger: another proxy's requests count too).
+    The first of equals wins: callers pass ``costed`` in hash-ring order, so ties keep
+    prefix affinity. Returns the engine and the tokens it has to compute. ``costed`` must
+    not be empty."""
+    best: tuple[BackendState, float] | None = None
+    best_cost = math.inf
+    for backend, held in costed:
+        gpu = min(held.gpu_blocks * held.block_size, prompt_tokens)
+        cpu = min(held.cpu_blocks * held.block_size, prompt_tokens - gpu)
+        miss = prompt_tokens - gpu - cpu + cpu_hit_cost * cpu
+        cost = miss + load_tokens * max(backend.in_flight, backend.engine_held)
+        if cost < best_cost:
+            best, best_cost = (backend, miss), cost
+    assert best is not None, "pick_by_cost needs a candidate"
+    return best
 
 
 def block_hashes(text: str, block_chars: int) -> list[int]:

@@ -1,0 +1,277 @@
+"""Routing colocated engines by what they hold (issue 56): the glue between the proxy, the
+KV-event index (:mod:`pdstack.proxy.kv_index`, :mod:`pdstack.proxy.kv_events`) and the cost
+policy (:func:`pdstack.proxy.routing.pick_by_cost`).
+
+Per request, only when some candidate's events are *fresh* and its hashing verified:
+
+1. the prompt's token ids: the request's own (a token-id prompt), else the engine's
+   ``POST /tokenize`` (the same tokenizer and chat template as the generation will use;
+   its latency is ``pdstack_proxy_kv_tokenize_seconds``);
+2. its block hashes per scheme the engines hash with (with ``cache_salt``);
+3. the pick: the hash ring's choice is kept when its events are not fresh (today's hashing,
+   counted as ``hash_<state>``); otherwise every fresh candidate is costed (blocks it does
+   not hold, a CPU-tier hit at ``cpu_hit_cost``, plus its queued work) and the cheapest
+   wins, ring order breaking ties (``cost``).
+
+Every decision is counted in ``pdstack_proxy_kv_route_total{decision}``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from pdstack.proxy.backends import BackendState
+from pdstack.proxy.kv_events import KvEventsCollector, KvEventsSubscriber
+from pdstack.proxy.kv_index import HashScheme, Held, KvIndex, hashes_by_scheme
+from pdstack.proxy.routing import HashRing, pick_bounded_load, pick_by_cost
+
+log = logging.getLogger("pdstack.proxy.kv_events")
+
+# chat fields that change the rendered prompt (vLLM's /tokenize takes them as chat does)
+CHAT_TOKENIZE_KEYS = (
+    "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+    "chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs",
+)
+DECISIONS = ("cost", "hash_missing", "hash_stale", "hash_unverified", "hash_no_tokens")
+TOKENIZE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass
+class KvEventsConfig:
+    """The proxy's side of the engines' KV events (the backend table's ``kv_events`` and
+    each backend's ``kv_events.replay``; empty ``sources``: off)."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = 0
+    hash_seed: str = "0"
+    sources: dict[str, str] = field(default_factory=dict)  # backend name -> replay endpoint
+    heartbeat_s: float = 5.0
+    stale_after_s: float = 15.0
+    replay_timeout_s: float = 2.0
+    capacity: int = 400_000  # block hashes per engine
+    cpu_hit_cost: float = 0.25  # a native-tier hit costs this share of computing the block
+    tokenize_timeout_s: float = 2.0
+
+    @classmethod
+    def from_table(cls, table: Any, **overrides: Any) -> KvEventsConfig:
+        data = table if isinstance(table, dict) else table.model_dump(mode="json")
+        listen = data.get("kv_events") or {}
+        sources = {
+            b["name"]: b["kv_events"]["replay"] for b in data.get("backends") or []
+            if b.get("kv_events")
+        }
+        if not listen or not sources:
+            return cls(**{**overrides, "enabled": False})
+        return cls(host=listen["host"], port=int(listen["port"]),
+                   hash_seed=str(listen.get("hash_seed", "0")), sources=sources, **overrides)
+
+    @property
+    def active(self) -> bool:
+        return self.enabled and bool(self.sources) and self.port > 0
+
+
+@dataclass
+class RequestBlocks:
+    """One request's token count and block hashes per (scheme, block size)."""
+
+    tokens: int
+    hashes: dict[tuple[HashScheme, int], list[int]]
+    reason: str = ""  # why there are none (the decision it counts as)
+
+
+@dataclass(frozen=True)
+class Decision:
+    request_id: str
+    backend: str
+    decision: str
+    predicted_cached_tokens: int
+
+
+class KvRouting:
+    """The KV-event router of one proxy (idle when ``config.active`` is false)."""
+
+    def __init__(
+        self,
+        config: KvEventsConfig,
+        session: Callable[[], aiohttp.ClientSession | None],
+        auth_headers: Callable[[], dict[str, str]],
+        registry: CollectorRegistry,
+    ) -> None:
+        self.config = config
+        self._session = session
+        self._auth = auth_headers
+        self.index = KvIndex(config.hash_seed, config.capacity)
+        self.subscriber: KvEventsSubscriber | None = None
+        if config.active:
+            self.subscriber = KvEventsSubscriber(
+                self.index, config.host, config.port, config.sources,
+                config.heartbeat_s, config.stale_after_s, config.replay_timeout_s,
+            )
+            registry.register(KvEventsCollector(self.subscriber))  # type: ignore[arg-type]
+        self.decisions = Counter(
+            "pdstack_proxy_kv_route", "routing decisions of colocated requests: cost (by the "
+            "engines' KV events) or hash_<why> (the prefix ring)", ["decision"], registry=registry,
+        )
+        self._decision = {d: self.decisions.labels(d) for d in DECISIONS}
+        self.tokenize_seconds = Histogram(
+            "pdstack_proxy_kv_tokenize_seconds", "the engine's /tokenize for routing",
+            buckets=TOKENIZE_BUCKETS, registry=registry,
+        )
+        self.tokenize_failures = Counter(
+            "pdstack_proxy_kv_tokenize_failures", "/tokenize calls that failed", registry=registry,
+        )
+        self.load_tokens = 0.0  # EWMA of the tokens routed requests had to compute
+        self.recent: deque[Decision] = deque(maxlen=256)
+
+    async def start(self) -> None:
+        if self.subscriber is not None:
+            await self.subscriber.start()
+
+    async def close(self) -> None:
+        if self.subscriber is not None:
+            await self.subscriber.close()
+
+    def state(self, name: str) -> str:
+        return "missing" if self.subscriber is None else self.subscriber.state(name)
+
+    # ------------------------------------------------------------------ per request
+    async def blocks_for(
+        self, body: dict[str, Any], path: str, candidates: Iterable[BackendState]
+    ) -> RequestBlocks | None:
+        """The request's block hashes for its fresh candidates; None when the router is
+        off, a RequestBlocks with only ``reason`` when nothing can be looked up."""
+        if self.subscriber is None:
+            return None
+        fresh = [b for b in candidates if b.usable and self.state(b.name) == "fresh"]
+        if not fresh:
+            return RequestBlocks(0, {}, "no_fresh")
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        wanted: dict[tuple[HashScheme, int], None] = {}
+        for b in fresh:
+            size = self.index.engine(b.name).block_size
+            for scheme in self.index.schemes_for(b.name, salt is not None):
+                if size > 0:
+                    wanted[(scheme, size)] = None
+        tokens = await self._token_ids(body, path, fresh)
+        if tokens is None or not wanted:
+            return RequestBlocks(0, {}, "hash_no_tokens")
+        hashes: dict[tuple[HashScheme, int], list[int]] = {}
+        for size in {s for _, s in wanted}:
+            schemes = [sc for sc, s in wanted if s == size]
+            for scheme, hs in hashes_by_scheme(tokens, size, schemes, salt).items():
+                hashes[(scheme, size)] = hs
+        return RequestBlocks(len(tokens), hashes)
+
+    async def _token_ids(
+        self, body: dict[str, Any], path: str, engines: list[BackendState]
+    ) -> list[int] | None:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return prompt
+        if (isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list)
+                and all(isinstance(t, int) for t in prompt[0])):
+            return prompt[0]
+        if "chat" in path:
+            if not isinstance(body.get("messages"), list):
+                return None
+            payload = {k: body[k] for k in CHAT_TOKENIZE_KEYS if k in body}
+        elif isinstance(prompt, str):
+            payload = {"prompt": prompt, "add_special_tokens": body.get("add_special_tokens", True)}
+        elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            payload = {"prompt": prompt[0],
+                       "add_special_tokens": body.get("add_special_tokens", True)}
+        else:
+            return None  # several prompts in one request: no one prefix to route
+        if "model" in body:
+            payload["model"] = body["model"]
+        engine = min(engines, key=lambda b: b.in_flight)
+        return await self.tokenize(engine, payload)
+
+    async def tokenize(self, engine: BackendState, payload: dict[str, Any]) -> list[int] | None:
+        session = self._session()
+        if session is None:
+            return None
+        started = time.perf_counter()
+        try:
+            async with session.post(
+                engine.url + "/tokenize", json=payload, headers=self._auth(),
+                timeout=aiohttp.ClientTimeout(total=self.config.tokenize_timeout_s),
+            ) as resp:
+                if resp.status != 200:
+                    raise ValueError(f"HTTP {resp.status}")
+                data = await resp.json()
+            tokens = data.get("tokens")
+            if not isinstance(tokens, list):
+                raise ValueError("no tokens in the answer")
+            return tokens
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            self.tokenize_failures.inc()
+            log.debug("kv events: /tokenize on %s failed: %s", engine.name, exc)
+            return None
+        finally:
+            self.tokenize_seconds.observe(time.perf_counter() - started)
+
+    def held(self, name: str, blocks: RequestBlocks, salted: bool = False) -> Held:
+        """What ``name`` holds of the request (the best of its schemes)."""
+        eng = self.index.engines.get(name)
+        if eng is None or eng.block_size <= 0:
+            return Held(0, 0, 0)
+        best = Held(0, 0, eng.block_size)
+        for scheme in self.index.schemes_for(name, salted):
+            hs = blocks.hashes.get((scheme, eng.block_size))
+            if hs is not None:
+                h = self.index.held(name, hs)
+                if h.tokens > best.tokens:
+                    best = h
+        return best
+
+    def pick(
+        self,
+        ring: HashRing,
+        key_hash: int,
+        candidates: Mapping[str, BackendState],
+        load_factor: float,
+        blocks: RequestBlocks | None,
+        request_id: str = "",
+        salted: bool = False,
+    ) -> BackendState | None:
+        """The engine for a colocated request (see the module's docstring)."""
+        by_hash = pick_bounded_load(ring, key_hash, dict(candidates), load_factor)
+        if blocks is None or by_hash is None:
+            return by_hash
+        state = self.state(by_hash.name)
+        if state != "fresh" or not blocks.hashes:
+            why = f"hash_{state}" if state != "fresh" else blocks.reason or "hash_no_tokens"
+            self._decision.get(why, self._decision["hash_no_tokens"]).inc()
+            self._note(request_id, by_hash.name, why, blocks, salted)
+            return by_hash
+        order = [n for n in ring.walk(key_hash) if n in candidates]
+        costed: list[tuple[BackendState, Held]] = []
+        for name in order:
+            b = candidates[name]
+            if self.state(name) == "fresh":
+                costed.append((b, self.held(name, blocks, salted)))
+        chosen, miss = pick_by_cost(
+            costed, blocks.tokens, self.config.cpu_hit_cost, max(self.load_tokens, 1.0)
+        )
+        self.load_tokens += 0.1 * (miss - self.load_tokens)
+        self._decision["cost"].inc()
+        self._note(request_id, chosen.name, "cost", blocks, salted)
+        return chosen
+
+    def _note(
+        self, request_id: str, name: str, decision: str, blocks: RequestBlocks, salted: bool
+    ) -> None:
+        predicted = self.held(name, blocks, salted).tokens if blocks.hashes else 0
+        self.recent.append(Decision(request_id, name, decision, predicted))
+        log.debug("kv route %s -> %s (%s, %d cached tokens predicted)",
+                  request_id, name, decision, predicted)

@@ -1,0 +1,182 @@
+"""The proxy's KV-event subscriber and routing by cost (issue 56), against stand-in
+publishers (pdstack/testing/kv_publisher.py) and FakeEngine test doubles: replay at start,
+live batches, an engine restart, a silent publisher, and routing (cost for engines whose
+events are fresh, the hash ring for one whose publisher is missing, with the metric)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import zmq.asyncio
+
+from pdstack.proxy.kv_events import BlockRemoved, KvEventsSubscriber
+from pdstack.proxy.kv_events_route import KvEventsConfig
+from pdstack.proxy.kv_index import HashScheme, KvIndex, block_hashes
+from pdstack.proxy.routing import prompt_text, stable_hash
+from pdstack.testing import proxy_harness as ph
+from pdstack.testing.kv_publisher import FakePublisher
+from pdstack.testing.ports import free_port
+
+FAST = {"heartbeat_s": 0.2, "stale_after_s": 1.0, "replay_timeout_s": 0.3}
+
+
+def tokens_of(i: int, n: int = 64) -> list[int]:
+    return [1000 * i + t for t in range(n)]
+
+
+@contextlib.asynccontextmanager
+async def publishers(names: list[str], port: int) -> AsyncIterator[dict[str, FakePublisher]]:
+    ctx = zmq.asyncio.Context()
+    pubs = {
+        n: FakePublisher(ctx, n, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{free_port()}")
+        for n in names
+    }
+    try:
+        yield {n: p.start() for n, p in pubs.items()}
+    finally:
+        for p in pubs.values():
+            await p.close()
+        ctx.term()
+
+
+@contextlib.asynccontextmanager
+async def subscriber(
+    pubs: dict[str, FakePublisher], port: int
+) -> AsyncIterator[KvEventsSubscriber]:
+    sub = KvEventsSubscriber(KvIndex("0"), "127.0.0.1", port,
+                             {n: p.replay_endpoint for n, p in pubs.items()}, **FAST)
+    await sub.start()
+    try:
+        yield sub
+    finally:
+        await sub.close()
+
+
+async def test_replay_at_start_then_live_batches_build_the_index() -> None:
+    port = free_port()
+    async with publishers(["n/e0"], port) as pubs:
+        pub = pubs["n/e0"]
+        first = await pub.store(tokens_of(1))  # before the proxy runs: only the replay has it
+        async with subscriber(pubs, port) as sub:
+            await ph.until(lambda: sub.index.held("n/e0", first).gpu_blocks == 4, "replayed")
+            assert sub.state("n/e0") == "fresh"
+            second = await pub.store(tokens_of(2))
+            await ph.until(lambda: sub.index.held("n/e0", second).gpu_blocks == 4, "live")
+            await pub.publish(BlockRemoved(block_hashes=[first[2]], medium="GPU"))
+            await ph.until(lambda: sub.index.held("n/e0", first).gpu_blocks == 2, "removed")
+            assert sub.feeds["n/e0"].batches["replay"] >= 1
+            assert sub.feeds["n/e0"].batches["live"] >= 1
+
+
+async def test_an_engine_restart_empties_its_index_and_it_refills() -> None:
+    port = free_port()
+    async with publishers(["n/e0"], port) as pubs, subscriber(pubs, port) as sub:
+        pub = pubs["n/e0"]
+        for i in range(3):
+            await pub.store(tokens_of(i))
+        old = block_hashes(tokens_of(0), 16, HashScheme("0"))
+        await ph.until(lambda: sub.feeds["n/e0"].last_seq == 2, "three batches")
+        await pub.restart()  # a new process: seqs from 0, an empty cache
+        new = await pub.store(tokens_of(9))
+        await ph.until(lambda: sub.index.held("n/e0", new).gpu_blocks == 4, "refilled")
+        assert sub.index.held("n/e0", old).gpu_blocks == 0
+        assert sub.feeds["n/e0"].resets.get("restart") == 1
+
+
+async def test_an_idle_restart_is_found_by_the_heartbeat() -> None:
+    port = free_port()
+    async with publishers(["n/e0"], port) as pubs, subscriber(pubs, port) as sub:
+        pub = pubs["n/e0"]
+        old = await pub.store(tokens_of(0))
+        await ph.until(lambda: sub.index.held("n/e0", old).gpu_blocks == 4, "stored")
+        pub.seq, pub.buffer = 0, []  # restarted, published nothing yet
+        await ph.until(lambda: sub.index.held("n/e0", old).gpu_blocks == 0, "cleared", 5.0)
+        assert sub.state("n/e0") == "fresh"  # its replays answer: alive, empty
+
+
+async def test_a_silent_publisher_goes_stale_with_a_log_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    port = free_port()
+    caplog.set_level(logging.INFO, "pdstack.proxy.kv_events")
+    async with publishers(["n/e0"], port) as pubs, subscriber(pubs, port) as sub:
+        pub = pubs["n/e0"]
+        await pub.store(tokens_of(0))
+        await ph.until(lambda: sub.state("n/e0") == "fresh", "fresh")
+        pub.answer_replays = False  # its publisher thread is gone
+        await ph.until(lambda: sub.state("n/e0") == "stale", "stale", 5.0)
+        await ph.until(lambda: "n/e0 stale: routing it by hash" in caplog.text, "logged", 3.0)
+        pub.answer_replays = True
+        await ph.until(lambda: sub.state("n/e0") == "fresh", "fresh again", 5.0)
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{") and all(
+            f'{k}="{v}"' in line for k, v in labels.items()
+        ):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name}{{{want}}} in the metrics")
+
+
+def served(engines: dict[str, Any], tokens: list[int]) -> list[str]:
+    return [n for n, e in engines.items() for r in e.seen("/v1/completions")
+            if (r.body or {}).get("prompt") == tokens]
+
+
+async def test_routes_by_held_blocks_and_by_hash_where_events_are_missing() -> None:
+    port = free_port()
+    names = ["n1/engine-0", "n1/engine-1", "n1/engine-2"]
+    async with ph.engines(*names) as e, publishers(names[:2], port) as pubs:
+        backends = [ph.backend(n, "colocated", e[n]) for n in names]
+        table = ph.table("colocated", backends)
+        sources = {n: p.replay_endpoint for n, p in pubs.items()}
+        # engine-2's publisher is down: nothing answers at its replay endpoint
+        sources[names[2]] = f"tcp://127.0.0.1:{free_port()}"
+        # stale only after 30 s: a starved test machine must not turn engines stale here
+        kv = KvEventsConfig(host="127.0.0.1", port=port, sources=sources,
+                            **{**FAST, "stale_after_s": 30.0})
+        async with ph.running_proxy(table, kv_events=kv) as rp:
+            await ph.until(lambda: all(rp.registry.backends[n].usable for n in names), "up")
+            ring = rp.proxy._ring_for("colocated")
+
+            def home(tokens: list[int]) -> str:
+                return next(ring.walk(stable_hash(prompt_text({"prompt": tokens})[:1024])))
+
+            # prompts whose ring home is engine-0, announced held by engine-1: routed by cost
+            held = [t for t in (tokens_of(i) for i in range(200)) if home(t) == names[0]][:3]
+            for t in held:
+                await pubs[names[1]].store(t)
+            await pubs[names[0]].store(tokens_of(999))  # engine-0 verified too
+            await ph.until(lambda: all(rp.proxy.kv_routing.state(n) == "fresh"
+                                       for n in names[:2]), "fresh")
+            for t in held:
+                body = {"model": "fake", "prompt": t, "max_tokens": 1}
+                async with rp.session.post(rp.url + "/v1/completions", json=body) as r:
+                    assert r.status == 200
+                assert served(e, t) == [names[1]]
+            # prompts whose ring home is engine-2 (no events): routed there by hash
+            by_hash = [t for t in (tokens_of(i) for i in range(200, 400))
+                       if home(t) == names[2]][:3]
+            for t in by_hash:
+                body = {"model": "fake", "prompt": t, "max_tokens": 1}
+                async with rp.session.post(rp.url + "/v1/completions", json=body) as r:
+                    assert r.status == 200
+                assert served(e, t) == [names[2]]
+            text = await rp.metrics()
+            assert metric(text, "pdstack_proxy_kv_route_total", decision="cost") == 3
+            assert metric(text, "pdstack_proxy_kv_route_total", decision="hash_missing") == 3
+            assert metric(text, "pdstack_proxy_kv_events_state",
+                          backend=names[2], state="missing") == 1
+            assert metric(text, "pdstack_proxy_kv_events_state",
+                          backend=names[1], state="fresh") == 1
+            assert metric(text, "pdstack_proxy_kv_index_blocks",
+                          backend=names[1], medium="gpu") == 12
+            predicted = {d.request_id: d for d in rp.proxy.kv_routing.recent}
+            assert sorted(d.predicted_cached_tokens for d in predicted.values()) == [
+                0, 0, 0, 64, 64, 64]

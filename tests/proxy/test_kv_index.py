@@ -1,0 +1,195 @@
+"""The KV-event index, its block hashes and the cost policy (issue 56), without engines.
+
+Parity with vLLM: ``data/kv_events_vllm.json`` holds block hashes and encoded event batches
+made by vLLM's own code (``kv_events_fixture.py`` under the vLLM venv; the vllm-marked test
+below makes them again and compares)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pdstack.proxy.backends import BackendState
+from pdstack.proxy.kv_events import decode_batch
+from pdstack.proxy.kv_index import (
+    CPU,
+    GPU,
+    HashScheme,
+    Held,
+    KvIndex,
+    block_hashes,
+    external_hash,
+)
+from pdstack.proxy.routing import pick_by_cost
+from pdstack.testing import vllm_engines as ve
+
+DATA = Path(__file__).parent / "data" / "kv_events_vllm.json"
+FIXTURE = json.loads(DATA.read_text())
+
+
+@pytest.mark.parametrize("case", FIXTURE["cases"], ids=lambda c: f"{c['block_size']}-"
+                         f"{c['salt']}-{'tagged' if c['tagged'] else 'bare'}")
+def test_block_hashes_equal_vllms(case: dict) -> None:
+    scheme = HashScheme(FIXTURE["vllm_seed"], case["tagged"])
+    got = block_hashes(case["tokens"], case["block_size"], scheme, case["salt"])
+    assert got == case["hashes"]
+    assert len(got) == len(case["tokens"]) // case["block_size"]  # full blocks only
+
+
+def test_another_seed_gives_other_hashes() -> None:
+    case = FIXTURE["cases"][0]
+    assert block_hashes(case["tokens"], case["block_size"], HashScheme("1")) != case["hashes"]
+
+
+def test_bytes_hashes_fold_to_the_events_int() -> None:
+    raw = bytes(range(32))
+    assert external_hash(raw) == int.from_bytes(raw[-8:], "big")
+    assert external_hash(2**70 + 5) == 5
+
+
+def _apply_all(index: KvIndex, name: str, hexes: list[str]) -> None:
+    for h in hexes:
+        for event in decode_batch(bytes.fromhex(h)).events:
+            index.apply(name, event)
+
+
+def test_vllm_batches_build_the_index_by_tier_and_verify_the_scheme() -> None:
+    index = KvIndex(seed="0")
+    h = FIXTURE["gpu_hashes"]
+    _apply_all(index, "e1", FIXTURE["batches"][:1])
+    eng = index.engines["e1"]
+    assert eng.block_size == 16
+    # the first-block events matched: seed 0 and the tagged salt (vLLM 0.32)
+    assert eng.scheme == HashScheme("0", salt_tagged=True) and eng.salt_known
+    assert index.held("e1", h) == Held(3, 0, 16)
+    assert index.schemes_for("e1", salted=True) == [HashScheme("0", True)]
+    # batch 2: blocks 3-4 offloaded to the CPU tier, block 2 evicted from the GPU
+    _apply_all(index, "e1", FIXTURE["batches"][1:2])
+    assert index.held("e1", h) == Held(2, 0, 16)  # the chain breaks at the evicted block
+    assert index.stats()["e1"] == {"gpu": 3, "cpu": 2}
+    # batch 3: reset_prefix_cache clears the GPU tier only
+    _apply_all(index, "e1", FIXTURE["batches"][2:])
+    assert index.held("e1", h) == Held(0, 0, 16)
+    assert index.stats()["e1"] == {"cpu": 2}
+
+
+class _Stored:
+    """A BlockStored as the index reads it (attribute names are vLLM's)."""
+
+    def __init__(self, hashes: list[int], tokens: list[int], medium: str | None = GPU,
+                 parent: int | None = None, extra: list | None = None) -> None:
+        self.block_hashes = hashes
+        self.parent_block_hash = parent
+        self.token_ids = tokens
+        self.block_size = 16
+        self.medium = medium
+        self.extra_keys = extra
+
+
+_Stored.__name__ = "BlockStored"
+
+
+def test_cpu_tier_continues_the_gpu_prefix() -> None:
+    tokens = list(range(80))
+    h = block_hashes(tokens, 16, HashScheme("0"))
+    index = KvIndex(seed="0")
+    index.apply("e", _Stored(h[:2], tokens[:32]))
+    index.apply("e", _Stored(h[1:4], tokens[16:64], CPU, parent=h[0]))
+    assert index.held("e", h) == Held(2, 2, 16)
+    assert index.held("e", h).tokens == 64
+    assert index.held("other", h) == Held(0, 0, 0)
+
+
+def test_an_engine_hashing_otherwise_is_unverified() -> None:
+    tokens = list(range(16))
+    index = KvIndex(seed="0")
+    foreign = block_hashes(tokens, 16, HashScheme("a random per-process seed"))
+    for _ in range(3):
+        index.apply("e", _Stored(foreign, tokens))
+    eng = index.engines["e"]
+    assert eng.scheme is None and eng.unverified
+    assert index.schemes_for("e", salted=False) == []
+    # vLLM 0.32 without PYTHONHASHSEED: its fixed default seed is recognised
+    index.apply("f", _Stored(block_hashes(tokens, 16, HashScheme("vllm-none-hash")), tokens))
+    assert index.engines["f"].scheme == HashScheme("vllm-none-hash", True)
+
+
+def test_a_bare_salt_means_vllm_026() -> None:
+    tokens = list(range(16))
+    bare = block_hashes(tokens, 16, HashScheme("0", salt_tagged=False), "s")
+    index = KvIndex(seed="0")
+    index.apply("e", _Stored(bare, tokens, extra=[["s"]]))
+    assert index.engines["e"].scheme == HashScheme("0", salt_tagged=False)
+    assert index.engines["e"].salt_known
+
+
+def test_unsalted_engine_tries_both_salt_forms() -> None:
+    tokens = list(range(16))
+    index = KvIndex(seed="0")
+    index.apply("e", _Stored(block_hashes(tokens, 16, HashScheme("0")), tokens))
+    assert set(index.schemes_for("e", salted=True)) == {HashScheme("0", True),
+                                                         HashScheme("0", False)}
+
+
+def test_index_is_bounded_oldest_first() -> None:
+    index = KvIndex(seed="0", capacity=10)
+    index.apply("e", _Stored(list(range(100, 125)), [], parent=1))
+    tier = index.engines["e"].tiers[GPU]
+    assert len(tier) == 10 and list(tier) == list(range(115, 125))
+
+
+def test_clear_keeps_what_was_learnt_about_hashing() -> None:
+    tokens = list(range(16))
+    index = KvIndex(seed="0")
+    h = block_hashes(tokens, 16, HashScheme("0"))
+    index.apply("e", _Stored(h, tokens))
+    index.clear("e")
+    assert index.held("e", h).tokens == 0
+    assert index.engines["e"].scheme is not None
+
+
+def _b(name: str, in_flight: int = 0, held: int = 0) -> BackendState:
+    return BackendState(name=name, role="colocated", node="n", url="http://x",
+                        healthy=True, in_flight=in_flight, engine_held=held)
+
+
+def test_cost_prefers_the_engine_holding_the_prompt() -> None:
+    a, b = _b("a"), _b("b")
+    chosen, miss = pick_by_cost([(a, Held(0, 0, 16)), (b, Held(6, 0, 16))], 100, 0.25, 50)
+    assert chosen is b and miss == 4
+
+
+def test_cost_counts_a_cpu_hit_as_its_load_share() -> None:
+    a, b = _b("a"), _b("b")
+    # a: 64 tokens in its CPU tier (load 0.25 x 64 + 36 computed = 52); b: 32 on its GPU
+    # (68 computed)
+    chosen, miss = pick_by_cost([(b, Held(2, 0, 16)), (a, Held(0, 4, 16))], 100, 0.25, 10)
+    assert chosen is a and miss == pytest.approx(52.0)
+    # 48 on its GPU (52 computed) ties with a: ring order (b first) decides
+    chosen, _ = pick_by_cost([(b, Held(3, 0, 16)), (a, Held(0, 4, 16))], 100, 0.25, 10)
+    assert chosen is b
+
+
+def test_cost_spills_when_the_holder_is_busy_and_ties_keep_ring_order() -> None:
+    busy, idle = _b("busy", in_flight=10), _b("idle")
+    chosen, _ = pick_by_cost([(busy, Held(6, 0, 16)), (idle, Held(0, 0, 16))], 100, 0.25, 50)
+    assert chosen is idle
+    # the engine's own count (another proxy's requests) counts as well
+    chosen, _ = pick_by_cost([(_b("x", held=10), Held(6, 0, 16)), (idle, Held(0, 0, 16))],
+                             100, 0.25, 50)
+    assert chosen is idle
+    first, second = _b("first"), _b("second")
+    chosen, _ = pick_by_cost([(first, Held(0, 0, 16)), (second, Held(0, 0, 16))], 100, 0.25, 50)
+    assert chosen is first
+
+
+@pytest.mark.vllm
+def test_fixture_is_what_the_installed_vllm_makes() -> None:
+    ve.require_venv()
+    script = Path(__file__).parent / "kv_events_fixture.py"
+    out = subprocess.run([str(ve.VENV / "bin" / "python"), str(script)], capture_output=True,
+                         text=True, timeout=120, check=True)
+    assert json.loads(out.stdout) == FIXTURE
