@@ -270,14 +270,13 @@ class Migration:
                     target.pending.discard(proto)
             if leading_error(first) is not None:
                 return "error_event", f"{target.role} {target.name} streamed an error first", False
-            carried = len(tracker.token_ids)
             tracker.resume()
             await out.response.write(out.rewrite(first))
             gap = time.perf_counter() - detected
             self.metrics.migration_gap.observe(gap)
             self.metrics.migrations.labels(reason, "continued").inc()
             log.warning("migrated request %s to %s %s after %d tokens (reason %s, gap %.3f s)",
-                        ctx.request_id, target.role, target.name, carried, reason, gap)
+                        ctx.request_id, target.role, target.name, tracker.carried, reason, gap)
             self.admission.landed(target, ctx.request_id)
             target.last_success = time.monotonic()
             failure = await self._relay_leg(ctx, target, proto, out, pending)

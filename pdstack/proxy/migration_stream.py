@@ -90,6 +90,13 @@ def with_token_ids(payload: bytes) -> bytes:
                         else b'"return_token_ids":true}')
 
 
+def _has_text(event: bytes, chat: bool) -> bool:
+    """An event (vLLM's compact JSON) whose choice carries text."""
+    if chat:
+        return b'"content":"' in event and b'"content":""' not in event
+    return b'"text":"' in event and b'"text":""' not in event
+
+
 def _ints(raw: bytes) -> list[int]:
     return [int(x) for x in raw.split(b",") if x.strip()]
 
@@ -106,6 +113,11 @@ class StreamTracker:
         self.downstream = downstream
         self.prompt_ids: list[int] | None = None
         self.token_ids: list[int] = []
+        # output tokens up to the last whose text reached the client: the ones after it
+        # are bytes of a character not complete yet, which vLLM holds back ("" text); a
+        # continuation starts after the clean ones and makes the others again (a token-id
+        # prompt ending mid-character makes vLLM's DecodeStream echo the whole prompt)
+        self.clean = 0
         self.head: dict[str, Any] = {}  # the first stream's id, created, model
         self.finished = False  # a finish_reason reached the client
         self.done = False  # data: [DONE] reached the client
@@ -116,7 +128,9 @@ class StreamTracker:
 
     @property
     def migratable(self) -> bool:
-        return not self.broken and self.prompt_ids is not None and not self.finished
+        # a client that asked for token ids got those of the held-back tokens already
+        held = self.keep_ids and self.clean < len(self.token_ids)
+        return not self.broken and self.prompt_ids is not None and not self.finished and not held
 
     def __call__(self, data: bytes) -> bytes:
         out = []
@@ -152,6 +166,8 @@ class StreamTracker:
         ids = _TOKEN_IDS.search(event)
         if ids is not None:
             self.token_ids += _ints(ids.group(1))
+            if _has_text(event, self.chat):
+                self.clean = len(self.token_ids)
         elif b'"choices":[]' not in event:
             self._check_untracked(stripped)
         if self.prompt_ids is None:
@@ -197,16 +213,17 @@ class StreamTracker:
     # ------------------------------------------------------------ a continuation
     def resume(self) -> None:
         """The next engine's stream begins: what it counts as prompt beyond the client's
-        is the output already sent."""
+        is the output already sent (held-back tokens are made again)."""
         self.migrations += 1
-        self.carried = len(self.token_ids)
+        del self.token_ids[self.clean:]
+        self.carried = self.clean
         self.error = None
 
     def continuation(self, body: dict[str, Any]) -> tuple[str, bytes] | None:
         """The path and body that continue the stream on another engine (None: nothing
         left to generate)."""
         assert self.prompt_ids is not None
-        sent = len(self.token_ids)
+        sent = self.clean
         cont = {k: v for k, v in body.items()
                 if k not in _DROPPED and not (self.chat and k in _CHAT_ONLY)}
         limit = body.get("max_tokens")
@@ -218,7 +235,7 @@ class StreamTracker:
             cont["max_tokens"] = limit - sent
         if isinstance(body.get("min_tokens"), int):
             cont["min_tokens"] = max(0, body["min_tokens"] - sent)
-        cont["prompt"] = self.prompt_ids + self.token_ids
+        cont["prompt"] = self.prompt_ids + self.token_ids[:sent]
         cont["stream"] = True
         cont["return_token_ids"] = True
         return "/v1/completions", json.dumps(cont, separators=(",", ":")).encode()
@@ -240,6 +257,8 @@ class StreamTracker:
             ids = choice.get("token_ids")
             if isinstance(ids, list):
                 self.token_ids += [t for t in ids if isinstance(t, int)]
+                if choice.get("text"):
+                    self.clean = len(self.token_ids)
             if choice.get("finish_reason") is not None:
                 self.finished = True
             choice.pop("prompt_token_ids", None)

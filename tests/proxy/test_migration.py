@@ -281,3 +281,25 @@ async def test_held_back_error_event_reaches_the_client_when_nothing_can_continu
     assert ph.metric_value(text, "pdstack_proxy_migrations_total", reason="error_event",
                            outcome="failed") == 1
     assert ph.metric_value(text, "pdstack_proxy_requests_total", outcome="stream_error") == 1
+
+
+def test_tracker_continues_after_the_last_token_with_text() -> None:
+    """A token whose text vLLM held back (bytes of a character not complete yet: "" text)
+    is made again by the next engine: the continuation carries only the tokens whose text
+    reached the client (a token-id prompt ending mid-character makes vLLM echo the prompt)."""
+    head = b'data: {"id":"cmpl-a","object":"text_completion","created":7,"model":"m",'
+    events = (head + b'"choices":[{"index":0,"text":" a","finish_reason":null,'
+              b'"prompt_token_ids":[5,6],"token_ids":[9]}]}\n\n'
+              + head + b'"choices":[{"index":0,"text":"","finish_reason":null,'
+              b'"token_ids":[200]}]}\n\n')
+    tracker = StreamTracker(chat=False, keep_ids=False)
+    tracker(events)
+    assert tracker.token_ids == [9, 200] and tracker.clean == 1 and tracker.migratable
+    _, payload = tracker.continuation({"prompt": "x", "max_tokens": 10}) or ("", b"")
+    assert json.loads(payload)["prompt"] == [5, 6, 9]
+    assert json.loads(payload)["max_tokens"] == 9
+    tracker.resume()
+    assert tracker.token_ids == [9] and tracker.carried == 1
+    keeping = StreamTracker(chat=False, keep_ids=True)
+    keeping(events)
+    assert not keeping.migratable  # the client has the held token's id already

@@ -1,0 +1,132 @@
+"""Stream migration on real vLLM CPU engines (issue 55): two colocated engines behind the
+proxy; streams (completions and chat, greedy) run on engine A, A is SIGKILLed (its whole
+process group: API server and EngineCore) mid-stream, and every client stream completes on
+engine B, token-identical to an unbroken run with the same usage.
+
+No timing is asserted (CI runs this on a loaded 2-core machine): the migration gap is
+printed from the proxy's ``migration_gap_seconds``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from pdstack.testing import proxy_harness as ph
+from pdstack.testing import vllm_engines as ve
+from pdstack.testing.heavy import heavy_lock
+
+pytestmark = pytest.mark.vllm
+
+GEN = "tiny-s1@cpu"
+MAX_TOKENS = 160
+STREAMS = 6  # 3 completions, 3 chat
+
+
+@pytest.fixture(scope="module")
+def colocated_engines() -> Iterator[tuple[ve.Proc, ve.Proc]]:
+    ve.require_venv()
+    with heavy_lock():
+        procs: list[ve.Proc] = []
+        try:
+            for name, cpu in (("migrate-a", "0"), ("migrate-b", "1")):
+                procs.append(ve.start_engine(name, ve.free_port(), cpu, None))
+            ve.wait_ready(procs)
+            yield procs[0], procs[1]
+        finally:
+            for proc in procs:
+                proc.stop()
+
+
+def _request(i: int) -> tuple[str, dict[str, Any]]:
+    common = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+              "stream": True, "stream_options": {"include_usage": True}}
+    if i % 2:
+        messages = [{"role": "system", "content": ve.prompt_of(40, seed=100 + i)},
+                    {"role": "user", "content": ve.prompt_of(12, seed=200 + i)}]
+        return "/v1/chat/completions", {**common, "messages": messages}
+    return "/v1/completions", {**common, "prompt": ve.prompt_of(60, seed=300 + i)}
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any],
+                  started: asyncio.Event | None = None) -> tuple[str, dict[str, Any], set[str]]:
+    """One streamed request: (its text, its usage, the ids of its events); ``started`` is
+    set once 3 tokens arrived. Asserts a well-formed stream: 200, no error, [DONE] last."""
+    text: list[str] = []
+    usage: dict[str, Any] = {}
+    ids: set[str] = set()
+    events: list[bytes] = []
+    async with session.post(url + path, json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        buffer = b""
+        async for chunk in resp.content.iter_any():
+            buffer += chunk
+            *complete, buffer = buffer.split(b"\n\n")
+            for event in complete:
+                if not event.startswith(b"data: "):
+                    continue
+                events.append(event)
+                if event == b"data: [DONE]":
+                    continue
+                doc = json.loads(event[6:])
+                assert "error" not in doc, doc
+                ids.add(doc["id"])
+                usage = doc.get("usage") or usage
+                for choice in doc["choices"]:
+                    text.append(choice.get("text") or (choice.get("delta") or {}).get("content")
+                                or "")
+                if started is not None and len(text) >= 4:
+                    started.set()
+    assert events and events[-1] == b"data: [DONE]", events[-3:]
+    return "".join(text), usage, ids
+
+
+async def test_kill_9_colocated_engine_streams_complete_token_identical(
+    colocated_engines: tuple[ve.Proc, ve.Proc],
+) -> None:
+    engine_a, engine_b = colocated_engines
+    requests = [_request(i) for i in range(STREAMS)]
+    async with aiohttp.ClientSession() as session:
+        # the unbroken run: the same requests straight to engine B (the same build)
+        reference = await asyncio.gather(*(_stream(session, engine_b.url, path, body)
+                                           for path, body in requests))
+    table = ph.table("colocated", [
+        {"name": "n1/engine-a", "role": "colocated", "node": "n1", "url": engine_a.url,
+         "generation": GEN},
+        {"name": "n1/engine-b", "role": "colocated", "node": "n1", "url": engine_b.url,
+         "generation": GEN},
+    ], served_model_name="tiny")
+    async with ph.running_proxy(table, health_interval_s=0.5, health_timeout_s=5.0) as rp:
+        backends = list(rp.registry.backends.values())
+        await ph.until(lambda: all(b.healthy for b in backends), "both engines in", 60)
+        # every stream starts on A: B is drained until they stream, then back before the kill
+        assert await rp.backend_action("n1/engine-b", "drain") == 200
+        started = [asyncio.Event() for _ in requests]
+        tasks = [asyncio.create_task(_stream(rp.session, rp.url, path, body, flag))
+                 for (path, body), flag in zip(requests, started, strict=True)]
+        await asyncio.wait_for(asyncio.gather(*(flag.wait() for flag in started)), 120)
+        assert await rp.backend_action("n1/engine-b", "undrain") == 200
+        os.killpg(engine_a.popen.pid, signal.SIGKILL)  # API server and EngineCore at once
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+        await ph.until(lambda: rp.proxy.in_flight == 0, "every handler ended", 30)
+        metrics = await rp.metrics()
+    moved = ph.metric_value(metrics, "pdstack_proxy_migrations_total", outcome="continued")
+    gap_sum = ph.metric_value(metrics, "pdstack_proxy_migration_gap_seconds_sum")
+    failed = ph.metric_value(metrics, "pdstack_proxy_migrations_total", outcome="failed")
+    print(f"\nmigrated {moved:g} of {STREAMS} streams, failed {failed:g}; "
+          f"mean gap {gap_sum / max(moved, 1):.3f} s")
+    for (text, usage, ids), (ref_text, ref_usage, _) in zip(results, reference, strict=True):
+        assert len(ids) == 1  # one id for the whole stream
+        assert text == ref_text  # greedy: token-identical to the unbroken run
+        assert usage["completion_tokens"] == ref_usage["completion_tokens"] == MAX_TOKENS
+        assert usage["prompt_tokens"] == ref_usage["prompt_tokens"]
+        assert usage["total_tokens"] == ref_usage["total_tokens"]
+    assert moved >= 1, "no stream was still running on the killed engine"
+    assert failed == 0
+    assert ph.metric_value(metrics, "pdstack_proxy_requests_total", outcome="ok") == STREAMS
