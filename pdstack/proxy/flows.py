@@ -36,8 +36,9 @@ Retries: a failed prefill leg, or a decode leg that has not produced its first b
 is retried on another backend (which failures count against a backend, and the circuit
 breaker: :mod:`pdstack.proxy.breaker`); each leg waits at most its budget
 (:class:`pdstack.proxy.limits.LegBudget`, from the prompt length) for the prefill answer
-or the first byte; never after bytes reached the client (then the stream
-ends with an OpenAI error event and ``data: [DONE]``). Client disconnect cancels the
+or the first byte; never after bytes reached the client (then a stream that can migrate
+goes on on another engine, :mod:`pdstack.proxy.migration`; else it ends with an OpenAI
+error event and ``data: [DONE]``). Client disconnect cancels the
 handler, which closes the upstream connection(s), so the engines abort.
 """
 
