@@ -27,9 +27,8 @@ from pdstack.proxy.errors import error_event_status
 SSE_END = b"\n\n"
 DONE = b"data: [DONE]"
 
-_TOKEN_IDS = re.compile(rb'"token_ids":\[([0-9, ]*)\]')
+_IDS = b'"token_ids":['  # an event's own (a "prompt_token_ids" key has "_" before it)
 _PROMPT_IDS = re.compile(rb'"prompt_token_ids":\[([0-9, ]*)\]')
-_ANY_IDS = re.compile(rb'"(prompt_)?token_ids":\[[0-9, ]*\]')
 
 # chat-only fields, left out of a chat request's continuation on /v1/completions
 _CHAT_ONLY = frozenset({
@@ -98,6 +97,8 @@ def _has_text(event: bytes, chat: bool) -> bool:
 
 
 def _ints(raw: bytes) -> list[int]:
+    if b"," not in raw:
+        return [int(raw)] if raw.strip() else []
     return [int(x) for x in raw.split(b",") if x.strip()]
 
 
@@ -163,25 +164,30 @@ class StreamTracker:
                 return event
         if self.carried or self.migrations:
             return self._continued(stripped)
-        ids = _TOKEN_IDS.search(event)
-        if ids is not None:
-            self.token_ids += _ints(ids.group(1))
+        at = event.find(_IDS)
+        if at >= 0:
+            start = at + len(_IDS)
+            end = event.find(b"]", start)
+            self.token_ids += _ints(event[start:end])
             if _has_text(event, self.chat):
                 self.clean = len(self.token_ids)
+            if not self.keep_ids:  # as vLLM sends it when not asked
+                event = event[:at] + b'"token_ids":null' + event[end + 1:]
         elif b'"choices":[]' not in event:
             self._check_untracked(stripped)
-        if self.prompt_ids is None:
+        if self.prompt_ids is None and b'"prompt_token_ids":[' in event:
             prompt = _PROMPT_IDS.search(event)
             if prompt is not None:
                 self.prompt_ids = _ints(prompt.group(1))
+                if not self.keep_ids:
+                    event = event[:prompt.start()] + b'"prompt_token_ids":null' + \
+                        event[prompt.end():]
         if not self.head:
             self._take_head(stripped)
         if b'"reasoning' in event:
             self.broken = "reasoning output"
         if b'"finish_reason":"' in event:
             self.finished = True
-        if not self.keep_ids and b'token_ids":[' in event:
-            event = _ANY_IDS.sub(lambda m: b'"%stoken_ids":null' % (m.group(1) or b""), event)
         return event
 
     def _check_untracked(self, event: bytes) -> None:
