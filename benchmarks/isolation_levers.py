@@ -38,7 +38,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pdstack.proxy.kv_gate import parse_engine_metrics  # noqa: E402
+from pdstack.proxy.engine_metrics import parse_engine_metrics  # noqa: E402
 from pdstack.testing import vllm_engines as ve  # noqa: E402
 from pdstack.testing.bench_results import save  # noqa: E402
 from pdstack.testing.heavy import heavy_lock  # noqa: E402

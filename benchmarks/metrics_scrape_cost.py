@@ -31,7 +31,7 @@ from pathlib import Path
 
 import aiohttp
 
-from pdstack.proxy.kv_gate import parse_engine_metrics
+from pdstack.proxy.engine_metrics import parse_engine_metrics
 from pdstack.testing import vllm_engines as ve
 from pdstack.testing.heavy import heavy_lock
 

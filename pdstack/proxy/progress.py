@@ -54,7 +54,7 @@ from typing import Any
 import aiohttp
 
 from pdstack.proxy.backends import BackendRegistry, BackendState, PendingLegs
-from pdstack.proxy.kv_gate import parse_engine_metrics
+from pdstack.proxy.engine_metrics import parse_engine_metrics
 
 log = logging.getLogger("pdstack.proxy")
 

@@ -30,7 +30,8 @@ from pdstack.proxy.admission import (
     KvAdmission,
 )
 from pdstack.proxy.backends import BackendState
-from pdstack.proxy.kv_gate import parse_engine_metrics, peak_growth
+from pdstack.proxy.engine_metrics import parse_engine_metrics
+from pdstack.proxy.kv_gate import peak_growth
 from pdstack.proxy.routing import block_hashes, stable_hash
 from pdstack.testing import proxy_harness as ph
 from pdstack.testing.fake_engine import FakeEngine, Faults
