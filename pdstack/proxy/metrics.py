@@ -27,8 +27,9 @@ Metric names (all prefixed ``pdstack_proxy_``):
 - ``migrations_total`` counter {reason, outcome}: streams whose leg failed mid-stream
   (reason ``cut``, ``stall``, ``error_event``, ``ejected``) and what followed (outcome
   ``continued`` on another engine, ``failed``: the client got an error event);
-  ``migration_gap_seconds`` histogram: the failure seen -> the next engine's first event
-  written to the client (:mod:`pdstack.proxy.migration`).
+  ``migration_gap_seconds`` histogram: the failed engine's last data (noticing a frozen
+  one is part of it) -> the next engine's first event written to the client
+  (:mod:`pdstack.proxy.migration`).
 - KV-aware admission (``--admission kv``): ``admission_admitted_total`` counter {reason}
   (why a request went: ``idle`` engine, ``fits`` under the KV watermark, ``no_capacity``
   known), ``admission_held_total`` counter {reason} (why one waited: ``kv_full``,
@@ -161,7 +162,7 @@ class ProxyMetrics:
         )
         self.migration_gap = _histogram(
             r, "migration_gap_seconds",
-            "a migrated stream's gap: its leg's failure seen -> the next engine's first event",
+            "a migrated stream's gap: the failed engine's last data -> the next one's first event",
         )
         self.pairs = _counter(
             r, "pairs", "requests per prefiller/decoder pair",

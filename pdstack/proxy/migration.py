@@ -15,8 +15,9 @@ missing, ``usage`` of what the client received, ``finish_reason`` of the engine 
 finished). In P/D the next decoder computes the prompt itself (no KV handoff). At most
 ``max_migrations`` continuations a request; after that, or with no engine left, the client
 gets today's error event. Each migration is logged once and counted in
-``migrations_total{reason, outcome}``; its gap (the failure seen -> the next engine's first
-event to the client) in ``migration_gap_seconds``. A non-streamed request has no partial
+``migrations_total{reason, outcome}``; its gap (the failed engine's last data, so noticing
+a frozen engine counts, -> the next engine's first event to the client) in
+``migration_gap_seconds``. A non-streamed request has no partial
 answer to keep: it is retried whole before its answer (:mod:`pdstack.proxy.legs`)."""
 
 from __future__ import annotations
@@ -72,6 +73,11 @@ def failure_reason(backend: BackendState, failure: str, tracker: StreamTracker |
             return "stall"
         return "ejected" if not backend.healthy and backend.ejections else "cut"
     return "error_event" if tracker is not None and tracker.error is not None else ""
+
+
+def _silent_for(backend: BackendState) -> float:
+    """Seconds since the engine's last sign of progress (a chunk of one of its streams)."""
+    return max(0.0, time.monotonic() - backend.last_success) if backend.last_success else 0.0
 
 
 class Migration:
@@ -214,7 +220,9 @@ class Migration:
         returns b"" once it ended well, else the client's last events (an error event)."""
         tracker = out.tracker
         assert tracker is not None
-        detected = time.perf_counter()
+        # the gap counts from the failed engine's last data: noticing a frozen engine is
+        # part of it (a cut connection is noticed at once)
+        detected = time.perf_counter() - _silent_for(failed)
         tried = {failed.name}
         for _ in range(self.config.max_migrations):
             target = self._migration_target(ctx, failed, tried)
@@ -232,8 +240,8 @@ class Migration:
             log.warning("migration of request %s to %s %s failed (%s): %s", ctx.request_id,
                         target.role, target.name, next_reason, error)
             message, reason = error, next_reason
-            if streamed:  # the gap of the next one counts from this failure
-                detected = time.perf_counter()
+            if streamed:  # the gap of the next one counts from this engine's last data
+                detected = time.perf_counter() - _silent_for(target)
         self.metrics.migrations.labels(reason, "failed").inc()
         return self._error_ending(tracker, message)
 

@@ -1,7 +1,7 @@
 """Stream migration on real vLLM CPU engines (issue 55): two colocated engines behind the
 proxy; streams (completions and chat, greedy) run on engine A, A is SIGKILLed (its whole
-process group: API server and EngineCore) mid-stream, and every client stream completes on
-engine B, token-identical to an unbroken run with the same usage.
+process group: API server and EngineCore) mid-stream, or frozen with SIGSTOP, and every
+client stream completes on engine B, token-identical to an unbroken run with the same usage.
 
 No timing is asserted (CI runs this on a loaded 2-core machine): the migration gap is
 printed from the proxy's ``migration_gap_seconds``."""
@@ -87,11 +87,13 @@ async def _stream(session: aiohttp.ClientSession, url: str, path: str, body: dic
     return "".join(text), usage, ids
 
 
-async def test_kill_9_colocated_engine_streams_complete_token_identical(
-    colocated_engines: tuple[ve.Proc, ve.Proc],
-) -> None:
-    engine_a, engine_b = colocated_engines
-    requests = [_request(i) for i in range(STREAMS)]
+async def _streams_on_a_then(engines: tuple[ve.Proc, ve.Proc], sig: signal.Signals,
+                             seed: int) -> None:
+    """STREAMS greedy streams start on engine A (B drained until each has 4 tokens, then back
+    in), A's process group gets ``sig``: every stream completes, token-identical to the
+    same requests straight to B, with the same usage and one id; some moved, none failed."""
+    engine_a, engine_b = engines
+    requests = [_request(seed + i) for i in range(STREAMS)]
     async with aiohttp.ClientSession() as session:
         # the unbroken run: the same requests straight to engine B (the same build)
         reference = await asyncio.gather(*(_stream(session, engine_b.url, path, body)
@@ -105,28 +107,47 @@ async def test_kill_9_colocated_engine_streams_complete_token_identical(
     async with ph.running_proxy(table, health_interval_s=0.5, health_timeout_s=5.0) as rp:
         backends = list(rp.registry.backends.values())
         await ph.until(lambda: all(b.healthy for b in backends), "both engines in", 60)
-        # every stream starts on A: B is drained until they stream, then back before the kill
         assert await rp.backend_action("n1/engine-b", "drain") == 200
         started = [asyncio.Event() for _ in requests]
         tasks = [asyncio.create_task(_stream(rp.session, rp.url, path, body, flag))
                  for (path, body), flag in zip(requests, started, strict=True)]
         await asyncio.wait_for(asyncio.gather(*(flag.wait() for flag in started)), 120)
         assert await rp.backend_action("n1/engine-b", "undrain") == 200
-        os.killpg(engine_a.popen.pid, signal.SIGKILL)  # API server and EngineCore at once
-        results = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+        os.killpg(engine_a.popen.pid, sig)  # API server and EngineCore at once
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+        finally:
+            if sig == signal.SIGSTOP:
+                os.killpg(engine_a.popen.pid, signal.SIGCONT)
         await ph.until(lambda: rp.proxy.in_flight == 0, "every handler ended", 30)
         metrics = await rp.metrics()
     moved = ph.metric_value(metrics, "pdstack_proxy_migrations_total", outcome="continued")
-    gap_sum = ph.metric_value(metrics, "pdstack_proxy_migration_gap_seconds_sum")
     failed = ph.metric_value(metrics, "pdstack_proxy_migrations_total", outcome="failed")
-    print(f"\nmigrated {moved:g} of {STREAMS} streams, failed {failed:g}; "
-          f"mean gap {gap_sum / max(moved, 1):.3f} s")
+    gap_sum = ph.metric_value(metrics, "pdstack_proxy_migration_gap_seconds_sum")
+    reasons = {r: ph.metric_value(metrics, "pdstack_proxy_migrations_total", reason=r)
+               for r in ("cut", "stall", "error_event", "ejected")}
+    print(f"\n{sig.name}: migrated {moved:g} of {STREAMS} streams, failed {failed:g}, "
+          f"by reason {reasons}; mean gap {gap_sum / max(moved, 1):.3f} s")
     for (text, usage, ids), (ref_text, ref_usage, _) in zip(results, reference, strict=True):
         assert len(ids) == 1  # one id for the whole stream
         assert text == ref_text  # greedy: token-identical to the unbroken run
         assert usage["completion_tokens"] == ref_usage["completion_tokens"] == MAX_TOKENS
         assert usage["prompt_tokens"] == ref_usage["prompt_tokens"]
         assert usage["total_tokens"] == ref_usage["total_tokens"]
-    assert moved >= 1, "no stream was still running on the killed engine"
+    assert moved >= 1, "no stream was still running on engine A"
     assert failed == 0
     assert ph.metric_value(metrics, "pdstack_proxy_requests_total", outcome="ok") == STREAMS
+
+
+async def test_sigstop_colocated_engine_streams_complete_token_identical(
+    colocated_engines: tuple[ve.Proc, ve.Proc],
+) -> None:
+    """A frozen engine (SIGSTOP; SIGCONT after): its streams move once the proxy finds it
+    wedged (--wedge-after, then its 1-token probe) and ends them."""
+    await _streams_on_a_then(colocated_engines, signal.SIGSTOP, seed=10)
+
+
+async def test_kill_9_colocated_engine_streams_complete_token_identical(
+    colocated_engines: tuple[ve.Proc, ve.Proc],
+) -> None:
+    await _streams_on_a_then(colocated_engines, signal.SIGKILL, seed=0)
