@@ -231,6 +231,9 @@ class Flows(LmcachePdFlow, DecodeFallback):
         on another one after a retryable failure (``on_retryable`` undoes the attempt's
         side state). Returns the prefiller that answered, or the client's error response."""
         key_hash = self._affinity_hash(ctx)
+        # the prefillers' KV events: the one holding most of the prompt computes least
+        prefillers = self.registry.by_role("prefill")
+        blocks = await self.kv_routing.blocks_for(ctx.body, ctx.path, prefillers)
 
         async def run(prefill: BackendState, attempt: int) -> None:
             with tracing.leg(ctx, prefill):
@@ -239,7 +242,7 @@ class Flows(LmcachePdFlow, DecodeFallback):
         result = await self._with_retries(
             ctx,
             "prefill",
-            lambda tried: self._pick_affinity("prefill", key_hash, tried),
+            lambda tried: self._pick_affinity("prefill", key_hash, tried, None, "", blocks, ctx),
             run,
             on_retryable,
         )

@@ -206,7 +206,10 @@ class KvEventsSubscriber:
             if feed is None:
                 self.unknown_topics += 1
                 continue
-            self.on_live(feed, int.from_bytes(seq_b, "big"), payload)
+            try:
+                self.on_live(feed, int.from_bytes(seq_b, "big"), payload)
+            except Exception:  # one bad batch must not end the subscription
+                log.exception("kv events: %s: batch not applied", feed.name)
 
     def on_live(self, feed: Feed, seq: int, payload: bytes) -> None:
         feed.contact_at = time.monotonic()
@@ -240,8 +243,12 @@ class KvEventsSubscriber:
             if feed.decode_errors == 1:
                 log.warning("kv events: %s: undecodable batch %d: %s", feed.name, seq, exc)
         else:
-            for event in batch.events:
-                self.index.apply(feed.name, event)
+            try:
+                for event in batch.events:
+                    self.index.apply(feed.name, event)
+            except Exception:  # an event of a shape the index does not know
+                feed.decode_errors += 1
+                log.exception("kv events: %s: batch %d not applied", feed.name, seq)
         feed.last_seq, feed.digest = seq, _digest(payload)
         feed.batches[via] += 1
 
@@ -254,7 +261,10 @@ class KvEventsSubscriber:
                 quiet = feed.contact_at is None or now - feed.contact_at >= self.heartbeat_s
                 if quiet and not feed.syncing:
                     self._spawn(self._sync(feed, max(feed.last_seq, 0), verify=True))
-            self._report(now)
+            try:
+                self._report(now)
+            except Exception:
+                log.exception("kv events: state report failed")
 
     async def _sync(self, feed: Feed, start: int, verify: bool = False) -> None:
         """Replay from ``start``; with ``verify`` (start = the last applied seq) check the

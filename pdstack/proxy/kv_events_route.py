@@ -1,6 +1,6 @@
-"""Routing colocated engines by what they hold (issue 56): the glue between the proxy, the
-KV-event index (:mod:`pdstack.proxy.kv_index`, :mod:`pdstack.proxy.kv_events`) and the cost
-policy (:func:`pdstack.proxy.routing.pick_by_cost`).
+"""Routing colocated engines and prefillers by what they hold (issue 56): the glue between
+the proxy, the KV-event index (:mod:`pdstack.proxy.kv_index`, :mod:`pdstack.proxy.kv_events`)
+and the cost policy (:func:`pdstack.proxy.routing.pick_by_cost`).
 
 Per request, only when some candidate's events are *fresh* and its hashing verified:
 
@@ -118,8 +118,9 @@ class KvRouting:
             )
             registry.register(KvEventsCollector(self.subscriber))  # type: ignore[arg-type]
         self.decisions = Counter(
-            "pdstack_proxy_kv_route", "routing decisions of colocated requests: cost (by the "
-            "engines' KV events) or hash_<why> (the prefix ring)", ["decision"], registry=registry,
+            "pdstack_proxy_kv_route", "engine choices (colocated engines, prefillers): cost (by "
+            "the engines' KV events) or hash_<why> (the prefix ring)", ["decision"],
+            registry=registry,
         )
         self._decision = {d: self.decisions.labels(d) for d in DECISIONS}
         self.tokenize_seconds = Histogram(
@@ -244,7 +245,7 @@ class KvRouting:
         request_id: str = "",
         salted: bool = False,
     ) -> BackendState | None:
-        """The engine for a colocated request (see the module's docstring)."""
+        """The engine (colocated, or prefiller) for a request (the module's docstring)."""
         by_hash = pick_bounded_load(ring, key_hash, dict(candidates), load_factor)
         if blocks is None or by_hash is None:
             return by_hash

@@ -180,3 +180,35 @@ async def test_routes_by_held_blocks_and_by_hash_where_events_are_missing() -> N
             predicted = {d.request_id: d for d in rp.proxy.kv_routing.recent}
             assert sorted(d.predicted_cached_tokens for d in predicted.values()) == [
                 0, 0, 0, 64, 64, 64]
+
+
+async def test_pd_picks_the_prefiller_holding_the_prompt() -> None:
+    port = free_port()
+    pre, dec = ["n1/prefill-0", "n1/prefill-1"], ["n1/decode-0"]
+    async with ph.engines(*pre, *dec) as e, publishers(pre, port) as pubs:
+        table = ph.pd_table(e, pre, dec)
+        kv = KvEventsConfig(host="127.0.0.1", port=port,
+                            sources={n: p.replay_endpoint for n, p in pubs.items()},
+                            **{**FAST, "stale_after_s": 30.0})
+        async with ph.running_proxy(table, kv_events=kv) as rp:
+            await ph.until(lambda: all(b.usable for b in rp.registry.backends.values()), "up")
+            ring = rp.proxy._ring_for("prefill")
+
+            def home(tokens: list[int]) -> str:
+                return next(ring.walk(stable_hash(prompt_text({"prompt": tokens})[:1024])))
+
+            # ring home prefill-0, but prefill-1 holds them
+            held = [t for t in (tokens_of(i) for i in range(200)) if home(t) == pre[0]][:2]
+            for t in held:
+                await pubs[pre[1]].store(t)
+            await pubs[pre[0]].store(tokens_of(999))
+            await ph.until(lambda: all(rp.proxy.kv_routing.state(n) == "fresh" for n in pre),
+                           "fresh")
+            for t in held:
+                body = {"model": "fake", "prompt": t, "max_tokens": 2}
+                async with rp.session.post(rp.url + "/v1/completions", json=body) as r:
+                    assert r.status == 200
+                assert served({n: e[n] for n in pre}, t) == [pre[1]]
+                assert served({n: e[n] for n in dec}, t) == dec
+            text = await rp.metrics()
+            assert metric(text, "pdstack_proxy_kv_route_total", decision="cost") == 2
