@@ -131,7 +131,13 @@ class KvEventsSubscriber:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.bind(self.endpoint)
+        try:
+            sub.bind(self.endpoint)
+        except zmq.ZMQError as exc:  # the proxy serves on: every engine routed by hash
+            sub.close(linger=0)
+            log.error("kv events: cannot listen on %s (%s): every engine is routed by hash",
+                      self.endpoint, exc)
+            return
         self._sub = sub
         self.started_at = time.monotonic()
         self._spawn(self._receive())

@@ -212,3 +212,29 @@ async def test_pd_picks_the_prefiller_holding_the_prompt() -> None:
                 assert served({n: e[n] for n in dec}, t) == dec
             text = await rp.metrics()
             assert metric(text, "pdstack_proxy_kv_route_total", decision="cost") == 2
+
+
+async def test_a_taken_listen_port_leaves_the_proxy_routing_by_hash(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    port = free_port()
+    ctx = zmq.asyncio.Context()
+    taken = ctx.socket(zmq.PUB)
+    taken.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        async with ph.engines("n1/engine-0", "n1/engine-1") as e:
+            table = ph.table("colocated", [ph.backend(n, "colocated", e[n]) for n in e])
+            kv = KvEventsConfig(host="127.0.0.1", port=port, **FAST,
+                                sources={n: f"tcp://127.0.0.1:{free_port()}" for n in e})
+            async with ph.running_proxy(table, kv_events=kv) as rp:
+                await ph.until(lambda: all(b.usable for b in rp.registry.backends.values()),
+                               "up")
+                body = {"model": "fake", "prompt": tokens_of(1), "max_tokens": 1}
+                async with rp.session.post(rp.url + "/v1/completions", json=body) as r:
+                    assert r.status == 200
+                text = await rp.metrics()
+                assert metric(text, "pdstack_proxy_kv_route_total", decision="hash_missing") == 1
+        assert "cannot listen on" in caplog.text
+    finally:
+        taken.close(linger=0)
+        ctx.term()
