@@ -59,7 +59,7 @@ class KvEventsConfig:
     replay_timeout_s: float = 2.0
     capacity: int = 400_000  # block hashes per engine
     cpu_hit_cost: float = 0.25  # a native-tier hit costs this share of computing the block
-    tokenize_timeout_s: float = 2.0
+    tokenize_timeout_s: float = 1.0  # then the request goes by hash (hash_no_tokens)
 
     @classmethod
     def from_table(cls, table: Any, **overrides: Any) -> KvEventsConfig:

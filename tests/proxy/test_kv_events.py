@@ -117,7 +117,7 @@ async def test_a_silent_publisher_goes_stale_with_a_log_line(
 def metric(text: str, name: str, **labels: str) -> float:
     want = ",".join(f'{k}="{v}"' for k, v in labels.items())
     for line in text.splitlines():
-        if line.startswith(f"{name}{{") and all(
+        if line.split("{", 1)[0].split(" ", 1)[0] == name and all(
             f'{k}="{v}"' in line for k, v in labels.items()
         ):
             return float(line.rsplit(" ", 1)[1])
@@ -238,3 +238,43 @@ async def test_a_taken_listen_port_leaves_the_proxy_routing_by_hash(
     finally:
         taken.close(linger=0)
         ctx.term()
+
+
+async def test_chat_is_tokenized_by_an_engine_then_routed_by_cost() -> None:
+    port = free_port()
+    names = ["n1/engine-0", "n1/engine-1"]
+    async with ph.engines(*names) as e, publishers(names, port) as pubs:
+        table = ph.table("colocated", [ph.backend(n, "colocated", e[n]) for n in names])
+        kv = KvEventsConfig(host="127.0.0.1", port=port,
+                            sources={n: p.replay_endpoint for n, p in pubs.items()},
+                            **{**FAST, "stale_after_s": 30.0})
+        async with ph.running_proxy(table, kv_events=kv) as rp:
+            await ph.until(lambda: all(b.usable for b in rp.registry.backends.values()), "up")
+            ring = rp.proxy._ring_for("colocated")
+
+            def chat(i: int) -> dict[str, Any]:
+                words = " ".join(f"w{i}x{k}" for k in range(40))
+                return {"model": "fake", "max_tokens": 1,
+                        "messages": [{"role": "user", "content": words}]}
+
+            def home(body: dict[str, Any]) -> str:
+                return next(ring.walk(stable_hash(prompt_text(body)[:1024])))
+
+            body = next(b for b in (chat(i) for i in range(100)) if home(b) == names[0])
+            # the proxy asks the least busy engine (engine-0 here, both idle) for token ids:
+            # ask it first, and let engine-1 announce those blocks
+            tokenize = {k: body[k] for k in ("model", "messages")}
+            async with rp.session.post(e[names[0]].url + "/tokenize", json=tokenize) as r:
+                ids = (await r.json())["tokens"]
+            await pubs[names[1]].store(ids)
+            await pubs[names[0]].store(tokens_of(999))
+            await ph.until(lambda: all(rp.proxy.kv_routing.state(n) == "fresh" for n in names),
+                           "fresh")
+            async with rp.session.post(rp.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                request_id = r.headers["X-Request-Id"]
+            assert [n for n in names if e[n].seen("/v1/chat/completions")] == [names[1]]
+            decision = next(d for d in rp.proxy.kv_routing.recent if d.request_id == request_id)
+            assert (decision.decision, decision.predicted_cached_tokens) == ("cost", 32)
+            text = await rp.metrics()
+            assert metric(text, "pdstack_proxy_kv_tokenize_seconds_count") == 1
