@@ -303,3 +303,40 @@ def test_tracker_continues_after_the_last_token_with_text() -> None:
     keeping = StreamTracker(chat=False, keep_ids=True)
     keeping(events)
     assert not keeping.migratable  # the client has the held token's id already
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+async def test_openai_client_reads_a_migrated_stream(chat: bool) -> None:
+    """The official openai client streams through a migration: one id, every token once,
+    the usage of what it received, finish_reason from the engine that finished."""
+    import openai
+
+    reference = await _unbroken(["openai client"], chat)
+    expected = ph.completion_text(reference["openai client"].events)
+    async with ph.engines("c0", "c1", "c2", output_tokens=TOKENS) as e:
+        t = ph.table("colocated", [ph.backend(n, "colocated", e[n]) for n in e])
+        async with ph.running_proxy(t, eject_after=100) as rp:
+            for engine in e.values():
+                engine.faults = Faults(close_after_chunks=5, times=1)
+            client = openai.AsyncOpenAI(base_url=rp.url + "/v1", api_key="unused")
+            options: dict[str, Any] = {"include_usage": True}
+            if chat:
+                messages: Any = [{"role": "system", "content": "openai client"},
+                                 {"role": "user", "content": "hi"}]
+                stream: Any = await client.chat.completions.create(
+                    model="fake", messages=messages, stream=True, stream_options=options)
+            else:
+                stream = await client.completions.create(
+                    model="fake", prompt="openai client", stream=True, stream_options=options)
+            ids, texts, finishes, usage = set(), [], [], None
+            async for chunk in stream:
+                ids.add(chunk.id)
+                usage = chunk.usage or usage
+                for choice in chunk.choices:
+                    texts.append((choice.delta.content if chat else choice.text) or "")
+                    if choice.finish_reason:
+                        finishes.append(choice.finish_reason)
+            await client.close()
+    assert len(ids) == 1 and "".join(texts) == expected and finishes == ["length"]
+    assert usage is not None and usage.completion_tokens == TOKENS
+    assert sum(len(engine.seen()) for engine in e.values()) == 3  # 5 + 5 + 2 tokens
