@@ -11,7 +11,8 @@ Per request, only when some candidate's events are *fresh* and its hashing verif
 3. the pick: the hash ring's choice is kept when its events are not fresh (today's hashing,
    counted as ``hash_<state>``); otherwise every fresh candidate is costed (blocks it does
    not hold, a CPU-tier hit at ``cpu_hit_cost``, plus its queued work) and the cheapest
-   wins, ring order breaking ties (``cost``).
+   wins, ring order breaking ties (``cost``); an engine at the ring's load bound
+   (``load_factor`` x its share of the requests in flight) is not a candidate.
 
 Every decision is counted in ``pdstack_proxy_kv_route_total{decision}``.
 """
@@ -31,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from pdstack.proxy.backends import BackendState
 from pdstack.proxy.kv_events import KvEventsCollector, KvEventsSubscriber
 from pdstack.proxy.kv_index import HashScheme, Held, KvIndex, hashes_by_scheme
-from pdstack.proxy.routing import HashRing, pick_bounded_load, pick_by_cost
+from pdstack.proxy.routing import HashRing, bound, pick_bounded_load, pick_by_cost
 
 log = logging.getLogger("pdstack.proxy.kv_events")
 
@@ -40,7 +41,8 @@ CHAT_TOKENIZE_KEYS = (
     "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
     "chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs",
 )
-DECISIONS = ("cost", "hash_missing", "hash_stale", "hash_unverified", "hash_no_tokens")
+DECISIONS = ("cost", "hash_missing", "hash_stale", "hash_unverified", "hash_no_tokens",
+             "hash_bound")
 TOKENIZE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -256,11 +258,18 @@ class KvRouting:
             self._note(request_id, by_hash.name, why, blocks, salted)
             return by_hash
         order = [n for n in ring.walk(key_hash) if n in candidates]
+        # the ring's load bound holds here too: a hot prefix's holder takes at most
+        # load_factor x its share of the requests in flight, then the next cheapest does
+        cap = bound(candidates.values(), load_factor)
         costed: list[tuple[BackendState, Held]] = []
         for name in order:
             b = candidates[name]
-            if self.state(name) == "fresh":
+            if self.state(name) == "fresh" and b.in_flight < cap:
                 costed.append((b, self.held(name, blocks, salted)))
+        if not costed:  # every fresh one is at its bound: the ring's pick is not
+            self._decision["hash_bound"].inc()
+            self._note(request_id, by_hash.name, "hash_bound", blocks, salted)
+            return by_hash
         chosen, miss = pick_by_cost(
             costed, blocks.tokens, self.config.cpu_hit_cost, max(self.load_tokens, 1.0)
         )

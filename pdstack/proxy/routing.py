@@ -52,6 +52,13 @@ class HashRing:
                     return
 
 
+def bound(candidates: Iterable[BackendState], load_factor: float) -> int:
+    """The bounded-load capacity: ``ceil(load_factor * (in flight + 1) / n)``."""
+    items = list(candidates)
+    total = sum(b.in_flight for b in items)
+    return math.ceil(load_factor * (total + 1) / max(1, len(items)))
+
+
 def pick_bounded_load(
     ring: HashRing,
     key_hash: int,
@@ -66,8 +73,7 @@ def pick_bounded_load(
     """
     if not candidates:
         return None
-    total = sum(b.in_flight for b in candidates.values())
-    capacity = math.ceil(load_factor * (total + 1) / len(candidates))
+    capacity = bound(candidates.values(), load_factor)
     first: BackendState | None = None
     for name in ring.walk(key_hash):
         backend = candidates.get(name)

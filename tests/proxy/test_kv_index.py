@@ -193,3 +193,26 @@ def test_fixture_is_what_the_installed_vllm_makes() -> None:
     out = subprocess.run([str(ve.VENV / "bin" / "python"), str(script)], capture_output=True,
                          text=True, timeout=120, check=True)
     assert json.loads(out.stdout) == FIXTURE
+
+
+def test_a_hot_prefix_holder_takes_at_most_its_bounded_share() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from pdstack.proxy.kv_events_route import KvEventsConfig, KvRouting, RequestBlocks
+    from pdstack.proxy.routing import HashRing
+
+    routing = KvRouting(KvEventsConfig(enabled=False), lambda: None, dict, CollectorRegistry())
+    routing.state = lambda name: "fresh"  # type: ignore[method-assign]
+    tokens = list(range(64))
+    scheme = HashScheme("0")
+    h = block_hashes(tokens, 16, scheme)
+    routing.index.apply("a", _Stored(h, tokens))
+    for name in ("b", "c"):
+        routing.index.apply(name, _Stored(block_hashes([9] * 16, 16, scheme), [9] * 16))
+    blocks = RequestBlocks(64, {(scheme, 16): h})
+    ring = HashRing(["a", "b", "c"])
+    backends = {n: _b(n) for n in "abc"}
+    assert routing.pick(ring, 1, backends, 1.25, blocks).name == "a"  # type: ignore[union-attr]
+    backends["a"].in_flight = 5  # bound: ceil(1.25 x 6 / 3) = 3
+    chosen = routing.pick(ring, 1, backends, 1.25, blocks)
+    assert chosen is not None and chosen.name != "a"
