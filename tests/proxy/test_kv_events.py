@@ -278,3 +278,42 @@ async def test_chat_is_tokenized_by_an_engine_then_routed_by_cost() -> None:
             assert (decision.decision, decision.predicted_cached_tokens) == ("cost", 32)
             text = await rp.metrics()
             assert metric(text, "pdstack_proxy_kv_tokenize_seconds_count") == 1
+
+
+async def test_two_proxies_route_the_same_requests_the_same_way() -> None:
+    """Proxy A gets the engines' live batches; proxy B, started after them (a restarted
+    proxy, or a replica the engines' PUBs do not reach), only their replays: both route
+    200 requests identically."""
+    port_a, port_b = free_port(), free_port()
+    names = [f"n1/engine-{i}" for i in range(3)]
+    async with ph.engines(*names) as e, publishers(names, port_a) as pubs:
+        table = ph.table("colocated", [ph.backend(n, "colocated", e[n]) for n in names])
+        sources = {n: p.replay_endpoint for n, p in pubs.items()}
+        slow = {**FAST, "stale_after_s": 30.0}
+        async with ph.running_proxy(table, kv_events=KvEventsConfig(
+                host="127.0.0.1", port=port_a, sources=sources, **slow)) as a:
+            for i in range(30):  # each engine holds 10 prompts
+                await pubs[names[i % 3]].store(tokens_of(i))
+            await ph.until(lambda: sum(a.proxy.kv_routing.index.stats().get(n, {}).get("gpu", 0)
+                                       for n in names) == 120, "A indexed")
+            async with ph.running_proxy(table, kv_events=KvEventsConfig(
+                    host="127.0.0.1", port=port_b, sources=sources, **slow)) as b:
+                await ph.until(lambda: b.proxy.kv_routing.index.stats()
+                               == a.proxy.kv_routing.index.stats(), "B replayed")
+                for rp in (a, b):
+                    await ph.until(lambda rp=rp: all(
+                        rp.registry.backends[n].usable
+                        and rp.proxy.kv_routing.state(n) == "fresh" for n in names), "fresh")
+                chosen: dict[str, list[str]] = {"a": [], "b": []}
+                for i in range(200):
+                    body = {"model": "fake", "prompt": tokens_of(i % 40), "max_tokens": 1}
+                    for key, rp in (("a", a), ("b", b)):
+                        async with rp.session.post(rp.url + "/v1/completions", json=body) as r:
+                            assert r.status == 200
+                            rid = r.headers["X-Request-Id"]
+                        decision = next(d for d in rp.proxy.kv_routing.recent
+                                        if d.request_id == rid)
+                        chosen[key].append(decision.backend)
+                assert chosen["a"] == chosen["b"]
+                # the held prompts went to their holders
+                assert chosen["a"][:30] == [names[i % 3] for i in range(30)]
