@@ -297,12 +297,15 @@ class KvEventsSubscriber:
                     self._apply(feed, seq, payload, "replay")
         finally:
             feed.syncing = False
+            # the live batches that came meanwhile, in order; a gap the replay could not
+            # fill (no answer, or gone from its buffer) is lost, and counted
             pending, feed.pending = sorted(feed.pending), []
             for seq, payload in pending:
-                if seq == feed.last_seq + 1 or feed.last_seq < 0:
-                    self._apply(feed, seq, payload, "live")
-                elif seq > feed.last_seq:  # still a gap: the next heartbeat replays it
-                    feed.pending.append((seq, payload))
+                if seq <= feed.last_seq:
+                    continue
+                if feed.last_seq >= 0 and seq > feed.last_seq + 1:
+                    feed.batches["lost"] = feed.batches.get("lost", 0) + seq - feed.last_seq - 1
+                self._apply(feed, seq, payload, "live")
 
     async def _replay(self, feed: Feed, start: int) -> list[tuple[int, bytes]] | None:
         """Every buffered batch from ``start`` on, or None (no answer in time)."""
@@ -363,7 +366,8 @@ class KvEventsCollector:
             "unverified: routed by hash)", labels=["backend", "state"],
         )
         batches = CounterMetricFamily(
-            "pdstack_proxy_kv_events_batches", "KV event batches applied, live or replayed",
+            "pdstack_proxy_kv_events_batches",
+            "KV event batches applied (live, replay) or lost (a gap no replay filled)",
             labels=["backend", "via"],
         )
         resets = CounterMetricFamily(

@@ -5,6 +5,7 @@ events are fresh, the hash ring for one whose publisher is missing, with the met
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -317,3 +318,23 @@ async def test_two_proxies_route_the_same_requests_the_same_way() -> None:
                 assert chosen["a"] == chosen["b"]
                 # the held prompts went to their holders
                 assert chosen["a"][:30] == [names[i % 3] for i in range(30)]
+
+
+async def test_a_gap_no_replay_fills_is_counted_and_live_batches_go_on() -> None:
+    port = free_port()
+    async with publishers(["n/e0"], port) as pubs, subscriber(pubs, port) as sub:
+        pub = pubs["n/e0"]
+        feed = sub.feeds["n/e0"]
+        for _ in range(100):  # until its PUB has (re)connected: a batch arrives live
+            await pub.store(tokens_of(0))
+            await asyncio.sleep(0.05)
+            if feed.batches["live"]:
+                break
+        await ph.until(lambda: feed.batches["live"] > 0 and not feed.syncing, "live")
+        pub.answer_replays = False
+        pub.seq += 3  # three batches the proxy never gets
+        later = await pub.store(tokens_of(1))
+        await ph.until(lambda: sub.index.held("n/e0", later).gpu_blocks == 4, "applied", 5.0)
+        assert sub.feeds["n/e0"].batches["lost"] == 3
+        more = await pub.store(tokens_of(2))  # and the live stream goes on
+        await ph.until(lambda: sub.index.held("n/e0", more).gpu_blocks == 4, "live again")
