@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -338,3 +339,24 @@ async def test_a_gap_no_replay_fills_is_counted_and_live_batches_go_on() -> None
         assert sub.feeds["n/e0"].batches["lost"] == 3
         more = await pub.store(tokens_of(2))  # and the live stream goes on
         await ph.until(lambda: sub.index.held("n/e0", more).gpu_blocks == 4, "live again")
+
+
+def test_the_cli_takes_the_kv_events_from_the_backend_table(tmp_path: Any) -> None:
+    from pdstack.cli import build_parser
+    from pdstack.proxy.cli import backend_table_from_args, config_from_args
+
+    stack = str(Path(__file__).resolve().parents[2] / "compose" / "cpu" / "backends.json")
+    env = tmp_path / "empty.env"
+    env.write_text("")
+
+    def config(*flags: str) -> KvEventsConfig:
+        args = build_parser(only="proxy").parse_args(
+            ["proxy", "--backends", stack, "--env-file", str(env), *flags])
+        return config_from_args(args, backend_table_from_args(args)).kv_events
+
+    on = config()
+    assert on.active and (on.host, on.port, on.hash_seed) == ("127.0.0.1", 5557, "0")
+    assert on.sources == {"local/prefill-0": "tcp://127.0.0.1:5500",
+                          "local/decode-0": "tcp://127.0.0.1:5501",
+                          "local/decode-1": "tcp://127.0.0.1:5502"}
+    assert not config("--kv-events", "off").active
