@@ -150,8 +150,11 @@ class Flows(LmcachePdFlow, DecodeFallback):
         # ---- leg 1: prefill
         handoff = _Handoff()
 
+        # the decoders' KV events: the one holding most of the prompt pulls the least
+        blocks = await self.kv_routing.blocks_for(ctx.body, ctx.path, registry.by_role("decode"))
+
         async def prefill_leg(prefill: BackendState, attempt: int) -> None:
-            handoff.plan(*self._decode_path(prefill))
+            handoff.plan(*self._decode_path(prefill, blocks, "cache_salt" in ctx.body))
             handoff.kv_params = await self._prefill(prefill, ctx, nixl=handoff.kv_path == "nixl")
 
         try:
@@ -299,6 +302,12 @@ class Flows(LmcachePdFlow, DecodeFallback):
         """A decoder among ``decoders``: those with KV headroom first; by session affinity
         (bounded load) when the request names a session, else power of two choices."""
         open_ones = self.admission.prefer_open(decoders, ctx.tokens, ctx.request_id)
+        by_cost = self.kv_routing.pick_decoder(  # their KV events, when all are fresh
+            open_ones, self.kv_routing.blocks_of(ctx.body), self.config.load_factor,
+            "cache_salt" in ctx.body,
+        )
+        if by_cost is not None:
+            return by_cost
         if ctx.session is not None:
             ring = self._ring_for("decode")
             chosen = pick_bounded_load(
@@ -329,7 +338,9 @@ class Flows(LmcachePdFlow, DecodeFallback):
         pairs.sort(key=lambda pair: pair[1] != "shared-l1")
         return pairs
 
-    def _decode_path(self, prefill: BackendState) -> tuple[str, BackendState | None]:
+    def _decode_path(
+        self, prefill: BackendState, blocks: RequestBlocks | None = None, salted: bool = False
+    ) -> tuple[str, BackendState | None]:
         """The KV path of this request's decode leg, chosen before the prefill (which must
         know whether to hand off over NIXL), and the decoder it was chosen for: the paired
         decoder with the fewest decodes running or planned, the same-node store (shared-l1)
@@ -338,6 +349,12 @@ class Flows(LmcachePdFlow, DecodeFallback):
         pairs = self._paired_decoders(prefill)
         if not pairs:
             return "nixl", None
+        # by the decoders' KV events when they are all fresh (pdstack.proxy.kv_events_route)
+        by_cost = self.kv_routing.pick_decoder(
+            [d for d, _ in pairs], blocks, self.config.load_factor, salted, count=False
+        )
+        if by_cost is not None:
+            return next(path for d, path in pairs if d is by_cost), by_cost
         decoder, path = min(pairs, key=lambda p: p[0].in_flight + p[0].planned_decodes)
         return path, decoder
 

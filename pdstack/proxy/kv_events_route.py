@@ -132,8 +132,17 @@ class KvRouting:
         self.tokenize_failures = Counter(
             "pdstack_proxy_kv_tokenize_failures", "/tokenize calls that failed", registry=registry,
         )
+        self.decoder_decisions = Counter(
+            "pdstack_proxy_kv_decoder_route", "P/D decoder choices: cost (by the decoders' KV "
+            "events: the blocks they hold need no transfer) or load (events missing)",
+            ["decision"], registry=registry,
+        )
         self.load_tokens = 0.0  # EWMA of the tokens routed requests had to compute
         self.recent: deque[Decision] = deque(maxlen=256)
+        # a request's token ids and blocks, for its next lookups (P/D: the decoders, the
+        # prefillers, the decode leg's pick)
+        self._tokens: deque[tuple[dict[str, Any], list[int]]] = deque(maxlen=64)
+        self._blocks: deque[tuple[dict[str, Any], RequestBlocks]] = deque(maxlen=64)
 
     async def start(self) -> None:
         if self.subscriber is not None:
@@ -156,7 +165,7 @@ class KvRouting:
             return None
         fresh = [b for b in candidates if b.usable and self.state(b.name) == "fresh"]
         if not fresh:
-            return RequestBlocks(0, {}, "no_fresh")
+            return self._keep(body, RequestBlocks(0, {}, "no_fresh"))
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         wanted: dict[tuple[HashScheme, int], None] = {}
         for b in fresh:
@@ -166,13 +175,17 @@ class KvRouting:
                     wanted[(scheme, size)] = None
         tokens = await self._token_ids(body, path, fresh)
         if tokens is None or not wanted:
-            return RequestBlocks(0, {}, "hash_no_tokens")
+            return self._keep(body, RequestBlocks(0, {}, "hash_no_tokens"))
         hashes: dict[tuple[HashScheme, int], list[int]] = {}
         for size in {s for _, s in wanted}:
             schemes = [sc for sc, s in wanted if s == size]
             for scheme, hs in hashes_by_scheme(tokens, size, schemes, salt).items():
                 hashes[(scheme, size)] = hs
-        return RequestBlocks(len(tokens), hashes)
+        return self._keep(body, RequestBlocks(len(tokens), hashes))
+
+    def _keep(self, body: dict[str, Any], blocks: RequestBlocks) -> RequestBlocks:
+        self._blocks.append((body, blocks))
+        return blocks
 
     async def _token_ids(
         self, body: dict[str, Any], path: str, engines: list[BackendState]
@@ -196,8 +209,14 @@ class KvRouting:
             return None  # several prompts in one request: no one prefix to route
         if "model" in body:
             payload["model"] = body["model"]
+        for seen, ids in self._tokens:
+            if seen is body:
+                return ids
         engine = min(engines, key=lambda b: b.in_flight)
-        return await self.tokenize(engine, payload)
+        tokens = await self.tokenize(engine, payload)
+        if tokens is not None:
+            self._tokens.append((body, tokens))
+        return tokens
 
     async def tokenize(self, engine: BackendState, payload: dict[str, Any]) -> list[int] | None:
         session = self._session()
@@ -277,6 +296,42 @@ class KvRouting:
         self._decision["cost"].inc()
         self._note(request_id, chosen.name, "cost", blocks, salted)
         return chosen
+
+    def blocks_of(self, body: dict[str, Any]) -> RequestBlocks | None:
+        """What :meth:`blocks_for` found for this request body (the last with hashes, for
+        P/D asks for the decoders and the prefillers apart), if it was asked."""
+        found = [blocks for seen, blocks in self._blocks if seen is body]
+        return next((b for b in reversed(found) if b.hashes), found[-1] if found else None)
+
+    def pick_decoder(
+        self,
+        decoders: list[BackendState],
+        blocks: RequestBlocks | None,
+        load_factor: float,
+        salted: bool = False,
+        count: bool = True,
+    ) -> BackendState | None:
+        """A P/D request's decoder by cost (the prompt tokens it would pull from the
+        prefiller: those its own cache lacks, + the decodes queued or planned on it), when
+        every candidate's events are fresh; else None (the caller's own rule)."""
+        if blocks is None or not decoders:
+            return None
+        if not blocks.hashes or any(self.state(d.name) != "fresh" for d in decoders):
+            if count:
+                self.decoder_decisions.labels("load").inc()
+            return None
+        cap = bound(decoders, load_factor)
+        best: BackendState | None = None
+        best_cost = 0.0
+        per_request = max(self.load_tokens, 1.0)
+        for d in [d for d in decoders if d.in_flight < cap] or decoders:
+            miss = blocks.tokens - min(self.held(d.name, blocks, salted).tokens, blocks.tokens)
+            cost = miss + per_request * (max(d.in_flight, d.engine_held) + d.planned_decodes)
+            if best is None or cost < best_cost:
+                best, best_cost = d, cost
+        if count:
+            self.decoder_decisions.labels("cost").inc()
+        return best
 
     def _note(
         self, request_id: str, name: str, decision: str, blocks: RequestBlocks, salted: bool

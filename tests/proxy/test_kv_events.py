@@ -360,3 +360,35 @@ def test_the_cli_takes_the_kv_events_from_the_backend_table(tmp_path: Any) -> No
                           "local/decode-0": "tcp://127.0.0.1:5501",
                           "local/decode-1": "tcp://127.0.0.1:5502"}
     assert not config("--kv-events", "off").active
+
+
+async def test_pd_picks_the_decoder_holding_the_prompt() -> None:
+    port = free_port()
+    pre, dec = ["n1/prefill-0"], ["n1/decode-0", "n1/decode-1"]
+    async with ph.engines(*pre, *dec) as e, publishers(dec, port) as pubs:
+        table = ph.pd_table(e, pre, dec)
+        kv = KvEventsConfig(host="127.0.0.1", port=port,
+                            sources={n: p.replay_endpoint for n, p in pubs.items()},
+                            **{**FAST, "stale_after_s": 30.0})
+        async with ph.running_proxy(table, kv_events=kv) as rp:
+            await ph.until(lambda: all(b.usable for b in rp.registry.backends.values()), "up")
+
+            async def send(tokens: list[int]) -> list[str]:
+                body = {"model": "fake", "prompt": tokens, "max_tokens": 2}
+                async with rp.session.post(rp.url + "/v1/completions", json=body) as r:
+                    assert r.status == 200
+                return served({n: e[n] for n in dec}, tokens)
+
+            # events missing: the least loaded decoder (as before)
+            [default] = await send(tokens_of(1))
+            other = next(d for d in dec if d != default)
+            held = tokens_of(2)
+            await pubs[other].store(held)  # a conversation's earlier turn decoded there
+            await pubs[default].store(tokens_of(999))
+            await ph.until(lambda: all(rp.proxy.kv_routing.state(n) == "fresh" for n in dec),
+                           "fresh")
+            assert await send(held) == [other]
+            assert len(await send(tokens_of(3))) == 1  # nobody holds it: load decides
+            text = await rp.metrics()
+            assert metric(text, "pdstack_proxy_kv_decoder_route_total", decision="cost") == 2
+            assert metric(text, "pdstack_proxy_kv_decoder_route_total", decision="load") == 1
