@@ -47,7 +47,7 @@ async def test_prefiller_busy_until_decode_first_byte() -> None:
     """The prefiller's in_flight (what a rolling upgrade's drain waits on) counts the
     decode leg that reads its KV until that leg's first byte, then drops to 0."""
     async with ph.engines("p0", "d0", output_tokens=3) as e:
-        e["d0"].ttft_ms = 400  # the decode leg's first byte comes late (a slow KV pull)
+        e["d0"].ttft_ms = 2000  # the decode leg's first byte comes late (a slow KV pull)
         async with ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"])) as rp:
             p0 = rp.registry.backends["p0"]
             task = asyncio.create_task(ph.stream_completion(rp.session, rp.url, "hi there"))
