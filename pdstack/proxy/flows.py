@@ -150,8 +150,9 @@ class Flows(LmcachePdFlow, DecodeFallback):
         # ---- leg 1: prefill
         handoff = _Handoff()
 
-        # the decoders' KV events: the one holding most of the prompt pulls the least
-        blocks = await self.kv_routing.blocks_for(ctx.body, ctx.path, registry.by_role("decode"))
+        # the engines' KV events: the decoder holding most of the prompt pulls the least
+        engines = [*registry.by_role("prefill"), *registry.by_role("decode")]
+        blocks = await self.kv_routing.blocks_for(ctx.body, ctx.path, engines)
 
         async def prefill_leg(prefill: BackendState, attempt: int) -> None:
             handoff.plan(*self._decode_path(prefill, blocks, "cache_salt" in ctx.body))

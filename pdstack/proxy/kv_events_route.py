@@ -212,7 +212,8 @@ class KvRouting:
         for seen, ids in self._tokens:
             if seen is body:
                 return ids
-        engine = min(engines, key=lambda b: b.in_flight)
+        # a prefiller if one is fresh (it computes prompts anyway), the least busy one
+        engine = min(engines, key=lambda b: (b.role == "decode", b.in_flight))
         tokens = await self.tokenize(engine, payload)
         if tokens is not None:
             self._tokens.append((body, tokens))

@@ -392,3 +392,26 @@ async def test_pd_picks_the_decoder_holding_the_prompt() -> None:
             text = await rp.metrics()
             assert metric(text, "pdstack_proxy_kv_decoder_route_total", decision="cost") == 2
             assert metric(text, "pdstack_proxy_kv_decoder_route_total", decision="load") == 1
+
+
+async def test_pd_chat_is_tokenized_once_by_a_prefiller() -> None:
+    port = free_port()
+    pre, dec = ["n1/prefill-0"], ["n1/decode-0", "n1/decode-1"]
+    async with ph.engines(*pre, *dec) as e, publishers([*pre, *dec], port) as pubs:
+        kv = KvEventsConfig(host="127.0.0.1", port=port,
+                            sources={n: p.replay_endpoint for n, p in pubs.items()},
+                            **{**FAST, "stale_after_s": 30.0})
+        async with ph.running_proxy(ph.pd_table(e, pre, dec), kv_events=kv) as rp:
+            await ph.until(lambda: all(b.usable for b in rp.registry.backends.values()), "up")
+            for p in pubs.values():
+                await p.store(tokens_of(999))
+            await ph.until(lambda: all(rp.proxy.kv_routing.state(n) == "fresh" for n in pubs),
+                           "fresh")
+            body = {"model": "fake", "max_tokens": 2, "messages": [
+                {"role": "user", "content": " ".join(f"w{k}" for k in range(40))}]}
+            async with rp.session.post(rp.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+            assert [n for n in e if e[n].seen("/tokenize")] == pre
+            text = await rp.metrics()
+            assert metric(text, "pdstack_proxy_kv_tokenize_seconds_count") == 1
+            assert metric(text, "pdstack_proxy_kv_decoder_route_total", decision="cost") == 1
