@@ -336,10 +336,12 @@ async def _noisy_neighbour_real(engine: ve.Proc) -> dict:
 
 async def _noisy_neighbour_on(engine: ve.Proc) -> dict:
     """B alone and A's capacity once (through the fair proxy: nothing queues), then A's
-    flood with B beside it through a fair proxy and through a FIFO one. Every prompt is
-    new to the engine (its prefix cache would hide the queue): each phase has its seeds."""
+    flood with B beside it through the fair proxy. Every prompt is new to the engine (its
+    prefix cache would hide the queue): each phase has its seeds. (One FIFO instead, where B
+    waits behind A's queue, is tests/proxy/test_tenants.py's, on the fake engine: the proxy's
+    own order, where a starved CPU engine cannot blur it.)"""
     out: dict = {}
-    for fairness in (True, False):
+    for fairness in (True,):
         async with ph.running_proxy(_colocated(engine), **_tenant_proxy_config(fairness)) as rp:
             await ph.until(lambda rp=rp: all(b.healthy for b in rp.registry.backends.values()),
                            "the engine healthy", 20)
@@ -391,42 +393,28 @@ async def _noisy_neighbour_on(engine: ve.Proc) -> dict:
 async def test_noisy_neighbour_on_a_real_engine(nixl_engines: tuple[ve.Proc, ve.Proc]) -> None:
     """Tenant B at a modest rate alone, beside A at its capacity, then with tenant A
     flooding at 10x the engine's capacity: with fair queuing B's TTFT P99 stays near the
-    shared engine's, none of B's is refused, A gets 429 + Retry-After; with one FIFO B's P99
-    grows several-fold."""
+    shared engine's (ratios of one run), none of B's is refused, A gets 429 + Retry-After."""
     r = await _noisy_neighbour_real(nixl_engines[0])
     alone, shared = ph.p99(r["alone"]["ttft"]), ph.p99(r["shared"]["ttft"])
+    fair = r["fair"]
+    crowded, a = ph.p99(fair["crowded"]["ttft"]), fair["alpha"]
     print(f"\n[tenants, real vLLM] B TTFT P99 alone {alone * 1000:.0f} ms, beside A at its "
           f"capacity ({r['shared']['alpha_served']} of A's served, none queued) "
-          f"{shared * 1000:.0f} ms ({shared / alone:.2f}x)")
-    for mode in ("fair", "fifo"):
-        crowded, a = ph.p99(r[mode]["crowded"]["ttft"]), r[mode]["alpha"]
-        print(f"\n[tenants, real vLLM, {mode}] B TTFT P99 alone {alone * 1000:.0f} ms, with A "
-              f"flooding at {10 * r['capacity']:.0f} req/s {crowded * 1000:.0f} ms "
-              f"({crowded / alone:.2f}x alone, {crowded / shared:.2f}x shared); "
-              f"B statuses {sorted(set(r[mode]['crowded']['status']))}; "
-              f"A 429s {a['status'].count(429)}/{len(a['status'])}; B waited in the queue "
-              f"{r[mode]['crowded']['waits']['+Inf']:.0f} times, "
-              f"{r[mode]['crowded']['waits']['0.025']:.0f} under 25 ms")
-    fair, fifo = r["fair"], r["fifo"]
+          f"{shared * 1000:.0f} ms ({shared / alone:.2f}x); with A flooding at "
+          f"{10 * r['capacity']:.0f} req/s {crowded * 1000:.0f} ms ({crowded / alone:.2f}x "
+          f"alone, {crowded / shared:.2f}x shared); A 429s "
+          f"{a['status'].count(429)}/{len(a['status'])}; B waited in the queue "
+          f"{fair['crowded']['waits']['+Inf']:.0f} times")
     assert set(r["alone"]["status"]) == set(fair["crowded"]["status"]) == {200}
     assert set(r["shared"]["status"]) == {200} and r["shared"]["alpha_served"] >= 10
-    # the proxy's part: under the flood B's requests all went through its queue, and with
-    # fair queuing they waited there under 25 ms (measured <= 0.8 ms; with one FIFO most wait
-    # seconds). Asserted: 95 % of them, since on CI's 2 cores one of 101 once waited longer
-    # (its TTFT P99 was 1.07x shared all the same): the event loop also answers 270 req/s
-    # of the flood's 429s on those cores
-    waits = fair["crowded"]["waits"]
-    assert waits["+Inf"] >= len(fair["crowded"]["ttft"]) / 2
-    assert waits["0.025"] >= 0.95 * waits["+Inf"]
-    assert fifo["crowded"]["waits"]["0.025"] < fifo["crowded"]["waits"]["+Inf"] / 2
+    # under the flood B's requests went through the proxy's queue (its wait histogram
+    # counts them); how long they waited there is the fake engine's test (test_tenants)
+    assert fair["crowded"]["waits"]["+Inf"] >= len(fair["crowded"]["ttft"]) / 2
     # B's TTFT: what the flood adds over A merely using the engine is the front door's
     # doing (issue 24's 1.5x); over B alone, the engine's sharing is in it too (measured
-    # up to 1.60x, see above: asserted is what held every run)
-    assert ph.p99(fair["crowded"]["ttft"]) <= 1.5 * shared
-    assert ph.p99(fair["crowded"]["ttft"]) <= 2.0 * alone
-    assert ph.p99(fifo["crowded"]["ttft"]) >= 3 * ph.p99(fair["crowded"]["ttft"])
-    a = fair["alpha"]
+    # up to 1.60x)
+    assert crowded <= 1.5 * shared
+    assert crowded <= 2.0 * alone
     assert a["status"].count(429) > len(a["status"]) / 2
     assert len(a["retry_after"]) == a["status"].count(429)
     assert all(int(x) >= 1 for x in a["retry_after"])
-    assert ph.p99(fifo["crowded"]["ttft"]) >= 3 * alone  # one FIFO: B waits behind A's queue
