@@ -160,8 +160,14 @@ class KvRouting:
         self, body: dict[str, Any], path: str, candidates: Iterable[BackendState]
     ) -> RequestBlocks | None:
         """The request's block hashes for its fresh candidates; None when the router is
-        off, a RequestBlocks with only ``reason`` when nothing can be looked up."""
+        off or has nothing to choose (one usable engine per role: no ``/tokenize``, no
+        hashing: a one-engine stack pays nothing for the router), a RequestBlocks with only
+        ``reason`` when nothing can be looked up."""
         if self.subscriber is None:
+            return None
+        candidates = list(candidates)
+        roles = [b.role for b in candidates if b.usable]
+        if all(roles.count(role) < 2 for role in roles):
             return None
         fresh = [b for b in candidates if b.usable and self.state(b.name) == "fresh"]
         if not fresh:

@@ -415,3 +415,26 @@ async def test_pd_chat_is_tokenized_once_by_a_prefiller() -> None:
             text = await rp.metrics()
             assert metric(text, "pdstack_proxy_kv_tokenize_seconds_count") == 1
             assert metric(text, "pdstack_proxy_kv_decoder_route_total", decision="cost") == 1
+
+
+async def test_one_engine_costs_nothing_no_tokenize_no_route_decision() -> None:
+    """With one usable engine there is nothing to choose: a chat request is not tokenized
+    (no extra round trip before its first byte) and no routing decision is counted."""
+    port = free_port()
+    names = ["n1/engine-0"]
+    async with ph.engines(*names) as e, publishers(names, port) as pubs:
+        table = ph.table("colocated", [ph.backend(n, "colocated", e[n]) for n in names])
+        kv = KvEventsConfig(host="127.0.0.1", port=port,
+                            sources={n: p.replay_endpoint for n, p in pubs.items()},
+                            **{**FAST, "stale_after_s": 30.0})
+        async with ph.running_proxy(table, kv_events=kv) as rp:
+            await ph.until(lambda: all(b.usable for b in rp.registry.backends.values()), "up")
+            await pubs[names[0]].store(tokens_of(1))
+            await ph.until(lambda: rp.proxy.kv_routing.state(names[0]) == "fresh", "fresh")
+            body = {"model": "fake", "max_tokens": 1,
+                    "messages": [{"role": "user", "content": "one engine, " * 40}]}
+            async with rp.session.post(rp.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+            assert not e[names[0]].seen("/tokenize")
+            text = await rp.metrics()
+            assert metric(text, "pdstack_proxy_kv_tokenize_seconds_count") == 0
