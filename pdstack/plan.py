@@ -407,8 +407,9 @@ def _engine_env(
     d = topo.deployment
     eng = node.engines[index]
     ports = make_node_ports(topo, node)
-    env = {"VLLM_NO_USAGE_STATS": "1", "LMCACHE_TRACK_USAGE": "false",
-           "PYTHONHASHSEED": KV_EVENTS_HASH_SEED}
+    env = {"VLLM_NO_USAGE_STATS": "1", "LMCACHE_TRACK_USAGE": "false"}
+    if d.kv_events:
+        env["PYTHONHASHSEED"] = KV_EVENTS_HASH_SEED
     if f"{name} nixl side channel" in ports:
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = node.private_address
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ports[f"{name} nixl side channel"])
@@ -454,11 +455,11 @@ def _engine_service(
         # GET /load: the API server's requests in flight, which the engine watchdog counts
         # as held (pdstack.sidecars): the scheduler's gauges freeze with a stopped core
         "--enable-server-load-tracking",
-        # every block stored and evicted (GPU, and the native tier's medium CPU), to the
-        # proxy's index (pdstack.proxy.kv_events)
-        "--kv-events-config",
-        json.dumps(kv_events_config(topo, node, index, proxy_addr), separators=(",", ":")),
     ]
+    if d.kv_events:  # every block stored and evicted (GPU, and the native tier's medium
+        # CPU), to the proxy's index (pdstack.proxy.kv_events)
+        cmd += ["--kv-events-config",
+                json.dumps(kv_events_config(topo, node, index, proxy_addr), separators=(",", ":"))]
     if "{revision}" not in m.name and not m.name.startswith("/"):
         cmd += ["--revision", m.revision]
     if d.profile == "gpu":
@@ -480,7 +481,9 @@ def _engine_service(
     cmd += [*m.extra_args, *eng.extra_args]
 
     env, tmpfs = _engine_env(topo, node, index, name, proxy_addr)
-    service_ports = {"http": http, "kv_events_replay": kv_events_replay_port(d, index)}
+    service_ports = {"http": http}
+    if d.kv_events:
+        service_ports["kv_events_replay"] = kv_events_replay_port(d, index)
     if "VLLM_NIXL_SIDE_CHANNEL_PORT" in env:
         service_ports["nixl_side_channel"] = int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
     return Service(
@@ -630,7 +633,9 @@ def _proxy_service(topo: Topology, node: NodeSpec) -> Service:
         if cap:
             cmd += ["--admission-max-running", str(cap)]
         cmd += ["--admission-ttft-slo", f"{d.ttft_slo:g}"]
-    ports = {"http": d.ports.proxy, "kv_events": d.ports.kv_events}
+    ports = {"http": d.ports.proxy}
+    if d.kv_events:
+        ports["kv_events"] = d.ports.kv_events
     if _push(d):
         ports["lmcache_pd_notify"] = lmcache_pd_notify_port(d)
     return Service(
@@ -699,7 +704,7 @@ def make_plan(topo: Topology) -> Plan:
                     kv_events=KvEventsSource(
                         topic=f"{node.name}/{name}",
                         replay=zmq_tcp(node.private_address, svc.ports["kv_events_replay"]),
-                    ),
+                    ) if d.kv_events else None,
                 )
             )
         if node.proxy:
@@ -743,7 +748,7 @@ def make_plan(topo: Topology) -> Plan:
         kv_events=KvEventsListen(
             host=proxy_node.private_address, port=d.ports.kv_events,
             hash_seed=KV_EVENTS_HASH_SEED,
-        ),
+        ) if d.kv_events else None,
     )
     return Plan(
         deployment=d.name,
@@ -776,10 +781,11 @@ def _edges(
             if svc.kind == "engine":
                 add(proxy_node, node.name, svc.ports["http"], f"proxy->{svc.name} http")
                 # its KV events: PUB -> the proxy's SUB, and the proxy's replay requests
-                add(node.name, proxy_node, topo.deployment.ports.kv_events,
-                    f"{svc.name}->proxy kv events")
-                add(proxy_node, node.name, svc.ports["kv_events_replay"],
-                    f"proxy->{svc.name} kv events replay")
+                if "kv_events_replay" in svc.ports:
+                    add(node.name, proxy_node, topo.deployment.ports.kv_events,
+                        f"{svc.name}->proxy kv events")
+                    add(proxy_node, node.name, svc.ports["kv_events_replay"],
+                        f"proxy->{svc.name} kv events replay")
                 if svc.depends_on:
                     add(node.name, node.name, topo.deployment.ports.lmcache_zmq,
                         f"{svc.name}->lmcache zmq")

@@ -18,7 +18,8 @@ def make_node_ports(topo: Topology, node: NodeSpec) -> dict[str, int]:
     ports: dict[str, int] = {}
     for i, (eng, name) in enumerate(zip(node.engines, engine_names(node), strict=True)):
         ports[f"{name} http"] = d.ports.engine_http_base + i
-        ports[f"{name} kv events replay"] = kv_events_replay_port(d, i)
+        if d.kv_events:
+            ports[f"{name} kv events replay"] = kv_events_replay_port(d, i)
         if uses_nixl(topo, node, eng.role):
             ports[f"{name} nixl side channel"] = d.ports.nixl_side_channel_base + i
         if lmcache_push(d) and eng.role == "decode":
@@ -33,7 +34,8 @@ def make_node_ports(topo: Topology, node: NodeSpec) -> dict[str, int]:
         ports["lmcache http"] = d.ports.lmcache_http
     if node.proxy:
         ports["proxy http"] = d.ports.proxy
-        ports["proxy kv events"] = d.ports.kv_events
+        if d.kv_events:
+            ports["proxy kv events"] = d.ports.kv_events
         if lmcache_push(d):
             ports["proxy lmcache-pd notify"] = lmcache_pd_notify_port(d)
         if d.monitoring:

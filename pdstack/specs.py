@@ -167,6 +167,9 @@ class DeploymentSpec(_Strict):
     # to wait past 3/4 of it is refused at arrival (pdstack.proxy.wait_budget); unset: the
     # profile's TTFT_SLO_DEFAULTS
     ttft_slo_s: float | None = Field(default=None, gt=0, le=3600)
+    # every engine publishes its vLLM KV events to the proxy (pdstack.proxy.kv_events), which
+    # routes by what each holds; false: none (a baseline "vLLM as its users start it")
+    kv_events: bool = True
     # where engines keep reusable KV in host RAM (kvmodes.resolve_tier); unset: the measured
     # default of the mode and profile. kv_tier_size_gb: each native-tier engine's GiB (unset:
     # TIER_HOST_FRACTION of its node's pdstack_host_memory_gb, split over the node's engines)

@@ -188,6 +188,7 @@ def _deployment(allvars: dict[str, Any], inv: Path, gorigin: dict[str, str], gv_
         "shm_size": allvars.get("pdstack_shm_size", "16g"),
         "proxy_admission": allvars.get("pdstack_proxy_admission"),
         "ttft_slo_s": allvars.get("pdstack_ttft_slo_s"),
+        "kv_events": allvars.get("pdstack_kv_events"),
         "kv_tier": allvars.get("pdstack_kv_tier"),
         "kv_tier_size_gb": allvars.get("pdstack_kv_tier_size_gb"),
         "kv_tier_store_threshold": allvars.get("pdstack_kv_tier_store_threshold"),

@@ -13,13 +13,15 @@ from pdstack.topology import load_topology
 
 REPO = Path(__file__).resolve().parents[2]
 INVENTORIES = sorted(p.name for p in (REPO / "inventory").iterdir() if (p / "hosts.yml").is_file())
+# the baselines: vLLM as its users start it (pdstack_kv_events: false)
+NO_EVENTS = ["h200x1-vllm", "h200x1-vllm-native"]
 
 
 def _flag(cmd: list[str], flag: str) -> str:
     return cmd[cmd.index(flag) + 1]
 
 
-@pytest.mark.parametrize("inventory", INVENTORIES)
+@pytest.mark.parametrize("inventory", [i for i in INVENTORIES if i not in NO_EVENTS])
 def test_every_engine_publishes_to_the_proxy(inventory: str) -> None:
     try:
         plan = make_plan(load_topology(REPO / "inventory" / inventory))
@@ -63,3 +65,20 @@ def test_backend_table_json_round_trips_kv_events() -> None:
     data = json.loads(plan.backend_table.model_dump_json())
     assert data["kv_events"] == {"host": "127.0.0.1", "port": 5557, "hash_seed": "0"}
     assert BackendTable.model_validate(data) == plan.backend_table
+
+
+@pytest.mark.parametrize("inventory", NO_EVENTS)
+def test_pdstack_kv_events_false_plans_none_of_it(inventory: str) -> None:
+    """A baseline inventory (``pdstack_kv_events: false``): no flag, no hash seed, no ports,
+    no edges, no table entries: vLLM as its users start it."""
+    topo = load_topology(REPO / "inventory" / inventory)
+    assert topo.deployment.kv_events is False
+    plan = make_plan(topo)
+    assert plan.backend_table.kv_events is None
+    assert all(b.kv_events is None for b in plan.backend_table.backends)
+    for node in plan.nodes.values():
+        for svc in node.services:
+            assert "--kv-events-config" not in svc.command
+            assert "PYTHONHASHSEED" not in svc.env
+            assert "kv_events" not in svc.ports and "kv_events_replay" not in svc.ports
+    assert not [e for e in plan.edges if "kv events" in e.purpose]
