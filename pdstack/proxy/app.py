@@ -62,7 +62,7 @@ _ABSENT = object()  # a key missing from a body (not even null)
 PROXY_KEY: web.AppKey[Proxy] = web.AppKey("pdstack_proxy", object)  # type: ignore[arg-type]
 
 
-class Proxy(AdminAPI, EngineRoutes, Flows, HealthProbes):
+class Proxy(HealthProbes, AdminAPI, EngineRoutes, Flows):
     """One proxy instance: backends, routers, metrics, the aiohttp app."""
 
     def __init__(
