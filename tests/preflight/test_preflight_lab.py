@@ -32,7 +32,7 @@ def test_healthy_lab_passes(lab_inventory: Path, clean_lab: Any) -> None:
     assert rep is not None and rep["ok"] and rep["exit_code"] == 0
     assert rep["summary"]["fail"] == 0 and rep["summary"]["warn"] == 0
     edges = run.checks(kind="edge")
-    assert len(edges) == len(plan_edges(lab_inventory)) == 15
+    assert len(edges) == len(plan_edges(lab_inventory)) == 23  # 8 of them KV events
     for c in edges:
         assert c["status"] == "ok"
         # answered by the listener preflight started, not by something else
@@ -178,7 +178,7 @@ def test_every_edge_filtered_finishes_under_30s(lab_inventory: Path, clean_lab: 
     run = run_preflight_cli(clean_lab, lab_inventory)  # default timeouts (3 s, ssh 5 s)
     assert run.rc == 1, run.explain()
     edges = run.checks(kind="edge")
-    assert len(edges) == 15 and all(c["cause"] == "timeout" for c in edges)
+    assert len(edges) == 23 and all(c["cause"] == "timeout" for c in edges)
     ucx = run.checks(kind="ucx")
     assert len(ucx) == 4 and all(c["cause"] == "timeout" for c in ucx)
     assert all(c["status"] == "warn" and c["cause"] == "icmp_blocked"
