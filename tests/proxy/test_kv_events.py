@@ -45,6 +45,16 @@ async def publishers(names: list[str], port: int) -> AsyncIterator[dict[str, Fak
         ctx.term()
 
 
+def routing_config(port: int, pubs: dict[str, FakePublisher],
+                   sources: dict[str, str] | None = None) -> KvEventsConfig:
+    """The proxy's KV-event config for routing tests: each publisher's replay endpoint (or
+    ``sources``), stale only after 30 s (a starved test machine must not turn engines stale)."""
+    if sources is None:
+        sources = {n: p.replay_endpoint for n, p in pubs.items()}
+    return KvEventsConfig(host="127.0.0.1", port=port, sources=sources,
+                          **{**FAST, "stale_after_s": 30.0})
+
+
 @contextlib.asynccontextmanager
 async def subscriber(
     pubs: dict[str, FakePublisher], port: int
@@ -140,9 +150,7 @@ async def test_routes_by_held_blocks_and_by_hash_where_events_are_missing() -> N
         sources = {n: p.replay_endpoint for n, p in pubs.items()}
         # engine-2's publisher is down: nothing answers at its replay endpoint
         sources[names[2]] = f"tcp://127.0.0.1:{free_port()}"
-        # stale only after 30 s: a starved test machine must not turn engines stale here
-        kv = KvEventsConfig(host="127.0.0.1", port=port, sources=sources,
-                            **{**FAST, "stale_after_s": 30.0})
+        kv = routing_config(port, pubs, sources)
         async with ph.running_proxy(table, kv_events=kv) as rp:
             await ph.until(lambda: all(rp.registry.backends[n].usable for n in names), "up")
             ring = rp.proxy._ring_for("colocated")
@@ -189,9 +197,7 @@ async def test_pd_picks_the_prefiller_holding_the_prompt() -> None:
     pre, dec = ["n1/prefill-0", "n1/prefill-1"], ["n1/decode-0"]
     async with ph.engines(*pre, *dec) as e, publishers(pre, port) as pubs:
         table = ph.pd_table(e, pre, dec)
-        kv = KvEventsConfig(host="127.0.0.1", port=port,
-                            sources={n: p.replay_endpoint for n, p in pubs.items()},
-                            **{**FAST, "stale_after_s": 30.0})
+        kv = routing_config(port, pubs)
         async with ph.running_proxy(table, kv_events=kv) as rp:
             await ph.until(lambda: all(b.usable for b in rp.registry.backends.values()), "up")
             ring = rp.proxy._ring_for("prefill")
@@ -247,9 +253,7 @@ async def test_chat_is_tokenized_by_an_engine_then_routed_by_cost() -> None:
     names = ["n1/engine-0", "n1/engine-1"]
     async with ph.engines(*names) as e, publishers(names, port) as pubs:
         table = ph.table("colocated", [ph.backend(n, "colocated", e[n]) for n in names])
-        kv = KvEventsConfig(host="127.0.0.1", port=port,
-                            sources={n: p.replay_endpoint for n, p in pubs.items()},
-                            **{**FAST, "stale_after_s": 30.0})
+        kv = routing_config(port, pubs)
         async with ph.running_proxy(table, kv_events=kv) as rp:
             await ph.until(lambda: all(b.usable for b in rp.registry.backends.values()), "up")
             ring = rp.proxy._ring_for("colocated")
@@ -367,9 +371,7 @@ async def test_pd_picks_the_decoder_holding_the_prompt() -> None:
     pre, dec = ["n1/prefill-0"], ["n1/decode-0", "n1/decode-1"]
     async with ph.engines(*pre, *dec) as e, publishers(dec, port) as pubs:
         table = ph.pd_table(e, pre, dec)
-        kv = KvEventsConfig(host="127.0.0.1", port=port,
-                            sources={n: p.replay_endpoint for n, p in pubs.items()},
-                            **{**FAST, "stale_after_s": 30.0})
+        kv = routing_config(port, pubs)
         async with ph.running_proxy(table, kv_events=kv) as rp:
             await ph.until(lambda: all(b.usable for b in rp.registry.backends.values()), "up")
 
@@ -398,9 +400,7 @@ async def test_pd_chat_is_tokenized_once_by_a_prefiller() -> None:
     port = free_port()
     pre, dec = ["n1/prefill-0"], ["n1/decode-0", "n1/decode-1"]
     async with ph.engines(*pre, *dec) as e, publishers([*pre, *dec], port) as pubs:
-        kv = KvEventsConfig(host="127.0.0.1", port=port,
-                            sources={n: p.replay_endpoint for n, p in pubs.items()},
-                            **{**FAST, "stale_after_s": 30.0})
+        kv = routing_config(port, pubs)
         async with ph.running_proxy(ph.pd_table(e, pre, dec), kv_events=kv) as rp:
             await ph.until(lambda: all(b.usable for b in rp.registry.backends.values()), "up")
             for p in pubs.values():
@@ -424,9 +424,7 @@ async def test_one_engine_costs_nothing_no_tokenize_no_route_decision() -> None:
     names = ["n1/engine-0"]
     async with ph.engines(*names) as e, publishers(names, port) as pubs:
         table = ph.table("colocated", [ph.backend(n, "colocated", e[n]) for n in names])
-        kv = KvEventsConfig(host="127.0.0.1", port=port,
-                            sources={n: p.replay_endpoint for n, p in pubs.items()},
-                            **{**FAST, "stale_after_s": 30.0})
+        kv = routing_config(port, pubs)
         async with ph.running_proxy(table, kv_events=kv) as rp:
             await ph.until(lambda: all(b.usable for b in rp.registry.backends.values()), "up")
             await pubs[names[0]].store(tokens_of(1))
