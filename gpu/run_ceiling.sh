@@ -72,6 +72,9 @@ STACKS=(
   # run 2: the gate held a queue at 24-32 req/s with the engine's KV at 0.78 mean / 0.87 peak
   # (the old gate of results/h200x1-tiers served 32 at 32 req/s): the mark, 0.9 -> 0.97
   "pdstack-kv97 http://127.0.0.1:8160 http://127.0.0.1:8063 p $PD_INV engine-0,proxy"
+  # overload run 2 (H100): at the knee the gate held 187 and refused 44 where the native tier
+  # met the SLO with 431 preemptions: the preemption caution off
+  "pdstack-caution0 http://127.0.0.1:8160 http://127.0.0.1:8064 p $PD_INV engine-0,proxy"
 )
 # the workloads (data): sweep-name prefix, rates variable, bench arguments
 declare -A WL_RATES=([mt]=RATES [turn]=RATES_TURN [seed]=RATES_SEED [long]=RATES_LONG)
@@ -149,6 +152,7 @@ EXTRA_PROXIES=(
   "pdstack-default-before before 8061 $OLD_PDSTACK"
   "pdstack-gate-off gate-off 8062 $REPO --admission off"
   "pdstack-kv97 kv97 8063 $REPO --admission-kv-high 0.97"
+  "pdstack-caution0 caution0 8064 $REPO --admission-preempt-caution 0"
 )
 extra_proxy() {  # up|down STACK: start/stop the stack's extra proxy (0 when it has none)
   local e name port code flags
