@@ -11,7 +11,6 @@ PROXY_MAX = 450
 PACKAGE_MAX = 500
 # still over PACKAGE_MAX (2026-12-06): a ceiling each, never raised; lower it when one shrinks
 OVER = {
-    "pdstack/advise.py": 972,
     "pdstack/plan.py": 810,
     "pdstack/testing/fake_engine.py": 920,
 }
