@@ -12,7 +12,6 @@ PACKAGE_MAX = 500
 # still over PACKAGE_MAX (2026-12-06): a ceiling each, never raised; lower it when one shrinks
 OVER = {
     "pdstack/plan.py": 810,
-    "pdstack/testing/fake_engine.py": 920,
 }
 
 
