@@ -218,23 +218,21 @@ class AdmissionQueue:
             if head.future.done():
                 queue.discard(head)
                 continue
-            ok, reason = self._fits(
-                head.candidates(), head.tokens, head.output, tenant_name(head), head.request_id
-            )
-            if ok:
-                self._admit(head, reason)
+            if self._admit_if_it_fits(head):
                 return
             # the head waits for the running cap; a tenant with nothing running on a full
             # engine need not (one over the cap, _first_of_tenant): the other flows' heads
             for w in queue.flow_heads():
-                if w is head or w.future.done():
-                    continue
-                ok, reason = self._fits(
-                    w.candidates(), w.tokens, w.output, tenant_name(w), w.request_id
-                )
-                if ok:
-                    self._admit(w, reason)
+                if w is not head and not w.future.done():
+                    self._admit_if_it_fits(w)
             return
+
+    def _admit_if_it_fits(self, w: Waiter) -> bool:
+        """Admit ``w`` if one of its candidate engines can take it now."""
+        ok, reason = self._fits(w.candidates(), w.tokens, w.output, tenant_name(w), w.request_id)
+        if ok:
+            self._admit(w, reason)
+        return ok
 
     def _admit(self, w: Waiter, reason: str) -> None:
         """``w`` leaves the queue admitted, and counts as its tenant's at once (before its

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +95,14 @@ async def until(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> N
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+async def cancel(tasks: Iterable[asyncio.Task[Any]]) -> None:
+    """Cancel each client task and wait for it to end (cancelled, or its connection cut)."""
+    for task in tasks:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+            await task
 
 
 @contextlib.asynccontextmanager

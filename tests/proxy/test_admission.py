@@ -73,9 +73,7 @@ async def hanging(
         await ph.until(lambda: len(engine.seen()) > seen and engine.running > 0, "hanging request")
         yield task
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
-            await task
+        await ph.cancel([task])
 
 
 def load_of(rp: ph.RunningProxy, name: str) -> Any:
@@ -302,10 +300,7 @@ async def test_a_shared_prompt_counts_once_on_an_engine() -> None:
         await ph.until(lambda: gate.queued == 6, "the unshared ones to wait")
         await asyncio.sleep(0.2)
         assert len(eng.seen()) == 17 and gate.held.get("kv_full", 0) == 1
-        for task in shared + own:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
-                await task
+        await ph.cancel(shared + own)
         eng.faults = Faults()
 
 
@@ -759,10 +754,7 @@ async def test_pd_burst_holds_decoder_headroom_during_prefill() -> None:
             try:
                 await _burst_checks(rp, e, burst, tags)
             finally:
-                for task in burst.values():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
-                        await task
+                await ph.cancel(burst.values())
             await ph.until(lambda: not load_of(rp, "d0").requests, "every hold released")
     assert len(e["p0"].seen()) == 5 and len(e["d0"].seen()) == 3
 

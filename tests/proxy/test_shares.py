@@ -219,10 +219,7 @@ async def test_a_flood_runs_at_its_share_while_another_is_active_and_alone_takes
                 await ph.until(lambda: eng.running == 8, "the flood takes the engine",
                                timeout=10)
             finally:
-                for task in flood:
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
-                        await task
+                await ph.cancel(flood)
 
 
 async def test_a_flood_that_waits_long_for_its_first_byte_keeps_to_its_prefill_share(
@@ -251,10 +248,7 @@ async def test_a_flood_that_waits_long_for_its_first_byte_keeps_to_its_prefill_s
                 assert len(eng.seen()) == 2, "the flood's prompts went on to the engine"
                 assert rp.proxy.admission.held.get("tenant_share"), rp.proxy.admission.held
             finally:
-                for task in tasks:
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
-                        await task
+                await ph.cancel(tasks)
 
 
 async def _one(
@@ -282,10 +276,7 @@ async def test_a_batch_tenant_that_waits_too_long_gets_429_never_5xx() -> None:
                 await ph.until(lambda: eng.running == 2, "two requests running")
                 status, headers = await _one(rp, "sk-nightly")
             finally:
-                for task in hung:
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
-                        await task
+                await ph.cancel(hung)
     assert status == 429 and int(headers["Retry-After"]) >= 1
 
 
@@ -435,10 +426,7 @@ async def test_a_tenants_cached_prompts_pass_its_prefill_share_and_fresh_ones_do
                 await asyncio.sleep(0.2)
                 assert sent["requests"] == 4 and gate.held == {"tenant_share": 1}, gate.held
             finally:
-                for task in tasks:
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
-                        await task
+                await ph.cancel(tasks)
 
 
 # ------------------------------------------------------------------ the engine's priorities
