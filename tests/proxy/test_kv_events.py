@@ -141,6 +141,25 @@ def served(engines: dict[str, Any], tokens: list[int]) -> list[str]:
             if (r.body or {}).get("prompt") == tokens]
 
 
+def ring_home(ring: Any, body: dict[str, Any]) -> str:
+    """The engine a request's prompt hashes to on the proxy's ring (its route by hash)."""
+    return next(ring.walk(stable_hash(prompt_text(body)[:1024])))
+
+
+def homed_at(ring: Any, name: str, numbers: range, count: int) -> list[list[int]]:
+    """The first ``count`` prompts ``tokens_of(i)``, ``i`` in ``numbers``, whose ring home
+    is ``name``."""
+    prompts = (tokens_of(i) for i in numbers)
+    return [t for t in prompts if ring_home(ring, {"prompt": t}) == name][:count]
+
+
+async def complete(rp: ph.RunningProxy, tokens: list[int], max_tokens: int) -> None:
+    """One completion of a token-id prompt through the proxy, answered 200."""
+    body = {"model": "fake", "prompt": tokens, "max_tokens": max_tokens}
+    async with rp.session.post(rp.url + "/v1/completions", json=body) as r:
+        assert r.status == 200
+
+
 async def test_routes_by_held_blocks_and_by_hash_where_events_are_missing() -> None:
     port = free_port()
     names = ["n1/engine-0", "n1/engine-1", "n1/engine-2"]
@@ -154,29 +173,19 @@ async def test_routes_by_held_blocks_and_by_hash_where_events_are_missing() -> N
         async with ph.running_proxy(table, kv_events=kv) as rp:
             await ph.until(lambda: all(rp.registry.backends[n].usable for n in names), "up")
             ring = rp.proxy._ring_for("colocated")
-
-            def home(tokens: list[int]) -> str:
-                return next(ring.walk(stable_hash(prompt_text({"prompt": tokens})[:1024])))
-
             # prompts whose ring home is engine-0, announced held by engine-1: routed by cost
-            held = [t for t in (tokens_of(i) for i in range(200)) if home(t) == names[0]][:3]
+            held = homed_at(ring, names[0], range(200), 3)
             for t in held:
                 await pubs[names[1]].store(t)
             await pubs[names[0]].store(tokens_of(999))  # engine-0 verified too
             await ph.until(lambda: all(rp.proxy.kv_routing.state(n) == "fresh"
                                        for n in names[:2]), "fresh")
             for t in held:
-                body = {"model": "fake", "prompt": t, "max_tokens": 1}
-                async with rp.session.post(rp.url + "/v1/completions", json=body) as r:
-                    assert r.status == 200
+                await complete(rp, t, max_tokens=1)
                 assert served(e, t) == [names[1]]
             # prompts whose ring home is engine-2 (no events): routed there by hash
-            by_hash = [t for t in (tokens_of(i) for i in range(200, 400))
-                       if home(t) == names[2]][:3]
-            for t in by_hash:
-                body = {"model": "fake", "prompt": t, "max_tokens": 1}
-                async with rp.session.post(rp.url + "/v1/completions", json=body) as r:
-                    assert r.status == 200
+            for t in homed_at(ring, names[2], range(200, 400), 3):
+                await complete(rp, t, max_tokens=1)
                 assert served(e, t) == [names[2]]
             text = await rp.metrics()
             assert metric(text, "pdstack_proxy_kv_route_total", decision="cost") == 3
@@ -200,22 +209,15 @@ async def test_pd_picks_the_prefiller_holding_the_prompt() -> None:
         kv = routing_config(port, pubs)
         async with ph.running_proxy(table, kv_events=kv) as rp:
             await ph.until(lambda: all(b.usable for b in rp.registry.backends.values()), "up")
-            ring = rp.proxy._ring_for("prefill")
-
-            def home(tokens: list[int]) -> str:
-                return next(ring.walk(stable_hash(prompt_text({"prompt": tokens})[:1024])))
-
             # ring home prefill-0, but prefill-1 holds them
-            held = [t for t in (tokens_of(i) for i in range(200)) if home(t) == pre[0]][:2]
+            held = homed_at(rp.proxy._ring_for("prefill"), pre[0], range(200), 2)
             for t in held:
                 await pubs[pre[1]].store(t)
             await pubs[pre[0]].store(tokens_of(999))
             await ph.until(lambda: all(rp.proxy.kv_routing.state(n) == "fresh" for n in pre),
                            "fresh")
             for t in held:
-                body = {"model": "fake", "prompt": t, "max_tokens": 2}
-                async with rp.session.post(rp.url + "/v1/completions", json=body) as r:
-                    assert r.status == 200
+                await complete(rp, t, max_tokens=2)
                 assert served({n: e[n] for n in pre}, t) == [pre[1]]
                 assert served({n: e[n] for n in dec}, t) == dec
             text = await rp.metrics()
@@ -237,9 +239,7 @@ async def test_a_taken_listen_port_leaves_the_proxy_routing_by_hash(
             async with ph.running_proxy(table, kv_events=kv) as rp:
                 await ph.until(lambda: all(b.usable for b in rp.registry.backends.values()),
                                "up")
-                body = {"model": "fake", "prompt": tokens_of(1), "max_tokens": 1}
-                async with rp.session.post(rp.url + "/v1/completions", json=body) as r:
-                    assert r.status == 200
+                await complete(rp, tokens_of(1), max_tokens=1)
                 text = await rp.metrics()
                 assert metric(text, "pdstack_proxy_kv_route_total", decision="hash_missing") == 1
         assert "cannot listen on" in caplog.text
@@ -263,10 +263,7 @@ async def test_chat_is_tokenized_by_an_engine_then_routed_by_cost() -> None:
                 return {"model": "fake", "max_tokens": 1,
                         "messages": [{"role": "user", "content": words}]}
 
-            def home(body: dict[str, Any]) -> str:
-                return next(ring.walk(stable_hash(prompt_text(body)[:1024])))
-
-            body = next(b for b in (chat(i) for i in range(100)) if home(b) == names[0])
+            body = next(b for b in (chat(i) for i in range(100)) if ring_home(ring, b) == names[0])
             # the proxy asks the least busy engine (engine-0 here, both idle) for token ids:
             # ask it first, and let engine-1 announce those blocks
             tokenize = {k: body[k] for k in ("model", "messages")}
@@ -376,9 +373,7 @@ async def test_pd_picks_the_decoder_holding_the_prompt() -> None:
             await ph.until(lambda: all(b.usable for b in rp.registry.backends.values()), "up")
 
             async def send(tokens: list[int]) -> list[str]:
-                body = {"model": "fake", "prompt": tokens, "max_tokens": 2}
-                async with rp.session.post(rp.url + "/v1/completions", json=body) as r:
-                    assert r.status == 200
+                await complete(rp, tokens, max_tokens=2)
                 return served({n: e[n] for n in dec}, tokens)
 
             # events missing: the least loaded decoder (as before)
