@@ -106,19 +106,16 @@ def write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=1) + "\n")
 
 
-def llama_config(bos: int, eos: int, pad: int) -> dict[str, Any]:
+def tiny_config(bos: int, eos: int, pad: int) -> dict[str, Any]:
+    """What every tiny model shares: its size, vocabulary, context and special tokens."""
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
         "hidden_size": 256,
         "intermediate_size": 512,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 4,
-        "head_dim": 64,
         "vocab_size": VOCAB_SIZE,
         "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "hidden_act": "silu",
         "tie_word_embeddings": False,
@@ -129,17 +126,23 @@ def llama_config(bos: int, eos: int, pad: int) -> dict[str, Any]:
     }
 
 
+def llama_config(bos: int, eos: int, pad: int) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **tiny_config(bos, eos, pad),
+        "head_dim": 64,
+        "rms_norm_eps": 1e-5,
+    }
+
+
 def deepseek_v2_config(bos: int, eos: int, pad: int) -> dict[str, Any]:
     # DeepSeek-V2-Lite-shaped, tiny. CPU MLA kernel needs kv_lora_rank + qk_rope_head_dim == 576.
     return {
         "architectures": ["DeepseekV2ForCausalLM"],
         "model_type": "deepseek_v2",
-        "hidden_size": 256,
-        "intermediate_size": 512,
+        **tiny_config(bos, eos, pad),
         "moe_intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
         "kv_lora_rank": 512,
         "q_lora_rank": None,
         "qk_nope_head_dim": 32,
@@ -158,19 +161,10 @@ def deepseek_v2_config(bos: int, eos: int, pad: int) -> dict[str, Any]:
         "norm_topk_prob": False,
         "aux_loss_alpha": 0.001,
         "seq_aux": True,
-        "vocab_size": VOCAB_SIZE,
-        "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
         "rope_scaling": None,
-        "hidden_act": "silu",
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "tie_word_embeddings": False,
-        "bos_token_id": bos,
-        "eos_token_id": eos,
-        "pad_token_id": pad,
-        "torch_dtype": "bfloat16",
     }
 
 
