@@ -18,7 +18,7 @@ from pdstack import kvmodes
 from pdstack.proxy.app import Proxy
 from pdstack.proxy.backends import BackendRegistry
 from pdstack.proxy.config import ProxyConfig
-from pdstack.testing.fake_engine import FakeEngine
+from pdstack.testing.fake_engine import FakeEngine, Faults
 
 ADMIN_TOKEN = "test-admin-token"
 
@@ -193,6 +193,22 @@ async def stream_completion(
     text = raw.decode()
     events = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
     return StreamResult(status, hdrs, events, text)
+
+
+async def pd_stream(
+    faults: dict[str, Faults], prompt: str, output_tokens: int = 16, **proxy: Any
+) -> tuple[StreamResult, str, dict[str, FakeEngine]]:
+    """One streamed completion of ``prompt`` (``max_tokens`` = ``output_tokens``) through a
+    1P1D proxy (``proxy``: its config) whose engines p0 and d0 play ``faults`` (engine name
+    -> Faults): the result, the proxy's metrics after it, and the engines (stopped)."""
+    async with (
+        engines("p0", "d0", output_tokens=output_tokens) as e,
+        running_proxy(pd_table(e, ["p0"], ["d0"]), **proxy) as rp,
+    ):
+        for name, fault in faults.items():
+            e[name].faults = fault
+        res = await stream_completion(rp.session, rp.url, prompt, max_tokens=output_tokens)
+        return res, await rp.metrics(), e
 
 
 async def open_loop(

@@ -14,13 +14,8 @@ async def test_decode_cut_before_first_byte_is_served_whole_not_502() -> None:
     """The only decoder paired with the prefiller cuts the decode leg before its first
     byte (its KV pull from a prefiller that stopped): the request is served whole by a
     decoder (decode fallback), not answered 502."""
-    async with (
-        ph.engines("p0", "d0", output_tokens=4) as e,
-        ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"]), eject_after=100) as rp,
-    ):
-        e["d0"].faults = Faults(close_after_chunks=0, times=1)
-        res = await ph.stream_completion(rp.session, rp.url, "hello there", max_tokens=4)
-        text = await rp.metrics()
+    faults = {"d0": Faults(close_after_chunks=0, times=1)}
+    res, text, e = await ph.pd_stream(faults, "hello there", output_tokens=4, eject_after=100)
     assert res.status == 200, res.text
     assert res.events[-1] == "[DONE]" and not res.error_events
     assert len(ph.completion_text(res.events).split()) == 4

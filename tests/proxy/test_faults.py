@@ -29,15 +29,9 @@ async def test_prefill_500_retried_on_other_prefiller() -> None:
 
 
 async def test_all_prefillers_failing_gives_502_with_reason() -> None:
-    async with (
-        ph.engines("p0", "d0") as e,
-        # without the decode fallback (tests/proxy/test_heal.py has it on)
-        ph.running_proxy(
-            ph.pd_table(e, ["p0"], ["d0"]), eject_after=100, decode_fallback=False
-        ) as rp,
-    ):
-        e["p0"].faults = Faults(status=503, health_status=503)
-        res = await ph.stream_completion(rp.session, rp.url, "hello")
+    faults = {"p0": Faults(status=503, health_status=503)}
+    # without the decode fallback (tests/proxy/test_heal.py has it on)
+    res, _, e = await ph.pd_stream(faults, "hello", eject_after=100, decode_fallback=False)
     assert res.status == 502
     assert "prefill p0 answered 503" in res.text
     assert not e["d0"].seen()

@@ -197,13 +197,8 @@ async def test_no_prefiller_decoders_serve_whole_requests_then_pd_again() -> Non
 async def test_prefill_failing_on_every_try_falls_back_to_a_decoder() -> None:
     """The prefiller answers 503 and its /health confirms it: it is ejected during the
     request, which a decoder then serves whole instead of a 502."""
-    async with (
-        ph.engines("p0", "d0", output_tokens=2) as e,
-        ph.running_proxy(ph.pd_table(e, ["p0"], ["d0"]), eject_after=100) as rp,
-    ):
-        e["p0"].faults = Faults(status=503, health_status=503)
-        res = await ph.stream_completion(rp.session, rp.url, "hello", max_tokens=2)
-        text = await rp.metrics()
+    faults = {"p0": Faults(status=503, health_status=503)}
+    res, text, e = await ph.pd_stream(faults, "hello", output_tokens=2, eject_after=100)
     assert res.status == 200 and res.events[-1] == "[DONE]", res.text
     assert len(e["p0"].seen("/v1/completions")) == 1
     assert [r.body["prompt"] for r in e["d0"].seen("/v1/completions")] == ["hello"]
