@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdstack.proxy.admission import AdmissionConfig
+from pdstack.proxy.admission_config import AdmissionConfig
 from pdstack.proxy.flags import Flag, add_fields, dest
 
 # AdmissionConfig fields, as --admission-FIELD

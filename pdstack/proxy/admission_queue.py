@@ -13,18 +13,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from pdstack.proxy import kv_gate
+from pdstack.proxy.admission_config import AdmissionConfig
 from pdstack.proxy.backends import BackendState
 from pdstack.proxy.fair_queue import AdmissionRejected, FairQueue, Waiter, tenant_name
 from pdstack.proxy.routing import PrefixIndex
 from pdstack.proxy.shares import TenantLedger
 from pdstack.proxy.tenants import TenantState
 from pdstack.proxy.wait_budget import WaitBudget
-
-if TYPE_CHECKING:
-    from pdstack.proxy.admission import AdmissionConfig
 
 _SENT = ("engines", "")  # the one store of KvAdmission._sent
 

@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdstack.proxy.admission import AdmissionConfig
+from pdstack.proxy.admission_config import AdmissionConfig
 from pdstack.proxy.kv_events_route import KvEventsConfig
 from pdstack.proxy.tenants import TENANT_KEYS_ENV, TenantPolicy, parse_tenant_keys
 from pdstack.secrets import (
