@@ -87,6 +87,16 @@ _TUNING = (
         "continue a stream whose leg failed mid-stream on another engine at most this often "
         "a request; 0 = off (default %(default)s)",
     ),
+    Flag(
+        "stall_probe_after_s",
+        "a stream that can migrate, silent this long on an engine silent as long, has the "
+        "engine's /health probed; 0 = off (default %(default)s)",
+    ),
+    Flag(
+        "stall_probe_timeout_s",
+        "no answer within this: the engine is frozen and the stream migrates now; it is not "
+        "ejected for it (default %(default)s)",
+    ),
     Flag("connect_timeout_s"),
     Flag(
         "leg_budget_base_s",

@@ -4,12 +4,14 @@ another engine, in the same client stream.
 A streamed ``/v1/completions`` or ``/v1/chat/completions`` request with ``n=1`` (what
 cannot be migrated: :func:`pdstack.proxy.migration_stream.cannot_migrate`) asks its engine
 for the token ids of its output. When its leg fails mid-stream (reason ``cut``: the
-connection closed; ``stall``: no data for ``stream_idle_timeout_s``; ``error_event``: the
-engine's 5xx error event, held back from the client; ``ejected``: the proxy ejected the
-engine, which aborts its legs), the proxy sends the prompt's token ids plus the output's so
-far to another usable engine of the same role and generation (never another generation's:
-the rule of upgrades' pairings) as a ``/v1/completions`` stream with ``max_tokens`` reduced
-by as many, and relays it into the same client stream
+connection closed; ``frozen``: no data, and its engine's ``/health`` unanswered within
+``stall_probe_timeout_s``, :mod:`pdstack.proxy.migration_stall`; ``stall``: no data for
+``stream_idle_timeout_s``; ``error_event``: the engine's 5xx error event, held back from
+the client; ``ejected``: the proxy ejected the engine, which aborts its legs), the proxy
+sends the prompt's token ids plus the output's so far to another usable engine of the same
+role and generation (never another generation's: the rule of upgrades' pairings) as a
+``/v1/completions`` stream with ``max_tokens`` reduced by as many, and relays it into the
+same client stream
 (:class:`pdstack.proxy.migration_stream.StreamTracker`: same ``id``, no token twice or
 missing, ``usage`` of what the client received, ``finish_reason`` of the engine that
 finished). In P/D the next decoder computes the prompt itself (no KV handoff). At most
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import time
@@ -31,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import aiohttp
 from aiohttp import web
 
 from pdstack.proxy.admission import KvAdmission
@@ -39,6 +43,7 @@ from pdstack.proxy.breaker import Breaker
 from pdstack.proxy.config import ProxyConfig
 from pdstack.proxy.errors import describe_failure, engine_error_event, error_event
 from pdstack.proxy.metrics import ProxyMetrics
+from pdstack.proxy.migration_stall import FROZEN, StallProbes, watch_frozen
 from pdstack.proxy.migration_stream import SSE_END, StreamTracker, cannot_migrate
 from pdstack.proxy.progress import ProgressWatch
 from pdstack.proxy.relay import RelayError, RelayPool, RelayProtocol
@@ -66,9 +71,11 @@ class ClientStream:
 
 
 def failure_reason(backend: BackendState, failure: str, tracker: StreamTracker | None) -> str:
-    """Why a leg's stream ended early ("" when it did not): ``stall``, ``ejected``, ``cut``,
-    ``error_event`` (:mod:`pdstack.proxy.migration`)."""
+    """Why a leg's stream ended early ("" when it did not): ``frozen``, ``stall``,
+    ``ejected``, ``cut``, ``error_event`` (:mod:`pdstack.proxy.migration`)."""
     if failure:
+        if failure.startswith(FROZEN):
+            return "frozen"
         if failure.startswith("no data for"):
             return "stall"
         return "ejected" if not backend.healthy and backend.ejections else "cut"
@@ -92,6 +99,7 @@ class Migration:
     progress: ProgressWatch
     admission: KvAdmission
     rng: random.Random
+    session: aiohttp.ClientSession | None
 
     async def _open(self, backend: BackendState, path: str, payload: bytes,
                     headers: dict[str, str]) -> RelayProtocol:
@@ -99,6 +107,10 @@ class Migration:
 
     def _address(self, backend: BackendState) -> tuple[str, int, str]:
         raise NotImplementedError  # pdstack.proxy.legs.Legs
+
+    @functools.cached_property
+    def stall_probes(self) -> StallProbes:
+        return StallProbes()
 
     def _migratable(self, ctx: RequestContext) -> bool:
         """Whether the request's stream may be migrated (its legs then ask for token ids)."""
@@ -125,17 +137,57 @@ class Migration:
         if client is None or client.is_closing():
             raise ConnectionResetError("client went away")
         backend.streaming.add(proto)
+        seen = [time.monotonic()]  # the stream's last chunk
 
         def progress(chunk: bytes) -> None:
-            backend.last_success = time.monotonic()
+            seen[0] = backend.last_success = time.monotonic()
             # its KV grows by a token per event: the gate's output still to come shrinks
             self.admission.streamed(backend, ctx.request_id, chunk.count(b"data: {"))
 
+        watch = self._watch_frozen(ctx, backend, proto, out, seen)
         try:
-            return await relay_body(proto, client, out.chunked, pending,
-                                    self.config.stream_idle_timeout_s, out.rewrite, progress)
+            failure = await relay_body(proto, client, out.chunked, pending,
+                                       self.config.stream_idle_timeout_s, out.rewrite, progress)
         finally:
             backend.streaming.discard(proto)
+            if watch is not None and not watch.done():
+                watch.cancel()
+        if watch is not None and watch.done() and not watch.cancelled():
+            failure = watch.result() or failure
+        return failure
+
+    def _watch_frozen(self, ctx: RequestContext, backend: BackendState, proto: RelayProtocol,
+                      out: ClientStream, seen: list[float]) -> asyncio.Task[str] | None:
+        """A stream that can migrate: watched for a frozen engine (aborted when it is:
+        :mod:`pdstack.proxy.migration_stall`); None when it cannot, or that is off."""
+        tracker, config = out.tracker, self.config
+        if tracker is None or config.stall_probe_after_s <= 0 or self.session is None:
+            return None
+
+        def can_move() -> bool:
+            return (tracker.migratable and tracker.migrations < config.max_migrations
+                    and any(b.usable and b is not backend and b.generation == backend.generation
+                            for b in self.registry.by_role(backend.role)))
+
+        async def watch() -> str:
+            assert self.session is not None
+            evidence = await watch_frozen(self.stall_probes, backend, self.session,
+                                          config.stall_probe_after_s,
+                                          config.stall_probe_timeout_s, lambda: seen[0],
+                                          can_move)
+            proto.abort()  # relay_body returns; the stream migrates (reason frozen)
+            return evidence
+
+        return asyncio.get_running_loop().create_task(watch())
+
+    def _leg_failed(self, backend: BackendState, failure: str, message: str) -> None:
+        """A leg failed mid-stream: counted against its engine, unless it was frozen (a
+        stalled stream whose engine did not answer a short /health: only suspected, its
+        /health then probed with the full budget, which ejects it if that fails too)."""
+        if failure.startswith(FROZEN):
+            self.breaker.suspect(backend)
+        else:
+            self.breaker.failure(backend, message)
 
     async def _relay_to_end(self, ctx: RequestContext, backend: BackendState,
                             proto: RelayProtocol, out: ClientStream, pending: bytes,
@@ -157,7 +209,7 @@ class Migration:
             if reason:
                 if failure:
                     message = f"{backend.role} {backend.name} failed mid-stream: {failure}"
-                    self.breaker.failure(backend, message)
+                    self._leg_failed(backend, failure, message)
                 else:
                     assert tracker is not None and tracker.error is not None
                     message = (f"{backend.role} {backend.name} sent an error mid-stream "
@@ -302,7 +354,7 @@ class Migration:
                 return None, "", True
             if failure:
                 error = f"{target.role} {target.name} failed mid-stream: {failure}"
-                self.breaker.failure(target, error)
+                self._leg_failed(target, failure, error)
             else:
                 error = f"{target.role} {target.name} sent an error mid-stream"
             return next_reason, error, True
