@@ -25,8 +25,8 @@ Metric names (all prefixed ``pdstack_proxy_``):
 - ``decode_fallback_total`` counter: requests a decoder served whole because no prefiller
   was usable (route ``decode_fallback`` in ``ttft_seconds``).
 - ``migrations_total`` counter {reason, outcome}: streams whose leg failed mid-stream
-  (reason ``cut``, ``stall``, ``error_event``, ``ejected``) and what followed (outcome
-  ``continued`` on another engine, ``failed``: the client got an error event);
+  (reason ``cut``, ``frozen``, ``stall``, ``error_event``, ``ejected``) and what followed
+  (outcome ``continued`` on another engine, ``failed``: the client got an error event);
   ``migration_gap_seconds`` histogram: the failed engine's last data (noticing a frozen
   one is part of it) -> the next engine's first event written to the client
   (:mod:`pdstack.proxy.migration`).
