@@ -12,7 +12,12 @@ A mode says:
 - which KV path joins a prefiller and a decoder on the same node and across nodes
   (:func:`kv_path`, the one pairing rule; ``None``: that pair is not allowed);
 - whether the proxy may skip the prefill leg for prompts the node's L1 already holds
-  (``skip_prefill``: only where the decoder loads from the node's store).
+  (``skip_prefill``: only where the decoder loads from the node's store);
+- what it implies for one engine (:meth:`KvMode.engine`, an :class:`EngineKv`): whether it
+  runs NIXL (and so listens on a side channel), connects to the node's LMCache server, or
+  pushes / receives LMCache's legacy push (a receiver listens on ports of its own). The
+  planner numbers an engine's ports (:mod:`pdstack.ports`) and writes its kv-transfer-config
+  from that record alone.
 
 Beside the mode (the handoff) stands the **KV tier** (``pdstack_kv_tier``, :func:`resolve_tier`):
 where an engine keeps reusable KV in host RAM once it falls out of GPU HBM —
@@ -38,6 +43,31 @@ TIERS: tuple[str, ...] = (NONE, NATIVE, LMCACHE)
 NATIVE_TIER_ROLES: tuple[str, ...] = ("prefill", "colocated")
 SHARED_L1 = "shared-l1"
 LMCACHE_PD = "lmcache-pd"
+PD_ROLES: tuple[str, ...] = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class EngineKv:
+    """What a KV mode implies for one engine (:meth:`KvMode.engine`)."""
+
+    # vLLM's kv_role of its handoff connector: the prefiller produces, the decoder consumes
+    handoff_role: str
+    # kv_role at the top of its MultiConnector (when it runs several connectors)
+    multi_role: str
+    # runs vLLM's NixlConnector: listens on a NIXL side channel that its decoders pull from
+    nixl: bool = False
+    # connects to its node's LMCache MP server (LMCacheMPConnector): the node runs one
+    lmcache_tier: bool = False
+    # LMCache's legacy push (lmcache-pd): "sender" (a prefiller, which notifies the proxy)
+    # or "receiver" (a decoder, on an init and an alloc port per TP rank); None: no push
+    push: str | None = None
+    # vLLM's ``kv_load_failure_policy`` on its kv-transfer-config (None: not set)
+    load_failure_policy: str | None = None
+
+    @property
+    def receives_push(self) -> bool:
+        """Does it listen for pushed KV (LMCache's ``disagg_spec`` receiver ports)?"""
+        return self.push == "receiver"
 
 
 @dataclass(frozen=True)
@@ -78,6 +108,24 @@ class KvMode:
         """Does a node with engines of ``roles`` run an LMCache MP server? Only when one
         of them uses it (nixl+l1: a decoder-only node has none)."""
         return any(self.uses_tier(r) for r in roles)
+
+    def engine(self, role: str, cross_node_partner: bool = False) -> EngineKv:
+        """What this mode implies for an engine of ``role`` (``cross_node_partner``: its role
+        has a P/D partner on another node): the one answer the ports and the engine's
+        connectors are written from."""
+        pd = role in PD_ROLES
+        handoff_role = "kv_producer" if role == "prefill" else "kv_consumer"
+        return EngineKv(
+            handoff_role=handoff_role,
+            # LMCache's P/D recipe names the NIXL side's role at the top; shared-l1+nixl keeps
+            # kv_both (its same-node pairs hand off through the store)
+            multi_role=handoff_role if self.same_node_path == NIXL else "kv_both",
+            nixl=pd and self.nixl_for(cross_node_partner),
+            lmcache_tier=self.uses_tier(role),
+            push=(("sender" if role == "prefill" else "receiver")
+                  if pd and self.lmcache_push else None),
+            load_failure_policy=self.load_failure_policy,
+        )
 
     @property
     def cross_node(self) -> bool:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pdstack.plan import KV_EVENTS_HASH_SEED, make_plan
+from pdstack.plan import make_plan
+from pdstack.plan_engine import KV_EVENTS_HASH_SEED
 from pdstack.topology import load_topology
 
 REPO = Path(__file__).resolve().parents[2]

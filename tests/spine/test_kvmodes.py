@@ -168,7 +168,7 @@ def test_plan_adhoc_and_proxy_agree_on_pairings(
 
 
 def _lmcache_budgets(profile: str) -> dict[str, float]:
-    """The LMCache MP client's budgets the planner sets on the cpu profile (pdstack/plan.py:
+    """The LMCache MP client's budgets the planner sets on the cpu profile (pdstack/plan_engine.py:
     a blocking RPC to a killed server gives up after 1 s, the outage is seen within 2 s)."""
     if profile == "cpu":
         return {"lmcache.mp.mq_timeout": 1.0, "lmcache.mp.heartbeat_interval": 1.0}

@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from pdstack.cli import main
-from pdstack.plan import make_node_ports, make_plan
+from pdstack.plan import make_plan
+from pdstack.ports import make_node_ports
 from pdstack.topology import TopologyError, load_topology
 
 REPO = Path(__file__).resolve().parents[2]

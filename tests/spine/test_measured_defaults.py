@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdstack.plan import admission_max_running, engine_priority, make_plan
+from pdstack.plan import make_plan
+from pdstack.plan_proxy import admission_max_running, engine_priority
 from pdstack.topology import TopologyError, load_topology
 
 REPO = Path(__file__).resolve().parents[2]
@@ -132,7 +133,7 @@ def test_the_proxy_sets_priorities_only_when_every_engine_schedules_by_them(
     (["--max-num-seqs", "8"], "cpu", None, 8),
 ])
 def test_engine_running_limit_follows_vllm_defaults(args, profile, gpu, want) -> None:
-    from pdstack.plan import engine_running_limit
+    from pdstack.plan_proxy import engine_running_limit
 
     assert engine_running_limit(args, profile, gpu) == want
 

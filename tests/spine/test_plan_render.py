@@ -246,7 +246,7 @@ def test_render_replaces_only_stack_files(tmp_path):
 
 def test_cpu_nixl_engines_hide_the_numa_topology_from_vllm():
     """vLLM's NIXL connector on CPU would move every NIXL engine's main thread to the node's
-    last core (NUMA_SYSFS_MASK in pdstack/plan.py); only those engines get the mask."""
+    last core (NUMA_SYSFS_MASK in pdstack/plan_engine.py); only those engines get the mask."""
     plan = plan_of("lab-2node")  # shared-l1+nixl: node1's prefiller and node2's decoder
     node1, node2 = services(plan, "node1"), services(plan, "node2")
     masked = {f"{n}/{s.name}" for n, svc in (("node1", node1), ("node2", node2))
