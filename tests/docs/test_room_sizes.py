@@ -11,7 +11,6 @@ PROXY_MAX = 450
 PACKAGE_MAX = 500
 # still over PACKAGE_MAX (2026-12-06): a ceiling each, never raised; lower it when one shrinks
 OVER = {
-    "pdstack/plan.py": 810,
 }
 
 
@@ -42,6 +41,7 @@ def test_the_size_rule_catches_a_long_proxy_module() -> None:
     assert too_long({"pdstack/proxy/app.py": 451, "pdstack/plan.py": 810,
                      "pdstack/render.py": 501}) == [
         "pdstack/proxy/app.py: 451 lines (at most 450)",
+        "pdstack/plan.py: 810 lines (at most 500)",
         "pdstack/render.py: 501 lines (at most 500)",
     ]
 
