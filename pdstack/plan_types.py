@@ -140,7 +140,8 @@ class BackendTable(_Model):
     # pdstack_tenants: the proxy's per-tenant weights and limits (omitted when none)
     tenants: dict[str, TenantSpec] = Field(default_factory=dict)
     # every engine runs vLLM's --scheduling-policy priority: the proxy sets each request's
-    # ``priority`` from its tenant's class (:func:`engine_priority`; omitted when false)
+    # ``priority`` from its tenant's class (pdstack.plan_proxy.engine_priority; omitted when
+    # false)
     engine_priority: bool = False
     # every engine's KV events go there (omitted when none publish)
     kv_events: KvEventsListen | None = None
