@@ -141,3 +141,38 @@ def docker_ready() -> Iterator[None]:
     with heavy_lock():
         yield
 
+
+
+@pytest.fixture(scope="package")
+def cpu_stack(docker_ready: None) -> Iterator[dict[str, float]]:
+    """compose/cpu, up once for every module of this package that asks for it (a cold
+    ``up --wait`` is ~60 s on 2 cores: one per module cost that again), down after the
+    package's last test."""
+    from .test_compose_cpu import cpu_stack_up
+
+    with cpu_stack_up() as stack:
+        yield stack
+
+
+# where each module's tests go in the package's run: the failure tests start their own copy
+# of the stack on its ports (so before the shared one is up), the stack's faults last (a
+# heal test leaves an engine restarting: the data socket test wants every service as up
+# brought them)
+_STACK_ORDER = ("tests/e2e/test_compose_failures.py::",
+                "tests/e2e/test_compose_cpu.py::",
+                "tests/e2e/test_lmcache_data_socket.py::",
+                "tests/e2e/test_compose_cpu.py::test_heal_")
+
+
+def _stack_rank(nodeid: str) -> int:
+    ranks = [i for i, prefix in enumerate(_STACK_ORDER) if nodeid.startswith(prefix)]
+    return ranks[-1] if ranks else 0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """This package's tests in the order ``_STACK_ORDER`` (a stable sort: a module keeps its
+    own order), in the slots they had: no other test moves."""
+    slots = [i for i, item in enumerate(items) if item.nodeid.startswith("tests/e2e/")]
+    ordered = sorted((items[i] for i in slots), key=lambda item: _stack_rank(item.nodeid))
+    for i, item in zip(slots, ordered, strict=True):
+        items[i] = item

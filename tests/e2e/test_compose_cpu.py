@@ -97,8 +97,10 @@ def _proxy_status() -> str:
         return str(exc)
 
 
-@pytest.fixture(scope="module")
-def cpu_stack(docker_ready: None) -> Iterator[dict[str, float]]:
+@contextlib.contextmanager
+def cpu_stack_up() -> Iterator[dict[str, float]]:
+    """compose/cpu up (``up --wait``, every backend admitted by the proxy), then down: the
+    ``cpu_stack`` fixture (tests/e2e/conftest.py: one stack for this package's modules)."""
     running = {s.service for s in service_states(CPU_STACK) if s.state == "running"}
     busy = [p for p in stack_ports(CPU_STACK) if port_in_use(p)]
     if busy and not running:
@@ -111,12 +113,12 @@ def cpu_stack(docker_ready: None) -> Iterator[dict[str, float]]:
         raise
     print(f"\n[e2e] compose/cpu up --wait: {took:.0f} s "
           f"({'already running: ' + ', '.join(sorted(running)) if running else 'cold'})")
-    # `up --wait` says every container is healthy; the proxy takes each engine on its next
-    # health round (2 s): the tests below assume every backend routable (prefill included)
-    admitted = _wait(lambda: _proxy_status() == "ok",
-                     "the proxy routes to every backend after up --wait", 30)
-    print(f"[e2e] every backend admitted by the proxy {admitted:.0f} s after up --wait")
     try:
+        # `up --wait` says every container is healthy; the proxy takes each engine on its
+        # next health round (2 s): the tests assume every backend routable (prefill included)
+        admitted = _wait(lambda: _proxy_status() == "ok",
+                         "the proxy routes to every backend after up --wait", 30)
+        print(f"[e2e] every backend admitted by the proxy {admitted:.0f} s after up --wait")
         yield {"up_s": took, "t0": t0}
     finally:
         t1 = time.monotonic()

@@ -14,11 +14,10 @@ import pytest
 
 from pdstack import sidecars
 
-from .test_compose_cpu import (  # the stack fixture and its helpers (one stack for both)
+from .test_compose_cpu import (  # the stack's helpers (its fixture, cpu_stack: conftest.py)
     _compose_services,
     _container,
     _lmcache_listeners,
-    cpu_stack,  # noqa: F401 - a fixture, used by name
 )
 
 pytestmark = pytest.mark.docker
@@ -44,7 +43,7 @@ print(json.dumps(out))
 """
 
 
-def test_only_engines_reach_lmcaches_data_socket(cpu_stack: dict[str, float]) -> None:  # noqa: F811
+def test_only_engines_reach_lmcaches_data_socket(cpu_stack: dict[str, float]) -> None:
     services = _compose_services()
     cmd = services["lmcache"]["command"]
     port = cmd[cmd.index("--port") + 1]
