@@ -89,13 +89,13 @@ _TUNING = (
     ),
     Flag(
         "stall_probe_after_s",
-        "a stream that can migrate, silent this long on an engine silent as long, has the "
-        "engine's /health probed; 0 = off (default %(default)s)",
+        "an engine with streams that can migrate, silent this long, has its /health "
+        "probed; 0 = off (default %(default)s)",
     ),
     Flag(
         "stall_probe_timeout_s",
-        "no answer within this: the engine is frozen and the stream migrates now; it is not "
-        "ejected for it (default %(default)s)",
+        "no answer within this: the engine is frozen and its streams migrate now; it is "
+        "not ejected for it (default %(default)s)",
     ),
     Flag("connect_timeout_s"),
     Flag(

@@ -84,10 +84,10 @@ class ProxyConfig:
     # a stream whose leg fails mid-stream goes on on another engine of the same role and
     # generation at most this often (pdstack.proxy.migration); 0 = off (an error event)
     max_migrations: int = 2
-    # such a stream silent this long, on an engine silent as long, has the engine's /health
-    # probed: no answer within stall_probe_timeout_s = frozen, the stream migrates now (the
-    # engine is not ejected for it: pdstack.proxy.migration_stall); 0 = off
-    stall_probe_after_s: float = 0.5
+    # an engine with such streams that sends nothing this long has its /health probed: no
+    # answer within stall_probe_timeout_s = frozen, its streams migrate now (it is not
+    # ejected for it: pdstack.proxy.migration_stall); 0 = off
+    stall_probe_after_s: float = 0.25
     stall_probe_timeout_s: float = 1.0
     connect_timeout_s: float = 10.0
     # the prefill answer and the decoder's first byte: a budget from the prompt length

@@ -43,7 +43,7 @@ from pdstack.proxy.breaker import Breaker
 from pdstack.proxy.config import ProxyConfig
 from pdstack.proxy.errors import describe_failure, engine_error_event, error_event
 from pdstack.proxy.metrics import ProxyMetrics
-from pdstack.proxy.migration_stall import FROZEN, StallProbes, watch_frozen
+from pdstack.proxy.migration_stall import FROZEN, StallWatch
 from pdstack.proxy.migration_stream import SSE_END, StreamTracker, cannot_migrate
 from pdstack.proxy.progress import ProgressWatch
 from pdstack.proxy.relay import RelayError, RelayPool, RelayProtocol
@@ -109,8 +109,10 @@ class Migration:
         raise NotImplementedError  # pdstack.proxy.legs.Legs
 
     @functools.cached_property
-    def stall_probes(self) -> StallProbes:
-        return StallProbes()
+    def stall_watch(self) -> StallWatch:
+        """Frozen engines' streams (:mod:`pdstack.proxy.migration_stall`)."""
+        return StallWatch(lambda: self.session, self.config.stall_probe_after_s,
+                          self.config.stall_probe_timeout_s)
 
     def _migratable(self, ctx: RequestContext) -> bool:
         """Whether the request's stream may be migrated (its legs then ask for token ids)."""
@@ -137,48 +139,44 @@ class Migration:
         if client is None or client.is_closing():
             raise ConnectionResetError("client went away")
         backend.streaming.add(proto)
-        seen = [time.monotonic()]  # the stream's last chunk
 
         def progress(chunk: bytes) -> None:
-            seen[0] = backend.last_success = time.monotonic()
+            backend.last_success = time.monotonic()
             # its KV grows by a token per event: the gate's output still to come shrinks
             self.admission.streamed(backend, ctx.request_id, chunk.count(b"data: {"))
 
-        watch = self._watch_frozen(ctx, backend, proto, out, seen)
+        frozen = self._watch_frozen(backend, proto, out)
         try:
             failure = await relay_body(proto, client, out.chunked, pending,
                                        self.config.stream_idle_timeout_s, out.rewrite, progress)
         finally:
             backend.streaming.discard(proto)
-            if watch is not None and not watch.done():
-                watch.cancel()
-        if watch is not None and watch.done() and not watch.cancelled():
-            failure = watch.result() or failure
-        return failure
+            if frozen is not None:
+                self.stall_watch.discard(backend, proto)
+        return frozen[0] if frozen else failure
 
-    def _watch_frozen(self, ctx: RequestContext, backend: BackendState, proto: RelayProtocol,
-                      out: ClientStream, seen: list[float]) -> asyncio.Task[str] | None:
-        """A stream that can migrate: watched for a frozen engine (aborted when it is:
-        :mod:`pdstack.proxy.migration_stall`); None when it cannot, or that is off."""
+    def _watch_frozen(self, backend: BackendState, proto: RelayProtocol,
+                      out: ClientStream) -> list[str] | None:
+        """A stream that can migrate, watched for a frozen engine (its leg is aborted when
+        it is, and the evidence put in the list returned: :mod:`.migration_stall`); None
+        when it cannot migrate, or that is off."""
         tracker, config = out.tracker, self.config
-        if tracker is None or config.stall_probe_after_s <= 0 or self.session is None:
+        if tracker is None or config.stall_probe_after_s <= 0:
             return None
+        evidence: list[str] = []
 
         def can_move() -> bool:
             return (tracker.migratable and tracker.migrations < config.max_migrations
                     and any(b.usable and b is not backend and b.generation == backend.generation
                             for b in self.registry.by_role(backend.role)))
 
-        async def watch() -> str:
-            assert self.session is not None
-            evidence = await watch_frozen(self.stall_probes, backend, self.session,
-                                          config.stall_probe_after_s,
-                                          config.stall_probe_timeout_s, lambda: seen[0],
-                                          can_move)
-            proto.abort()  # relay_body returns; the stream migrates (reason frozen)
-            return evidence
+        def frozen(why: str) -> None:
+            if not evidence:
+                evidence.append(why)
+                proto.abort()  # relay_body returns; the stream migrates (reason frozen)
 
-        return asyncio.get_running_loop().create_task(watch())
+        self.stall_watch.add(backend, proto, can_move, frozen)
+        return evidence
 
     def _leg_failed(self, backend: BackendState, failure: str, message: str) -> None:
         """A leg failed mid-stream: counted against its engine, unless it was frozen (a

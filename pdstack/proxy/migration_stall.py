@@ -1,31 +1,29 @@
 """A frozen engine's streams move within seconds; a slow engine's stay (issue 55, with issue
 54's "slow is not dead").
 
-A stream that can migrate (:mod:`pdstack.proxy.migration`) and has had no data for
-``stall_probe_after_s``, on an engine that sent nothing on any leg for as long, makes the
-proxy ask the engine a cheap question: ``GET /health`` within ``stall_probe_timeout_s``
-(one probe at a time per engine, shared by its stalled streams, at most one per
-``stall_probe_after_s``). vLLM's API server is a process of its own beside the EngineCore
-that computes: a busy engine (a flood, a core shared with another engine, a step of 10-16 s
-on a loaded CPU) still answers it, in milliseconds to a few hundred (measured on 2 loaded
-cores: docs/self-healing.md), while a frozen one (its processes SIGSTOPped, its machine
-frozen, its link down) answers nothing, not even to a new connection the kernel accepted
-for it; a dead one refuses it. No answer (or a refusal), and still no data from the
-stream or its engine: the stream is **frozen** and migrates now (reason ``frozen``),
-instead of after the wedge confirmation (``--wedge-after`` + its no-progress budget,
-~18 s) or ``--stream-idle-timeout``. Any answer, whatever its status: the stream waits,
-however long the engine takes, and is probed again after another ``stall_probe_after_s``
-of silence.
+An engine with streams that can migrate (:mod:`pdstack.proxy.migration`) and that sent no
+data on any leg for ``stall_probe_after_s`` is asked a cheap question: ``GET /health``
+within ``stall_probe_timeout_s`` (one watcher and one probe at a time per engine, at most
+one probe per ``stall_probe_after_s`` of silence). vLLM's API server is a process of its
+own beside the EngineCore that computes: a busy engine (a flood, a core shared with another
+engine, a step of 10-16 s on a loaded CPU) still answers it, in milliseconds to a few
+hundred (measured on 2 loaded cores: docs/self-healing.md), while a frozen one (its
+processes SIGSTOPped, its machine frozen, its link down) answers nothing, not even on a
+connection the kernel accepted for it; a dead one refuses it. No answer (or a refusal), and
+still no data from the engine: it is **frozen**, and its streams migrate now (reason
+``frozen``), instead of after the wedge confirmation (``--wedge-after`` + its no-progress
+budget, ~18 s) or ``--stream-idle-timeout``. Any answer, whatever its status: its streams
+wait, however long it takes, and it is probed again after another ``stall_probe_after_s``.
 
-Only where the stream can go somewhere: another usable engine of its role and generation,
-and a migration left (``--max-migrations``); otherwise it waits as before.
+Only the streams that can go somewhere move: another usable engine of their role and
+generation, and a migration left (``--max-migrations``); the others wait as before.
 
-The stall never ejects, nor counts against the engine: the engine whose streams moved is
-only *suspected* (:meth:`pdstack.proxy.breaker.Breaker.suspect`: its ``/health`` with the
-full ``--health-timeout`` budget, where a ``/metrics`` that answers while legs are on it is
-load), which ejects it (``unreachable``) when that fails too. Not seen here: an engine
-whose API server answers while its EngineCore alone is stopped (``/health`` stays 200);
-that one is wedge detection's (:mod:`pdstack.proxy.progress`)."""
+The freeze never ejects the engine, nor counts against it: it is only *suspected*
+(:meth:`pdstack.proxy.breaker.Breaker.suspect`: its ``/health`` with the full
+``--health-timeout`` budget, where a ``/metrics`` that answers while legs are on it is
+load), which ejects it (``unreachable``) when that fails too. Not seen here: an engine whose
+API server answers while its EngineCore alone is stopped (``/health`` stays 200); that one
+is wedge detection's (:mod:`pdstack.proxy.progress`)."""
 
 from __future__ import annotations
 
@@ -38,6 +36,9 @@ import aiohttp
 from pdstack.proxy.backends import BackendState
 
 FROZEN = "frozen: "  # how a frozen leg's failure text begins (migration.failure_reason)
+
+# a stream's two callbacks: can it move now; it is frozen (the evidence)
+Watched = tuple[Callable[[], bool], Callable[[str], None]]
 
 
 async def health_answers(session: aiohttp.ClientSession, url: str, timeout_s: float) -> str:
@@ -54,55 +55,59 @@ async def health_answers(session: aiohttp.ClientSession, url: str, timeout_s: fl
         return f"its /health failed ({exc.__class__.__name__})"
 
 
-class StallProbes:
-    """The engines' stall probes: one at a time per engine, shared by its streams."""
+class StallWatch:
+    """The engines' streams that can migrate, one watcher task per engine that has any."""
 
-    def __init__(self) -> None:
-        # engine name -> (time.monotonic() the probe was sent, the probe)
-        self._probes: dict[str, tuple[float, asyncio.Task[str]]] = {}
+    def __init__(self, session: Callable[[], aiohttp.ClientSession | None],
+                 after_s: float, timeout_s: float) -> None:
+        self._session = session
+        self.after_s = after_s
+        self.timeout_s = timeout_s
+        self._streams: dict[str, dict[object, Watched]] = {}
+        self._watchers: dict[str, asyncio.Task[None]] = {}
 
-    async def verdict(self, backend: BackendState, session: aiohttp.ClientSession,
-                      timeout_s: float, since: float) -> str:
-        """The answer ("" or what failed) of a probe of ``backend`` sent at or after
-        ``since`` (a running or finished one, else a new one)."""
-        held = self._probes.get(backend.name)
-        if held is None or held[0] < since:
-            task = asyncio.get_running_loop().create_task(
-                health_answers(session, backend.url, timeout_s))
-            held = self._probes[backend.name] = (time.monotonic(), task)
-        return await asyncio.shield(held[1])
+    def add(self, backend: BackendState, key: object, can_move: Callable[[], bool],
+            frozen: Callable[[str], None]) -> None:
+        """Watch a stream of ``backend`` (``key``: its leg) until :meth:`discard`."""
+        self._streams.setdefault(backend.name, {})[key] = (can_move, frozen)
+        if backend.name not in self._watchers:
+            task = asyncio.get_running_loop().create_task(self._watch(backend))
+            self._watchers[backend.name] = task
+
+    def discard(self, backend: BackendState, key: object) -> None:
+        streams = self._streams.get(backend.name)
+        if streams is not None:
+            streams.pop(key, None)
+
+    async def _watch(self, backend: BackendState) -> None:
+        probed_at = 0.0
+        try:
+            while self._streams.get(backend.name):
+                quiet = backend.last_success
+                now = time.monotonic()
+                wake = max(quiet, probed_at) + self.after_s
+                if now < wake:
+                    await asyncio.sleep(wake - now)
+                    continue
+                probed_at = now
+                session = self._session()
+                if session is None or not any(
+                        can() for can, _ in self._streams[backend.name].values()):
+                    continue
+                error = await health_answers(session, backend.url, self.timeout_s)
+                probed_at = time.monotonic()
+                if error and backend.last_success <= quiet:
+                    evidence = f"{FROZEN}no data from it for {probed_at - quiet:.1f}s and {error}"
+                    for can, frozen in list(self._streams.get(backend.name, {}).values()):
+                        if can():
+                            frozen(evidence)
+        finally:
+            self._watchers.pop(backend.name, None)
+            if not self._streams.get(backend.name):
+                self._streams.pop(backend.name, None)
 
     def close(self) -> None:
-        for _, task in self._probes.values():
+        for task in self._watchers.values():
             task.cancel()
-        self._probes.clear()
-
-
-async def watch_frozen(
-    probes: StallProbes,
-    backend: BackendState,
-    session: aiohttp.ClientSession,
-    after_s: float,
-    timeout_s: float,
-    last_data: Callable[[], float],
-    can_move: Callable[[], bool],
-) -> str:
-    """Watch one stream of ``backend`` (``last_data()``: its last chunk's
-    ``time.monotonic()``) until it is frozen: returns the evidence (``FROZEN`` + ...); the
-    caller cancels it when the stream ends first."""
-    probed_at = 0.0
-    while True:
-        quiet = max(last_data(), backend.last_success)
-        now = time.monotonic()
-        wake = max(quiet, probed_at) + after_s
-        if now < wake:
-            await asyncio.sleep(wake - now)
-            continue
-        if not can_move():
-            probed_at = now
-            continue
-        # a probe sent since this silence began, and not more than after_s ago, will do
-        error = await probes.verdict(backend, session, timeout_s, max(quiet, now - after_s))
-        probed_at = time.monotonic()
-        if error and max(last_data(), backend.last_success) <= quiet:
-            return f"{FROZEN}no data for {probed_at - quiet:.1f}s and {error}"
+        self._watchers.clear()
+        self._streams.clear()

@@ -30,7 +30,7 @@ GEN = "tiny-s1@cpu"
 MAX_TOKENS = 160
 STREAMS = 6  # 3 completions, 3 chat
 # the longest a client may wait for its next event across the fault: a kill is noticed at
-# once, a freeze after --stall-probe-after (0.5 s) + an unanswered --stall-probe-timeout (1 s)
+# once, a freeze after --stall-probe-after (0.25 s) + an unanswered --stall-probe-timeout (1 s)
 GAP_S = 2.0
 
 
