@@ -75,6 +75,9 @@ STACKS=(
   # overload run 2 (H100): at the knee the gate held 187 and refused 44 where the native tier
   # met the SLO with 431 preemptions: the preemption caution off
   "pdstack-caution0 http://127.0.0.1:8160 http://127.0.0.1:8064 p $PD_INV engine-0,proxy"
+  # overload run 3: below the knee the proxy added 6-35 ms P50 over its engine straight; the
+  # request it sends differs by return_token_ids (stream migration): the proxy without it
+  "pdstack-nomigr http://127.0.0.1:8160 http://127.0.0.1:8065 p $PD_INV engine-0,proxy"
 )
 # the workloads (data): sweep-name prefix, rates variable, bench arguments
 declare -A WL_RATES=([mt]=RATES [turn]=RATES_TURN [seed]=RATES_SEED [long]=RATES_LONG)
@@ -153,6 +156,7 @@ EXTRA_PROXIES=(
   "pdstack-gate-off gate-off 8062 $REPO --admission off"
   "pdstack-kv97 kv97 8063 $REPO --admission-kv-high 0.97"
   "pdstack-caution0 caution0 8064 $REPO --admission-preempt-caution 0"
+  "pdstack-nomigr nomigr 8065 $REPO --max-migrations 0"
 )
 extra_proxy() {  # up|down STACK: start/stop the stack's extra proxy (0 when it has none)
   local e name port code flags

@@ -27,6 +27,8 @@ STACKS = {
     "pdstack-engine": "pdstack's default engine straight (no proxy)",
     "pdstack-gate-off": "pdstack default with `--admission off` (the relay alone)",
     "pdstack-kv97": "pdstack default with `--admission-kv-high 0.97` (the gate's mark)",
+    "pdstack-caution0": "pdstack default with `--admission-preempt-caution 0`",
+    "pdstack-nomigr": "pdstack default with `--max-migrations 0` (no `return_token_ids`)",
 }
 WORKLOADS = {"": "many-tenants", "turn-": "multi-turn", "seed-": "seed"}
 
