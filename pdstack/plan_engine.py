@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from pdstack import naming, sidecars
-from pdstack.plan_types import Service
+from pdstack.plan_types import Service, named_ports
 from pdstack.ports import (
     EnginePorts,
     LmcachePorts,
@@ -71,11 +71,8 @@ def engine_service(
     eng = node.engines[ep.index]
     ktc = kv_transfer_config(d, ep, node.private_address, tier_gb)
     env, tmpfs = _engine_env(d, node, ep, proxy_addr)
-    ports = {"http": ep.http}
-    if ep.kv_events_replay is not None:
-        ports["kv_events_replay"] = ep.kv_events_replay
-    if ep.nixl_side_channel is not None:
-        ports["nixl_side_channel"] = ep.nixl_side_channel
+    ports = named_ports(http=ep.http, kv_events_replay=ep.kv_events_replay,
+                        nixl_side_channel=ep.nixl_side_channel)
     return Service(
         name=ep.name,
         kind="engine",

@@ -17,6 +17,7 @@ from pdstack.plan_types import (
     LmcachePdReceiver,
     Pairing,
     Service,
+    named_ports,
 )
 from pdstack.ports import NodePorts, ProxyPorts, zmq_tcp
 from pdstack.specs import NodeSpec, Topology
@@ -38,11 +39,8 @@ def proxy_service(topo: Topology, node: NodeSpec, ports: ProxyPorts, engines: li
         if cap:
             cmd += ["--admission-max-running", str(cap)]
         cmd += ["--admission-ttft-slo", f"{d.ttft_slo:g}"]
-    service_ports = {"http": ports.http}
-    if ports.kv_events is not None:
-        service_ports["kv_events"] = ports.kv_events
-    if ports.lmcache_pd_notify is not None:
-        service_ports["lmcache_pd_notify"] = ports.lmcache_pd_notify
+    service_ports = named_ports(http=ports.http, kv_events=ports.kv_events,
+                                lmcache_pd_notify=ports.lmcache_pd_notify)
     return Service(
         name="proxy",
         kind="proxy",

@@ -84,6 +84,12 @@ class LmcachePdNotify(_Model):
     port: int
 
 
+def named_ports(**ports: int | None) -> dict[str, int]:
+    """A service's ``ports`` (name -> port) from the ones it has (None: it has none), in the
+    order given."""
+    return {name: port for name, port in ports.items() if port is not None}
+
+
 def _drop_none(data: dict, *keys: str) -> dict:
     for key in keys:
         if key in data and data[key] is None:
