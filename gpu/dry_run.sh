@@ -1,11 +1,11 @@
 #!/bin/bash
-# Rehearse gpu/run_sweeps.sh (or DRIVER=run_seeds.sh FAKE_MODEL=deepseek-v2-mini) on a machine
-# without GPUs: `vllm` is pdstack's FakeEngine
-# (pdstack.testing.fake_engine, a test double that serves the OpenAI API and the NIXL
-# kv_transfer_params protocol), `lmcache` a TCP/HTTP listener; the proxy, launch and
-# bench are the real ones.  Only checks the script's flow (start, probe, sweeps, skip
-# proxy, stop, packing); the numbers mean nothing.
-#   bash gpu/dry_run.sh   (from the repo root; uses ports 8000-8003, 8100-8121, 6000-6001)
+# Rehearse gpu/run_ceiling.sh (or DRIVER=other.sh) on a machine without GPUs: `vllm` is
+# pdstack's FakeEngine (pdstack.testing.fake_engine, a test double that serves the OpenAI API
+# and the NIXL kv_transfer_params protocol), `lmcache` a TCP/HTTP listener; the proxy, launch
+# and bench are the real ones.  Only checks the driver's flow (start, sweeps, extra proxies,
+# stop, packing); the numbers mean nothing.  From the repo root, e.g.
+#   SWEEPS="pdstack-default pdstack-nomigr long-vllm-native" RATES=2,4 RATES_LONG=1 RATES_MAX=0 \
+#     KEEP= BUDGET=400 bash gpu/dry_run.sh        (gpu/README.md lists one per experiment)
 set -euo pipefail
 REPO=$(pwd); D=${DRY_DIR:-/tmp/pd-dry}; rm -rf "$D"; mkdir -p "$D/site" "$D/bin" "$D/out"
 PYBIN=$(dirname "$(command -v "${PYTHON:-$REPO/.venv/bin/python3}")")
@@ -27,5 +27,5 @@ EOS
 chmod +x "$D/bin/vllm" "$D/bin/lmcache"
 echo "export PATH=$D/bin:$PYBIN:\$PATH FAKE_RECORD_DIR=$D" > "$D/site/env.sh"
 DRY_RUN=1 SITE="$D/site" W="$D/run" OUT="$D/out" RATES=${RATES:-2,4} DURATION=${DURATION:-4} \
-  WARMUP=1 bash "$REPO/gpu/${DRIVER:-run_sweeps.sh}" "${BUDGET:-300}"
+  WARMUP=1 bash "$REPO/gpu/${DRIVER:-run_ceiling.sh}" "${BUDGET:-300}"
 ls -la "$D/out"; tar -tzf "$D/out/results.tar.gz" | sed -n 1,40p  # (head: SIGPIPE, rc 141 under pipefail)

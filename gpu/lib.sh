@@ -1,7 +1,6 @@
 #!/bin/bash
-# gpu/lib.sh: the steps a gpu/run_*.sh driver shares (sourced from the repo root, then
-# `gpu_start TAG DEFAULT_STATE_DIR "${1:-}" || exit 1`).
-# (run_sweeps.sh, run_tiers.sh and run_h200x1.sh predate it and keep their own copies.)
+# gpu/lib.sh: gpu/run_ceiling.sh's steps (sourced from the repo root, then
+# `gpu_start TAG DEFAULT_STATE_DIR "${1:-}" || exit 1`; gpu/host_path.sh has its own).
 
 # the driver's frame: T0, BUDGET (its first argument, default 560 s), REPO (the repo root, the
 # caller's folder), W (its state folder: $W or DEFAULT_STATE_DIR), SITE (the payload's install
@@ -77,7 +76,7 @@ http_get() {
     "$1" 2>/dev/null
 }
 
-# --- engines, proxies and sweeps (run_tenants, run_ceiling, run_isolation) ---
+# --- engines, proxies and sweeps ---
 GPU_ENV=(--env VLLM_SERVER_DEV_MODE=1 --env VLLM_DISABLE_COMPILE_CACHE=1)
 
 # gpu_launch KEY INVENTORY SERVICES [FLAGS...]: `pdstack launch ... start` detached, once

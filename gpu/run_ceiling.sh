@@ -1,26 +1,35 @@
 #!/bin/bash
-# Issue 36: admission that costs nothing until it saves something, and one GPU's ceiling, on
-# the lent 1xH200, from the repo root there.
+# gpu/'s one driver: every GPU experiment still open is data here (STACKS, EXTRA_PROXIES,
+# the workloads), on the lent GPU machine, from the repo root there.
 #
 #   bash gpu/run_ceiling.sh [BUDGET_S]
 #
-# Idempotent and resumable (state in /tmp/pdceil): call it again in the next device call.
+# Idempotent and resumable (state in $W, default /tmp/pdceil): call it again in the next call.
 #   1. install the payload from /tmp/chunks (once); machine facts
-#   2. `pdstack launch` three V2-Lite engines at once on GPU 0 (10 GiB KV each, the plans'
-#      commands), detached: STACKS below. pdstack-default-before is the same engine as
-#      pdstack-default behind the OLD proxy (commit 431b547's pdstack, from $OLD_PDSTACK) with
-#      the planned proxy's exact arguments (read from the launched proxy) on :8061
-#   3. the sweeps (SWEEPS, priority order; a name is [turn-|seed-]STACK[-rN], -rN a repeat
+#   2. `pdstack launch` the engines SWEEPS need at once on GPU 0 (10 GiB KV each, the plans'
+#      commands), detached and supervised: STACKS below. pdstack-default-before is the same
+#      engine as pdstack-default behind the OLD proxy (OLD_REV's pdstack, from $OLD_PDSTACK)
+#      with the planned proxy's exact arguments (read from the launched proxy) on :8061
+#   3. the sweeps (SWEEPS, priority order; a name is [WORKLOAD-]STACK[-rN], -rN a repeat
 #      written to NAME-rN.json: interleave repeats to see run-to-run noise): one engine under load
 #      at a time, each sweep on a quiet engine with its own vLLM cache_salt (cold caches), the
 #      same seed and rates for every stack, the engine's and the proxy's counters in the JSON.
 #      A sweep that does not fit what is left of this call waits for the next call; a later,
-#      shorter one may run first. many-tenants: RATES; while a stack still meets the TTFT SLO
-#      at its top rate, one more sweep at the next MORE rates (STACK-to<rate>.json), up to
-#      RATES_MAX
+#      shorter one may run first. many-tenants (no prefix): RATES; while a stack still meets the
+#      TTFT SLO at its top rate, one more sweep at the next MORE rates (STACK-to<rate>.json), up
+#      to RATES_MAX. turn-/seed-/long-: RATES_TURN / RATES_SEED / RATES_LONG.
+#      Issue 37 (an interactive tenant beside a batch one; tenants chat and batch, keys in a
+#      0600 secrets file, the bench reads PDSTACK_BENCH_KEY_CHAT/_BATCH): batch-STACK sweeps the
+#      batch tenant alone (BATCH_RATES, or BATCH_CAP) and its best served rate is CAP;
+#      chat-/over-/flood-STACK: chat at CHAT_RATE (NAME.json) with the batch tenant at 0 /
+#      OVER_X / FLOOD_X times CAP (NAME-batch.json), started together.
+#      Issue 55: heal-STACK floods the stack's target (FLOOD_RATE x FLOOD_S), waits for the
+#      supervisor's verdict (died / wedged) and the restart, then NAME-after.json at 4 req/s;
+#      restart-STACK stops the stack and starts its engine twice with one persisted
+#      VLLM_CACHE_ROOT (results/restart.txt: each start's time and phase lines)
 #   4. when every sweep is done: the engines stopped but KEEP's (default "v p": vLLM with its
-#      defaults and pdstack's default engine, which gpu/run_isolation.sh reuses; KEEP= stops
-#      all). STOP_ONLY=1 KEEP= does only this, at once (no sweep resumed or extended)
+#      defaults and pdstack's default engine; KEEP= stops all). STOP_ONLY=1 KEEP= does only
+#      this, at once (no sweep resumed or extended)
 #   5. pack results + logs into $OUT/results.tar.gz (always)
 #
 # The old proxy: the device's copy of the repo has no .git. Before the run, here:
@@ -34,6 +43,7 @@
 #   pdstack's extension while it meets the SLO (2 rates a step)             ~100 s a step
 #   multi-turn, 4 rates: ~190 s each; turn-vllm-default, turn-pdstack-default ~380 s
 #   seed, 3 rates: ~150 s each; seed-vllm-default, seed-pdstack-default     ~300 s
+#   issue 37 (DURATION=30 WARMUP=5 DRAIN=20): batch-iso ~230 s, each pair <= 90 s
 #   => the acceptance's sweeps (mt x4 + turn x2 + one extension) in three ~9.5 min calls
 #      (560 s each); the two seed sweeps and turn-*-before / turn-vllm-native in a fourth.
 set -uo pipefail
@@ -49,6 +59,20 @@ RATES_LONG=${RATES_LONG:-1,2,3}   # long-input (6-12 k token prompts): below its
 # pdstack's stack (the p engine + proxy): inventory/h200x1, or a variant on the same ports
 # (inventory/h200x1-st2: the tier's store threshold; give it its own W=/tmp/pdceil-...)
 PD_INV=${PD_INV:-inventory/h200x1}
+# issue 37: the isolation stack (ISO_INV: :8160 + proxy :8066, the same engine as PD_INV's) and
+# the second engine INV_CHUNK (:8190 + :8067): h200x1-isolation-step (2,048-token steps,
+# 1,024-token chunks), -chunk (--long-prefill-token-threshold 1024) or -split (a plain engine)
+ISO_INV=${ISO_INV:-inventory/h200x1-isolation}
+INV_CHUNK=${INV_CHUNK:-inventory/h200x1-isolation-step}
+CHAT_RATE=${CHAT_RATE:-4}
+BATCH_RATES=${BATCH_RATES:-4,8,16,32}
+BATCH_SWEEP=${BATCH_CAP:-$BATCH_RATES}   # BATCH_CAP set: batch-STACK at it only, and CAP = it
+P1_TOKENS=${P1_TOKENS:-2048}
+# issue 55: heal-STACK's flood (WEDGE_S: the supervisor's, lib.sh)
+FLOOD_RATE=${FLOOD_RATE:-300}
+FLOOD_S=${FLOOD_S:-15}
+# a flood straight to vLLM holds one connection per queued request: descriptors
+ulimit -n 1048576 2>/dev/null || ulimit -n 65536 2>/dev/null
 SWEEPS=${SWEEPS:-vllm-default vllm-native pdstack-default pdstack-default-before \
 turn-vllm-default turn-pdstack-default seed-vllm-default seed-pdstack-default \
 turn-pdstack-default-before turn-vllm-native}
@@ -78,16 +102,38 @@ STACKS=(
   # overload run 3: below the knee the proxy added 6-35 ms P50 over its engine straight; the
   # request it sends differs by return_token_ids (stream migration): the proxy without it
   "pdstack-nomigr http://127.0.0.1:8160 http://127.0.0.1:8065 p $PD_INV engine-0,proxy"
+  # issue 56: two engines on the one GPU behind one proxy (KV-event routing), and the same
+  # engines behind a proxy with --kv-events off (the hash ring): an H200 only
+  "pdstack-2e http://127.0.0.1:8190 http://127.0.0.1:8090 e inventory/h200x1-2e engine-0,engine-1,proxy"
+  "pdstack-2e-ring http://127.0.0.1:8190 http://127.0.0.1:8091 e inventory/h200x1-2e engine-0,engine-1,proxy"
+  # issue 37: tenants chat + batch on pdstack's default engine (iso) or on INV_CHUNK's (isoc);
+  # -p1: a second proxy with --admission-prefill-tokens P1_TOKENS (batch prefills one prompt
+  # at a time while chat is active); -nofirst: --admission-interactive-first off; iso-split:
+  # chat on iso, the batch tenant on iso-chunk (BATCH_TO): does the card interleave better?
+  "iso http://127.0.0.1:8160 http://127.0.0.1:8066 iso $ISO_INV engine-0,proxy"
+  "iso-chunk http://127.0.0.1:8190 http://127.0.0.1:8067 isoc $INV_CHUNK engine-0,proxy"
+  "iso-p1 http://127.0.0.1:8160 http://127.0.0.1:8068 iso $ISO_INV engine-0,proxy"
+  "iso-chunk-p1 http://127.0.0.1:8190 http://127.0.0.1:8069 isoc $INV_CHUNK engine-0,proxy"
+  "iso-nofirst http://127.0.0.1:8160 http://127.0.0.1:8070 iso $ISO_INV engine-0,proxy"
+  "iso-split http://127.0.0.1:8160 http://127.0.0.1:8066 iso $ISO_INV engine-0,proxy"
 )
+declare -A BATCH_TO=([iso-split]=iso-chunk)  # the stack the batch tenant goes to, if not chat's
 # the workloads (data): sweep-name prefix, rates variable, bench arguments
-declare -A WL_RATES=([mt]=RATES [turn]=RATES_TURN [seed]=RATES_SEED [long]=RATES_LONG)
-declare -A WL_ARGS=([mt]="${GPU_MT[*]}" [turn]="--scenario multi-turn" [seed]="--scenario seed" [long]="--scenario long-input")
+CHAT="--tenant chat:1 --system-prompts 4 --system-len 2000 --shared-share 1 --user-len uniform:32:128 --output-len 64"
+BATCH="--tenant batch:1 --system-prompts 1 --shared-share 0 --system-len uniform:4096:6144 --user-len uniform:64:256 --output-len uniform:64:256"
+declare -A WL_RATES=([mt]=RATES [turn]=RATES_TURN [seed]=RATES_SEED [long]=RATES_LONG
+                     [batch]=BATCH_SWEEP [chat]=CHAT_RATE [over]=CHAT_RATE [flood]=CHAT_RATE)
+declare -A WL_ARGS=([mt]="${GPU_MT[*]}" [turn]="--scenario multi-turn" [seed]="--scenario seed"
+                    [long]="--scenario long-input" [batch]="$BATCH" [chat]="$CHAT" [over]="$CHAT"
+                    [flood]="$CHAT" [heal]="${GPU_MT[*]}")
+# the batch tenant beside chat: a multiple of CAP (chat- has none)
+declare -A WL_X=([over]=${OVER_X:-1.5} [flood]=${FLOOD_X:-6})
 
 if [ ! -f "$W/results/machine.txt" ]; then
   { echo "# h200x1-ceiling machine facts, $(date -u +%FT%TZ)"; uname -a; nproc; free -g
     gpu_facts
     python3 -c "from importlib.metadata import version as v; print('vllm', v('vllm'))"
-    echo "old proxy: $OLD_REV's pdstack from $OLD_PDSTACK"
+    echo "old proxy: $OLD_REV's pdstack from $OLD_PDSTACK"; echo "ulimit -n $(ulimit -n)"
   } > "$W/results/machine.txt" 2>&1
 fi
 if [ ! -d "$OLD_PDSTACK/pdstack" ] && git -C "$REPO" cat-file -e "$OLD_REV" 2>/dev/null; then
@@ -100,10 +146,12 @@ stack() {  # NAME: "engine target key inventory services" of a stack, or nothing
 }
 # the launch keys SWEEPS need: only their engines start (a card of ~78 GiB holds one V2-Lite
 # engine of 10 GiB KV, an H200 three)
-parse_sweep() {  # NAME ([turn-|seed-|long-]STACK[-rN]): prints "WORKLOAD STACK"
+parse_sweep() {  # NAME ([WORKLOAD-]STACK[-rN]): prints "WORKLOAD STACK"
   local st=$1 wl=mt
   [[ $st =~ ^(.*)-r[0-9]+$ ]] && st=${BASH_REMATCH[1]}  # a repeat: NAME-rN.json, same stack
-  case $st in turn-*|seed-*|long-*) wl=${st%%-*}; st=${st#*-} ;; esac
+  case $st in turn-*|seed-*|long-*|batch-*|chat-*|over-*|flood-*|heal-*|restart-*)
+    wl=${st%%-*}; st=${st#*-} ;;
+  esac
   echo "$wl $st"
 }
 # STOP_ONLY=1: no sweep (none resumed or extended), only step 4: the engines stopped but KEEP's
@@ -111,20 +159,30 @@ parse_sweep() {  # NAME ([turn-|seed-|long-]STACK[-rN]): prints "WORKLOAD STACK"
 [ -n "${STOP_ONLY-}" ] && SWEEPS="" && log "STOP_ONLY: the engines stopped but KEEP's (${KEEP-v p})"
 NEED=" "
 for name in $SWEEPS; do
-  read -r _ st <<< "$(parse_sweep "$name")"
-  read -r _ _ key _ <<< "$(stack "$st")"
-  [ -n "$key" ] && NEED+="$key "
+  read -r wl st <<< "$(parse_sweep "$name")"
+  [ "$wl" = restart ] && continue  # starts its own engine (step 3)
+  for s in "$st" ${BATCH_TO[$st]:-}; do
+    read -r _ _ key _ <<< "$(stack "$s")"
+    [ -n "$key" ] && NEED+="$key "
+  done
 done
 needed() { case "$NEED" in *" $1 "*) return 0 ;; esac; return 1; }
+case "$NEED" in *" iso"*) gpu_tenant_keys chat batch ;; esac
+UP=" "  # the engine URLs launched in this loop
 for s in "${STACKS[@]}"; do
   read -r _ engine _ key inv svcs <<< "$s"
   needed "$key" || continue
-  stock=()
-  case $key in v|n) stock=("${GPU_STOCK[@]}") ;; esac  # the baselines: stock vLLM
-  # an engine already up on the stack's port (gpu/run_isolation.sh's, the same command) is
-  # reused: only the rest of its services start (V2-Lite: ~150 s saved, and a fourth engine
-  # would not fit on the GPU beside three)
-  if [ ! -f "$W/state/launched-$key" ] && http_get "$engine/health" > /dev/null; then
+  flags=()
+  case $key in
+    v|n) flags=("${GPU_STOCK[@]}") ;;  # the baselines: stock vLLM
+    iso*) flags=(--secrets-env "$GPU_SECRETS") ;;
+  esac
+  # an engine already up on the stack's port (the same command: p's and iso's), or launched
+  # by another key just now, is reused: only the rest of its services start (V2-Lite: ~150 s
+  # saved, and a fourth engine would not fit on the GPU beside three)
+  [ -f "$W/state/launched-$key" ] || case "$UP" in *" $engine "*) up=1 ;; *) up=0 ;; esac
+  UP+="$engine "
+  if [ ! -f "$W/state/launched-$key" ] && { [ "$up" = 1 ] || http_get "$engine/health" > /dev/null; }; then
     svcs=$(echo "$svcs" | tr ',' '\n' | grep -vx 'engine-0' | paste -sd, -)
     log "$key: $engine is up already: reused (starting: ${svcs:-nothing})"
     if [ -z "$svcs" ]; then
@@ -133,7 +191,7 @@ for s in "${STACKS[@]}"; do
       continue
     fi
   fi
-  gpu_launch "$key" "$inv" "$svcs" "${GPU_SUPERVISE[@]}" "${stock[@]}"
+  gpu_launch "$key" "$inv" "$svcs" "${GPU_SUPERVISE[@]}" "${flags[@]}"
 done
 for s in "${STACKS[@]}"; do  # a stack that failed to start: its sweeps are marked failed
   read -r _ _ _ key _ <<< "$s"
@@ -147,8 +205,8 @@ for s in "${STACKS[@]}"; do  # the launches' own lines: how long each engine too
   touch "$W/state/times-$key"; log "$key: $(grep -h 'healthy after' "$W/logs/launch-$key.out" | tr '\n' ';')"
 done
 [ -d "$OLD_PDSTACK/pdstack" ] || log "no $OLD_PDSTACK/pdstack: no pdstack-default-before (see the header)"
-# the extra proxies in front of pdstack's engine (data): stack, proxy name, port, code tree,
-# flags after the launched proxy's own. Each runs only during its own sweeps: every proxy
+# the extra proxies (data): stack, proxy name, port, code tree, flags after the own flags of
+# the proxy launched for the stack's key (its engine's). Each runs only during its own sweeps: every proxy
 # reads the engine's /metrics, and run 1 had the old one (every 0.1 s) up beside the
 # launched proxy through all of pdstack-default's sweeps
 EXTRA_PROXIES=(
@@ -157,16 +215,22 @@ EXTRA_PROXIES=(
   "pdstack-kv97 kv97 8063 $REPO --admission-kv-high 0.97"
   "pdstack-caution0 caution0 8064 $REPO --admission-preempt-caution 0"
   "pdstack-nomigr nomigr 8065 $REPO --max-migrations 0"
+  "pdstack-2e-ring ring 8091 $REPO --kv-events off"
+  "iso-p1 p1 8068 $REPO --admission-prefill-tokens $P1_TOKENS"
+  "iso-chunk-p1 p1c 8069 $REPO --admission-prefill-tokens $P1_TOKENS"
+  "iso-nofirst nofirst 8070 $REPO --admission-interactive-first off"
 )
 extra_proxy() {  # up|down STACK: start/stop the stack's extra proxy (0 when it has none)
-  local e name port code flags
+  local e name port code flags key GPU_SECRETS=${GPU_SECRETS:-}
   for e in "${EXTRA_PROXIES[@]}"; do
     [ "${e%% *}" = "$2" ] || continue
     read -r _ name port code flags <<< "$e"
     if [ "$1" = down ]; then gpu_proxy_stop "$name"; rm -f "$W/state/proxy-$name"; return 0; fi
-    [ -d "$code/pdstack" ] && [ ! -f "$W/state/down-p" ] || return 1
+    read -r _ _ key _ <<< "$(stack "$2")"
+    case $key in iso*) ;; *) GPU_SECRETS="" ;; esac  # tenants' keys: the iso proxies only
+    [ -d "$code/pdstack" ] && [ ! -f "$W/state/down-$key" ] || return 1
     # shellcheck disable=SC2046,SC2086
-    gpu_proxy "$name" "$port" "$code" $(gpu_proxy_args p) $flags
+    gpu_proxy "$name" "$port" "$code" $(gpu_proxy_args "$key") $flags
     return
   done
 }
@@ -179,23 +243,111 @@ print(int(r["request_rate"]))
 sys.exit(0 if r.get("meets_ttft_slo") else 1)
 PYEOF
 }
-sweep() {  # NAME: [turn-|seed-]STACK[-rN]; 3 when it does not fit the budget now
+sweep() {  # NAME: [WORKLOAD-]STACK[-rN]; 3 when it does not fit the budget now
   local name=$1 wl st
   read -r wl st <<< "$(parse_sweep "$name")"
   local spec; spec=$(stack "$st")
   [ -n "$spec" ] || { log "unknown sweep $name"; return 0; }
-  local engine target key
-  read -r engine target key _ <<< "$spec"
+  local engine target key inv
+  read -r engine target key inv _ <<< "$spec"
+  [ "$wl" = restart ] && { restart "$name" "$key" "$inv"; return; }
   [ -f "$W/state/down-$key" ] && engine=""  # gpu_sweep: "no engine", failed
-  local rv=${WL_RATES[$wl]}
-  [ -f "$W/state/failed-$name" ] || extra_proxy up "$st" \
+  local rv=${WL_RATES[$wl]:-} dur=$DURATION
+  [ "$wl" = batch ] && dur=$((DURATION * 2 / 3))
+  [ -f "$W/state/swept-$name" ] || [ -f "$W/state/failed-$name" ] || extra_proxy up "$st" \
     || { log "no proxy for $st: skip $name"; touch "$W/state/failed-$name"; return 0; }
   local rc=0
-  # shellcheck disable=SC2086
-  gpu_sweep "$name" "$engine" "$target" "${!rv}" "$DURATION" ${WL_ARGS[$wl]} || rc=$?
+  case $wl in
+    chat|over|flood) pair "$name" "$st" "$engine" "$target" "$wl" || rc=$? ;;
+    heal) heal "$name" "$key" "$engine" "$target" || rc=$? ;;
+    # shellcheck disable=SC2086
+    *) gpu_sweep "$name" "$engine" "$target" "${!rv}" "$dur" ${WL_ARGS[$wl]} || rc=$? ;;
+  esac
   if [ "$wl" = mt ] && [ $rc = 0 ]; then extend "$name" "$engine" "$target" || rc=$?; fi
+  if [ "$wl" = batch ] && [ -f "$W/results/$name.json" ] && [ ! -f "$W/state/cap-$key" ]; then
+    python3 -c "import json, sys; print(max(1, round(max(r.get('request_throughput') or 0
+      for r in json.load(open(sys.argv[1]))['results']))))" "$W/results/$name.json" \
+      > "$W/state/cap-$key" && log "CAP $(cat "$W/state/cap-$key") req/s ($name)"
+  fi
   extra_proxy down "$st"
   return $rc
+}
+metrics() {  # ENGINE TARGET: the bench's --metrics-url flags (the engine's, the proxy's)
+  echo "--metrics-url $1/metrics"; [ "$2" = "$1" ] || echo "--metrics-url $2/metrics"
+}
+pair() {  # NAME STACK ENGINE TARGET WORKLOAD: chat (NAME.json) and the batch tenant
+  # (NAME-batch.json, a multiple of its engine's CAP) started together; 3 when it must wait
+  local name=$1 st=$2 engine=$3 target=$4 x=${WL_X[$5]:-} be bt bk brate="" bpid="" ok=1 cap
+  [ -f "$W/state/swept-$name" ] || [ -f "$W/state/failed-$name" ] && return 0
+  read -r be bt bk _ <<< "$(stack "${BATCH_TO[$st]:-$st}")"
+  [ -f "$W/state/down-$bk" ] && be=""
+  [ -n "$engine" ] && [ -n "$be" ] || { log "no engine for $name"; touch "$W/state/failed-$name"; return 0; }
+  gpu_fits "$name" 1 "$DURATION" || return 3
+  if [ -n "$x" ]; then  # CAP: BATCH_CAP, else batch-STACK's on that engine, else batch-iso's
+    cap=${BATCH_CAP:-$(cat "$W/state/cap-$bk" "$W/state/cap-iso" 2>/dev/null | head -1)}
+    [ -n "$cap" ] || { log "no CAP (batch-STACK) yet: $name waits"; return 3; }
+    brate=$(python3 -c "import sys; print(max(1, round($cap * $x)))")
+  fi
+  gpu_quiesce "$engine"; [ "$be" = "$engine" ] || gpu_quiesce "$be"
+  log "$name via $target: chat $CHAT_RATE req/s, batch ${brate:-none} req/s via $bt"
+  if [ -n "$brate" ]; then
+    # shellcheck disable=SC2046
+    gpu_bench "$name-batch" "$bt" "$brate" "$DURATION" $(metrics "$be" "$bt") $BATCH &
+    bpid=$!
+  fi
+  # shellcheck disable=SC2046,SC2086
+  gpu_bench "$name" "$target" "$CHAT_RATE" "$DURATION" $(metrics "$engine" "$target") $CHAT || ok=0
+  [ -z "$bpid" ] || wait "$bpid" || ok=0
+  if [ $ok = 1 ]; then touch "$W/state/swept-$name"; else touch "$W/state/failed-$name"; fi
+}
+heal() {  # NAME KEY ENGINE TARGET: a flood to TARGET, the supervisor's verdict and restart,
+  # then NAME-after.json (4 req/s, 10 s); resumable
+  local name=$1 key=$2 engine=$3 target=$4 out=$W/logs/launch-$2.out t0
+  [ -f "$W/state/swept-$name" ] || [ -f "$W/state/failed-$name" ] && return 0
+  [ -n "$engine" ] || { log "no engine for $name"; touch "$W/state/failed-$name"; return 0; }
+  if [ ! -f "$W/state/flooded-$name" ]; then
+    touch "$W/state/flooded-$name"
+    log "$name: $FLOOD_RATE req/s x ${FLOOD_S}s to $target, then the client gives up"
+    # shellcheck disable=SC2086
+    DRAIN=10 gpu_bench "$name" "$target" "$FLOOD_RATE" "$FLOOD_S" --metrics-url "$engine/metrics" ${WL_ARGS[heal]}
+    t0=$(date +%s)
+    until grep -q "wedged:\|died" "$out" || [ $(( $(date +%s) - t0 )) -ge $(( ${WEDGE_S:-60} + 90 )) ]; do
+      [ "$(left)" -lt 25 ] && { log "$name: no verdict yet: call again"; return 3; }
+      sleep 2
+    done
+  fi
+  grep -E "wedged:|died|restarting|started engine-0 again" "$out" | cut -c1-300 | tee -a "$W/run.log"
+  grep -q "restarting" "$out" || { log "$name: no crash or wedge seen"; touch "$W/state/swept-$name"; return 0; }
+  until http_get "$engine/health" > /dev/null; do
+    [ "$(left)" -lt 25 ] && { log "$name: not healthy again yet: call again"; return 3; }
+    sleep 2
+  done
+  log "$name: healthy again"
+  # shellcheck disable=SC2086
+  WARMUP=2 DRAIN=20 gpu_bench "$name-after" "$target" 4 10 --metrics-url "$engine/metrics" ${WL_ARGS[heal]}
+  touch "$W/state/swept-$name"
+}
+PHASES='Loading weights took|Model loading took|torch.compile take|Compiling a graph|Directly load|Graph capturing finished|init engine|Available KV cache|GPU KV cache size|compile cache|Cache the graph'
+restart() {  # NAME KEY INVENTORY: the key's launch stopped, then its engine-0 started twice
+  # with one persisted VLLM_CACHE_ROOT (a restarted container's); results/restart.txt
+  local name=$1 n r PD=(python3 -m pdstack.cli)
+  [ -f "$W/state/swept-$name" ] && return 0
+  gpu_stop "$2" "$3"
+  for n in 1 2; do
+    [ -f "$W/state/$name-$n" ] && continue
+    [ "$(left)" -lt 240 ] && { log "no time for $name start $n: call again"; return 3; }
+    log "$name: start $n (VLLM_CACHE_ROOT=$W/vllm-cache)"
+    "${PD[@]}" launch -i "$3" start --services engine-0 --log-dir "$W/logs/$name-$n" \
+      --timeout 400 --env "VLLM_CACHE_ROOT=$W/vllm-cache" > "$W/logs/$name-$n.out" 2>&1
+    r="rc=$? $(grep -h 'healthy after' "$W/logs/$name-$n.out" | sed 's/.*] //')"
+    log "$name: start $n $r"
+    { echo "== $name start $n: $r"; grep -hE "$PHASES" "$W/logs/$name-$n/engine-0.log" | cut -c1-300
+    } >> "$W/results/restart.txt"
+    "${PD[@]}" launch -i "$3" stop --log-dir "$W/logs/$name-$n" --grace 20 >> "$W/logs/$name-$n.out" 2>&1
+    touch "$W/state/$name-$n"
+  done
+  du -sh "$W/vllm-cache" >> "$W/results/restart.txt" 2>&1
+  touch "$W/state/swept-$name"
 }
 extend() {  # NAME ENGINE TARGET: the ceiling: more rates while the stack meets the SLO at its top
   local name=$1 engine=$2 target=$3 last=$1 top
@@ -211,7 +363,7 @@ pending=0
 for name in $SWEEPS; do sweep "$name" || pending=1; done
 if [ $pending = 1 ]; then log "sweeps left for the next call: $(left)s left"; exit 0; fi
 log "all sweeps done: $(ls "$W/state" | grep -c '^swept-') swept, $(ls "$W/state" | grep -c '^failed-') failed"
-for s in "${STACKS[@]}"; do  # KEEP: launch keys left running (run_isolation.sh reuses v and p)
+for s in "${STACKS[@]}"; do  # KEEP: launch keys left running (another W's call reuses them)
   read -r _ _ _ key inv _ <<< "$s"
   case " ${KEEP-v p} " in *" $key "*) ;; *) gpu_stop "$key" "$inv" ;; esac
 done

@@ -1,6 +1,6 @@
-"""Issue 36's table and acceptance from gpu/run_ceiling.sh's sweeps (results/h200x1-ceiling).
+"""gpu/'s one summarizer: the tables and acceptance of gpu/run_ceiling.sh's sweeps.
 
-    python gpu/summarize_ceiling.py results/h200x1-ceiling [--json OUT]
+    python gpu/summarize_ceiling.py DIR [--json OUT]
 
 Goodput is the highest asked rate whose TTFT meets the SLO (P50 and P99, the bench's
 ``meets_ttft_slo``). The acceptance (issue 36):
@@ -8,15 +8,20 @@ Goodput is the highest asked rate whose TTFT meets the SLO (P50 and P99, the ben
   at every rate where the native tier alone meets the SLO, pdstack's TTFT P99 <= 1.1x its;
 - multi-turn: at every rate where vLLM with its defaults meets the SLO, pdstack's TTFT P50 and
   P99 within 10 % of vLLM's or within 10 ms (whichever is larger), served within 3 %.
+Issue 37 (chat-/over-/flood-STACK.json beside NAME-batch.json, batch-STACK.json): chat's TTFT,
+ITL P90 and queue wait, the batch tenant's served rate and 429 / 5xx, the proxy's holds; against
+chat alone and the batch tenant alone on the same engine: ``flood-``: chat P99 <= 3x alone,
+P50 <= 2x, every chat request served, batch >= 50 % of alone, no 5xx; ``over-``: P99 <= 2x.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import re
+from pathlib import Path
 from statistics import mean
 from typing import Any
-
-from summarize_tiers import cli, fmt, report, rows
 
 # sweep name -> what ran (one engine each, 10 GiB KV, GPU 0; same seed and rates)
 STACKS = {
@@ -30,7 +35,18 @@ STACKS = {
     "pdstack-caution0": "pdstack default with `--admission-preempt-caution 0`",
     "pdstack-nomigr": "pdstack default with `--max-migrations 0` (no `return_token_ids`)",
 }
-WORKLOADS = {"": "many-tenants", "turn-": "multi-turn", "seed-": "seed"}
+WORKLOADS = {"": "many-tenants", "turn-": "multi-turn", "seed-": "seed", "long-": "long-input"}
+
+
+def rows(run: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"rate": r["request_rate"], "served": r["served_rate"], "p50": r["p50_ttft_ms"],
+             "p99": r["p99_ttft_ms"], "preempt": r.get("preemptions"),
+             "itl": r.get("p50_itl_ms"), "out": r.get("output_throughput")}
+            for r in run["results"]]
+
+
+def fmt(v: float | None, spec: str = ".0f") -> str:
+    return "-" if v is None else format(v, spec)
 
 
 def goodput(run: dict[str, Any]) -> float:
@@ -201,8 +217,84 @@ def overload(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "ok": bool(past) and all(p["ok"] for p in past) and all(b["ok"] for b in below)}
 
 
+def top(run: dict[str, Any] | None) -> dict[str, Any] | None:
+    rs = (run or {}).get("results") or []
+    return max(rs, key=lambda r: r.get("request_rate") or 0) if rs else None
+
+
+def tenant_row(runs: dict[str, dict[str, Any]], name: str) -> dict[str, Any]:
+    """Issue 37: chat's NAME.json and the batch tenant's NAME-batch.json (when it ran)."""
+    chat, batch = top(runs[name]), top(runs.get(name + "-batch"))
+    assert chat is not None
+    pd = (chat.get("prometheus") or {}).get("total", {}).get("pdstack", {}) or {}
+    waits = pd.get("pdstack_proxy_tenant_queue_wait_seconds_sum{tenant=chat}")
+    waited = pd.get("pdstack_proxy_tenant_queue_wait_seconds_count{tenant=chat}")
+    out: dict[str, Any] = {
+        "name": name, "chat_p50_ms": chat["p50_ttft_ms"], "chat_p99_ms": chat["p99_ttft_ms"],
+        "chat_served": chat["request_throughput"], "chat_failed": chat["failed"],
+        "chat_itl_p90_ms": chat.get("p90_itl_ms"),
+        "chat_queue_ms": (1000 * waits / waited) if waits is not None and waited else None,
+        "held": {k.split("reason=")[1].rstrip("}"): v for k, v in pd.items()
+                 if k.startswith("pdstack_proxy_admission_held_total") and v}}
+    if batch is not None:  # its 429s and 5xx (error keys like ``http_429`` or ``429``)
+        codes = [("".join(c for c in str(k) if c.isdigit()), n)
+                 for k, n in (batch.get("errors") or {}).items()]
+        out.update(batch_served=batch["request_throughput"],
+                   batch_429=sum(n for c, n in codes if c == "429"),
+                   batch_5xx=sum(n for c, n in codes if len(c) == 3 and c[0] == "5"))
+    return out
+
+
+def isolation(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Issue 37's table and checks; each variant against chat alone and the batch tenant
+    alone on its own engine (iso-split: the batch tenant's is iso-chunk), else on iso."""
+    names = sorted(n for n in runs if re.match(r"(chat|over|flood)-", n)
+                   and not n.endswith("-batch"))
+    tab = [tenant_row(runs, n) for n in names]
+    print("\n### an interactive tenant beside a batch one\n\n| variant | chat P50 ms "
+          "| chat P99 ms | chat served/s | chat failed | chat ITL P90 ms | chat queue ms/req "
+          "| batch served/s | batch 429 / 5xx | held |\n|---|---|---|---|---|---|---|---|---|---|")
+    for r in tab:
+        print(f"| {r['name']} | {r['chat_p50_ms']:.0f} | {r['chat_p99_ms']:.0f} "
+              f"| {r['chat_served']:.2f} | {r['chat_failed']} | {fmt(r['chat_itl_p90_ms'])} "
+              f"| {fmt(r['chat_queue_ms'], '.1f')} | {fmt(r.get('batch_served'), '.2f')} "
+              f"| {r.get('batch_429', '-')} / {r.get('batch_5xx', '-')} | {r['held'] or ''} |")
+    by_name, checks = {r["name"]: r for r in tab}, {}
+    for r in tab:
+        wl, st = r["name"].split("-", 1)
+        st = re.sub(r"-r\d+$", "", st)
+        engine = re.sub(r"-(p1|nofirst)$", "", st)
+        alone = next((by_name[n] for n in (f"chat-{st}", f"chat-{engine}",
+                     f"chat-{engine.replace('-split', '')}", "chat-iso") if n in by_name), None)
+        b_name = next((n for n in (f"batch-{engine.replace('-split', '-chunk')}", "batch-iso")
+                       if top(runs.get(n))), None)
+        if wl == "chat" or alone is None:
+            continue
+        c: dict[str, Any] = {"p99_x_alone": r["chat_p99_ms"] / alone["chat_p99_ms"],
+                             "against": alone["name"]}
+        if wl == "over":
+            c["met"] = c["p99_x_alone"] <= 2
+        else:
+            b_alone = top(runs.get(b_name or ""))
+            c.update(p50_x_alone=r["chat_p50_ms"] / alone["chat_p50_ms"],
+                     chat_all_served=r["chat_failed"] == 0, batch_5xx=r.get("batch_5xx"),
+                     batch_x_alone=r.get("batch_served", 0) / b_alone["request_throughput"]
+                     if b_alone else None, batch_against=b_name)
+            c["met"] = (c["p99_x_alone"] <= 3 and c["p50_x_alone"] <= 2 and c["chat_all_served"]
+                        and not c["batch_5xx"] and (c["batch_x_alone"] or 0) >= 0.5)
+        checks[r["name"]] = c
+        print(f"{r['name']}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float)
+                                           else f"{k} {v}" for k, v in c.items()))
+    return {"rows": tab, "checks": checks}
+
+
 def main() -> None:
-    runs, out = cli()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("dir", type=Path)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    runs = {p.stem: json.loads(p.read_text()) for p in sorted(a.dir.glob("*.json"))}
+    runs = {k: v for k, v in runs.items() if isinstance(v, dict) and "results" in v}
     merge_extensions(runs)
     for prefix, title in WORKLOADS.items():
         if any(prefix + k in runs for k in STACKS):
@@ -213,7 +305,11 @@ def main() -> None:
         r["p50_ok"] and r["p99_ok"] and r["served_ok"] for r in turn)
     acc: dict[str, Any] = {"many_tenants": mt, "multi_turn": turn, "overload": overload(runs),
                            "ok": ok}
-    report(acc, out)
+    if any(re.match(r"(chat|over|flood)-", n) for n in runs):
+        acc["isolation"] = isolation(runs)
+    print("\n```\n" + json.dumps(acc, indent=1) + "\n```")
+    if a.json:
+        a.json.write_text(json.dumps(acc, indent=1) + "\n")
 
 
 if __name__ == "__main__":
