@@ -66,6 +66,7 @@ ISO_INV=${ISO_INV:-inventory/h200x1-isolation}
 INV_CHUNK=${INV_CHUNK:-inventory/h200x1-isolation-step}
 CHAT_RATE=${CHAT_RATE:-4}
 BATCH_RATES=${BATCH_RATES:-4,8,16,32}
+# shellcheck disable=SC2034  # read as ${!rv} (WL_RATES[batch])
 BATCH_SWEEP=${BATCH_CAP:-$BATCH_RATES}   # BATCH_CAP set: batch-STACK at it only, and CAP = it
 P1_TOKENS=${P1_TOKENS:-2048}
 # issue 55: heal-STACK's flood (WEDGE_S: the supervisor's, lib.sh)
@@ -257,10 +258,10 @@ sweep() {  # NAME: [WORKLOAD-]STACK[-rN]; 3 when it does not fit the budget now
   [ -f "$W/state/swept-$name" ] || [ -f "$W/state/failed-$name" ] || extra_proxy up "$st" \
     || { log "no proxy for $st: skip $name"; touch "$W/state/failed-$name"; return 0; }
   local rc=0
+  # shellcheck disable=SC2086
   case $wl in
     chat|over|flood) pair "$name" "$st" "$engine" "$target" "$wl" || rc=$? ;;
     heal) heal "$name" "$key" "$engine" "$target" || rc=$? ;;
-    # shellcheck disable=SC2086
     *) gpu_sweep "$name" "$engine" "$target" "${!rv}" "$dur" ${WL_ARGS[$wl]} || rc=$? ;;
   esac
   if [ "$wl" = mt ] && [ $rc = 0 ]; then extend "$name" "$engine" "$target" || rc=$?; fi
@@ -291,7 +292,7 @@ pair() {  # NAME STACK ENGINE TARGET WORKLOAD: chat (NAME.json) and the batch te
   gpu_quiesce "$engine"; [ "$be" = "$engine" ] || gpu_quiesce "$be"
   log "$name via $target: chat $CHAT_RATE req/s, batch ${brate:-none} req/s via $bt"
   if [ -n "$brate" ]; then
-    # shellcheck disable=SC2046
+    # shellcheck disable=SC2046,SC2086
     gpu_bench "$name-batch" "$bt" "$brate" "$DURATION" $(metrics "$be" "$bt") $BATCH &
     bpid=$!
   fi
