@@ -30,7 +30,6 @@ from pdstack.proxy.errors import ProxyRunner, error_response, openai_errors
 from pdstack.proxy.flows import Flows
 from pdstack.proxy.health_probes import HealthProbes
 from pdstack.proxy.kv_events_route import KvRouting
-from pdstack.proxy.legs import RequestContext
 from pdstack.proxy.limits import (
     BodyBudget,
     FailureLimiter,
@@ -44,6 +43,7 @@ from pdstack.proxy.metrics import ProxyMetrics
 from pdstack.proxy.periodic import every
 from pdstack.proxy.progress import ProgressWatch
 from pdstack.proxy.relay import RelayPool
+from pdstack.proxy.request_context import RequestContext
 from pdstack.proxy.routing import (
     HashRing,
     PrefixIndex,

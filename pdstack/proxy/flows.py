@@ -58,9 +58,9 @@ from pdstack.proxy.admission import AdmissionRejected, prompt_tokens
 from pdstack.proxy.backends import BackendState
 from pdstack.proxy.errors import error_response
 from pdstack.proxy.kv_events_route import KvRouting, RequestBlocks
-from pdstack.proxy.legs import RequestContext
 from pdstack.proxy.lmcache_pd import LmcachePdFlow
 from pdstack.proxy.migration_fallback import DecodeFallback
+from pdstack.proxy.request_context import RequestContext
 from pdstack.proxy.routing import (
     HashRing,
     PrefixIndex,

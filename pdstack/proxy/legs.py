@@ -8,7 +8,6 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
 import aiohttp
@@ -25,6 +24,7 @@ from pdstack.proxy.errors import (
 from pdstack.proxy.migration import Migration
 from pdstack.proxy.migration_stream import with_token_ids
 from pdstack.proxy.relay import RelayError, RelayProtocol, build_request, split_url
+from pdstack.proxy.request_context import RequestContext
 from pdstack.proxy.sse import (
     cached_tokens,
     first_event,
@@ -32,7 +32,6 @@ from pdstack.proxy.sse import (
     start_stream,
     usage_rewriter,
 )
-from pdstack.proxy.tenants import Ticket
 
 log = logging.getLogger("pdstack.proxy")
 R = TypeVar("R")
@@ -54,39 +53,6 @@ class Passthrough(Exception):
         self.status = status
         self.body = body
         self.content_type = content_type
-
-
-@dataclass
-class RequestContext:
-    request_id: str
-    path: str
-    body: dict[str, Any]
-    raw: bytes
-    stream: bool
-    started: float
-    route: str = "pd"
-    text: str | None = None
-    blocks: list[int] | None = None  # its prompt's block hashes (flows._hashes: once)
-    outcome: str = "ok"
-    session: str | None = None  # session affinity key (X-Session-ID header or `user`)
-    tokens: int = 0  # prompt tokens (exact for token-id prompts, else estimated)
-    upstream_headers: dict[str, str] = field(default_factory=dict)
-    budget_s: float = 30.0  # prefill answer / first decode byte
-    # the prefill leg's usage.prompt_tokens_details.cached_tokens (P/D: what the client
-    # is told, the decoder having got the whole prompt's KV from the prefiller)
-    cached_tokens: int | None = None
-    trace: Any = None  # tracing.RequestTrace while traced
-    ticket: Ticket | None = None  # its tenant's share (pdstack.proxy.tenants); None: no tenants
-    # P/D: the prefiller whose KV the decode leg reads, counted in its in_flight until that
-    # leg's first byte (a drain waits for the pull, not only for the prefill answer)
-    kv_source: BackendState | None = None
-    migratable: bool | None = None  # its stream may migrate (pdstack.proxy.migration); once
-
-    def release_kv_source(self) -> None:
-        """The decode leg has its first byte (or ended): the prefiller is free of it."""
-        if self.kv_source is not None:
-            self.kv_source.in_flight -= 1
-            self.kv_source = None
 
 
 class Legs(Migration):

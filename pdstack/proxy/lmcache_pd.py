@@ -44,7 +44,8 @@ from aiohttp import web
 
 from pdstack.proxy import tracing
 from pdstack.proxy.backends import BackendState
-from pdstack.proxy.legs import Legs, RequestContext
+from pdstack.proxy.legs import Legs
+from pdstack.proxy.request_context import RequestContext
 from pdstack.proxy.routing import pick_p2c
 
 log = logging.getLogger("pdstack.proxy")

@@ -52,7 +52,7 @@ from pdstack.proxy.sse import ErrorEvents, first_event, leading_error, relay_bod
 from pdstack.proxy.tenants import tenant_note
 
 if TYPE_CHECKING:
-    from pdstack.proxy.legs import RequestContext
+    from pdstack.proxy.request_context import RequestContext
 
 log = logging.getLogger("pdstack.proxy")
 

@@ -11,7 +11,8 @@ import logging
 from aiohttp import web
 
 from pdstack.proxy.backends import BackendState
-from pdstack.proxy.legs import Legs, RequestContext
+from pdstack.proxy.legs import Legs
+from pdstack.proxy.request_context import RequestContext
 
 log = logging.getLogger("pdstack.proxy")
 

@@ -40,7 +40,7 @@ ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
 
 class TracedRequest(Protocol):
     """What tracing reads and writes of a request: the fields of the proxy's
-    ``pdstack.proxy.legs.RequestContext`` it uses (a protocol, so that this module, which
+    ``pdstack.proxy.request_context.RequestContext`` it uses (a protocol, so that this module, which
     the request's code imports, imports none of it)."""
 
     request_id: str
