@@ -4,7 +4,8 @@ process group: API server and EngineCore) mid-stream, or frozen with SIGSTOP, an
 client stream completes on engine B, token-identical to an unbroken run with the same usage,
 and no client waits more than GAP_S for its next event across the fault (issue 55: the
 migration's gap, P99 <= 2 s on CPU; measured by the client, the proxy's
-``migration_gap_seconds`` printed beside it)."""
+``migration_gap_seconds`` printed beside it). And with no fault, on a loaded machine, no
+stream moves and no engine is ejected or flagged wedged (issue 54: slow is not dead)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import itertools
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +23,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from pdstack.proxy import migration_stall
 from pdstack.testing import proxy_harness as ph
 from pdstack.testing import vllm_engines as ve
 from pdstack.testing.heavy import heavy_lock
@@ -32,6 +36,7 @@ STREAMS = 6  # 3 completions, 3 chat
 # the longest a client may wait for its next event across the fault: a kill is noticed at
 # once, a freeze after --stall-probe-after (0.25 s) + an unanswered --stall-probe-timeout (1 s)
 GAP_S = 2.0
+BUSY_S = 60  # the no-fault run: streams at 2 req/s this long, on a loaded machine
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +108,13 @@ def _gap_across(arrived: list[float], fault: float) -> float:
     return max((b - a for a, b in itertools.pairwise(arrived) if b > fault), default=0.0)
 
 
+def _table(engines: tuple[ve.Proc, ve.Proc]) -> dict[str, Any]:
+    return ph.table("colocated", [
+        {"name": f"n1/engine-{x}", "role": "colocated", "node": "n1", "url": engine.url,
+         "generation": GEN} for x, engine in zip("ab", engines, strict=True)
+    ], served_model_name="tiny")
+
+
 async def _streams_on_a_then(engines: tuple[ve.Proc, ve.Proc], sig: signal.Signals,
                              seed: int) -> None:
     """STREAMS greedy streams start on engine A (B drained until each has 4 tokens, then back
@@ -115,13 +127,8 @@ async def _streams_on_a_then(engines: tuple[ve.Proc, ve.Proc], sig: signal.Signa
         # the unbroken run: the same requests straight to engine B (the same build)
         reference = await asyncio.gather(*(_stream(session, engine_b.url, path, body)
                                            for path, body in requests))
-    table = ph.table("colocated", [
-        {"name": "n1/engine-a", "role": "colocated", "node": "n1", "url": engine_a.url,
-         "generation": GEN},
-        {"name": "n1/engine-b", "role": "colocated", "node": "n1", "url": engine_b.url,
-         "generation": GEN},
-    ], served_model_name="tiny")
-    async with ph.running_proxy(table, health_interval_s=0.5, health_timeout_s=5.0) as rp:
+    async with ph.running_proxy(_table(engines), health_interval_s=0.5,
+                                health_timeout_s=5.0) as rp:
         backends = list(rp.registry.backends.values())
         await ph.until(lambda: all(b.healthy for b in backends), "both engines in", 60)
         assert await rp.backend_action("n1/engine-b", "drain") == 200
@@ -172,7 +179,66 @@ async def test_sigstop_colocated_engine_streams_complete_token_identical(
     await _streams_on_a_then(colocated_engines, signal.SIGSTOP, seed=10)
 
 
+async def test_busy_engines_with_no_fault_keep_every_stream(
+    colocated_engines: tuple[ve.Proc, ve.Proc],
+) -> None:
+    """Slow is not dead (issue 54) with the frozen-engine watch on: BUSY_S of streams at
+    2 req/s over both engines (every 4th with a 1000-word prompt) while 6 busy loops load the
+    machine's 2 cores, the proxy's production health budgets: every stream completes, none
+    moves, no engine is ejected or flagged wedged; whatever /health probes the stall watch
+    sent were answered."""
+    probes: list[tuple[float, str]] = []
+    real = migration_stall.health_answers
+
+    async def timed(session: Any, url: str, timeout_s: float) -> str:
+        t0 = time.monotonic()
+        error = await real(session, url, timeout_s)
+        probes.append((time.monotonic() - t0, error))
+        return error
+
+    hogs = [subprocess.Popen(["taskset", "-c", str(i % 2), sys.executable, "-c",
+                              "while 1: pass"]) for i in range(6)]
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(migration_stall, "health_answers", timed)
+            async with ph.running_proxy(_table(colocated_engines), health_interval_s=2.0,
+                                        health_timeout_s=2.0) as rp:
+                await ph.until(lambda: all(b.healthy for b in rp.registry.backends.values()),
+                               "both engines in", 60)
+                tasks: list[asyncio.Task[Streamed]] = []
+                end = time.monotonic() + BUSY_S
+                while time.monotonic() < end:
+                    path, body = _request(1000 + len(tasks))
+                    if len(tasks) % 4 == 0:  # a long prompt's prefill stalls the others
+                        path, body = "/v1/completions", {**body, "prompt": ve.prompt_of(
+                            1000, seed=len(tasks))}
+                        body.pop("messages", None)
+                    tasks.append(asyncio.create_task(_stream(rp.session, rp.url, path, body)))
+                    await asyncio.sleep(0.5)
+                results = await asyncio.wait_for(
+                    asyncio.gather(*tasks, return_exceptions=True), 300)
+                metrics = await rp.metrics()
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    failed = [r for r in results if isinstance(r, BaseException)]
+    waits = sorted(max((b - a for a, b in itertools.pairwise(r[3])), default=0.0)
+                   for r in results if not isinstance(r, BaseException))
+    latencies = sorted(t for t, _ in probes)
+    print(f"\nbusy, no fault: {len(results)} streams, {len(failed)} failed; longest waits for "
+          f"a chunk {[round(w, 2) for w in waits[-3:]]} s; {len(probes)} stall probes, "
+          f"{sum(1 for _, e in probes if e)} unanswered, slowest "
+          f"{[round(t, 3) for t in latencies[-3:]]} s")
+    assert not failed, failed[:3]
+    for name in ("pdstack_proxy_migrations_total", "pdstack_proxy_ejections_total",
+                 "pdstack_proxy_wedged_total"):
+        assert ph.metric_value(metrics, name) == 0, name
+    assert ph.metric_value(metrics, "pdstack_proxy_requests_total", outcome="ok") == len(tasks)
+
+
 async def test_kill_9_colocated_engine_streams_complete_token_identical(
     colocated_engines: tuple[ve.Proc, ve.Proc],
 ) -> None:
+    """Last in this module: engine A stays dead."""
     await _streams_on_a_then(colocated_engines, signal.SIGKILL, seed=0)
