@@ -200,6 +200,8 @@ class Proxy(HealthProbes, AdminAPI, EngineRoutes, Flows):
                     await task
         self.breaker.close()
         self.progress.close()
+        if "stall_watch" in self.__dict__:  # made at the first migratable stream
+            self.stall_watch.close()
         if self.session is not None:
             await self.session.close()
         self.relay.close()
