@@ -125,6 +125,22 @@ class AdmissionQueue:
             tenant_fault=tenant is not None and self.config.fairness,
         )
 
+    def refuse_at_arrival(self, tenant: TenantState | None) -> None:
+        """The wait budget's judgement of a request that has just arrived, before its body is
+        read: raise :class:`AdmissionRejected` (as :meth:`wait_open` would) when a request
+        of ``tenant``'s class would wait past its budget now. Under a flood the refusal then
+        costs its connection the headers alone (a flood of 300 at once on 2 busy cores:
+        0.37 s to the last 503 when each was parsed and routed first); the request that
+        passes is judged again, with its own size, in :meth:`wait_open`."""
+        if not self.config.enabled:
+            return
+        try:
+            self._check_budget(tenant, "")
+        except AdmissionRejected as exc:
+            if tenant is not None and tenant.policy.priority == "batch":
+                exc.tenant_fault = True
+            raise
+
     def _check_budget(self, tenant: TenantState | None, request_id: str) -> None:
         """Raise :class:`AdmissionRejected` (``queue_wait``) when the request's predicted
         time to first byte is past its class's budget (:mod:`pdstack.proxy.wait_budget`):

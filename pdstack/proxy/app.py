@@ -21,7 +21,7 @@ from aiohttp import web
 
 from pdstack.proxy import affinity, tracing
 from pdstack.proxy.admin import AdminAPI, _bearer
-from pdstack.proxy.admission import KvAdmission, prompt_tokens
+from pdstack.proxy.admission import AdmissionRejected, KvAdmission, prompt_tokens
 from pdstack.proxy.backends import BackendRegistry
 from pdstack.proxy.breaker import Breaker
 from pdstack.proxy.config import ProxyConfig
@@ -281,6 +281,15 @@ class Proxy(HealthProbes, AdminAPI, EngineRoutes, Flows):
             tenant = self.tenants.lookup(_bearer(request)) or self.tenants.default
         rid = valid_request_id(request.headers.get("X-Request-Id"))
         rid_header = {"X-Request-Id": rid}
+        # past capacity a request that would wait past its budget is refused on its headers:
+        # under a flood the refusal must be cheap (its body is neither read nor parsed)
+        try:
+            self.admission.refuse_at_arrival(tenant)
+        except AdmissionRejected as exc:
+            metrics.outcome["rejected"].inc()
+            refused = self.admission_refused(exc, tenant, rid, admitted=False)
+            refused.force_close()  # its unread body goes with the connection
+            return refused
         # the body first (bounded in size, bytes held at once, and time), admission after:
         # a slow client holds a connection, never a slot
         raw, taken = await read_body(
@@ -386,20 +395,20 @@ class Proxy(HealthProbes, AdminAPI, EngineRoutes, Flows):
         try:
             ctx.ticket = self.tenants.admit(tenant, ctx.tokens, max_tokens_of(ctx.body))
         except RateLimited as exc:
-            return self.tenant_limited(ctx, exc, tenant)
+            ctx.outcome = "rejected"
+            return self.tenant_refused(ctx.request_id, exc, tenant.label, admitted=False)
         return await self._serve(request, ctx)
 
-    def tenant_limited(
-        self, ctx: RequestContext, exc: RateLimited, tenant: TenantState | None = None
+    def tenant_refused(
+        self, request_id: str, exc: RateLimited, label: str, admitted: bool
     ) -> web.Response:
-        """A tenant limit's 429 (``Retry-After``, ``code: rate_limit_exceeded``)."""
-        ctx.outcome = "rejected"
-        label = tenant.label if tenant is not None else ctx.ticket.tenant.label  # type: ignore[union-attr]
+        """A tenant limit's 429 (``Retry-After``, ``code: rate_limit_exceeded``); a request
+        never admitted is counted here (admitted ones at their end)."""
         self.metrics.tenant_rejected(label, exc.limit)
-        if tenant is not None:  # never admitted: counted here (admitted ones at their end)
+        if not admitted:
             self.metrics.tenant_outcome(label, "rejected")
-        log.info("429: tenant %s over %s (request %s)", exc.tenant, exc.limit, ctx.request_id)
-        return exc.response(ctx.request_id)
+        log.info("429: tenant %s over %s (request %s)", exc.tenant, exc.limit, request_id)
+        return exc.response(request_id)
 
     def _tenant_done(self, ctx: RequestContext, tenant: TenantState) -> None:
         assert ctx.ticket is not None

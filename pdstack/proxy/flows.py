@@ -69,7 +69,7 @@ from pdstack.proxy.routing import (
     prompt_text,
     stable_hash,
 )
-from pdstack.proxy.tenants import RateLimited
+from pdstack.proxy.tenants import RateLimited, TenantState
 
 log = logging.getLogger("pdstack.proxy")
 
@@ -98,8 +98,34 @@ class Flows(LmcachePdFlow, DecodeFallback):
             return self._serve_lmcache_pd
         return self._serve_pd
 
-    def tenant_limited(self, ctx: RequestContext, exc: RateLimited) -> web.Response:
+    def tenant_refused(
+        self, request_id: str, exc: RateLimited, label: str, admitted: bool
+    ) -> web.Response:
         raise NotImplementedError  # pdstack.proxy.app.Proxy
+
+    def admission_refused(
+        self, exc: AdmissionRejected, tenant: TenantState | None, request_id: str,
+        admitted: bool,
+    ) -> web.Response:
+        """The client's answer to admission's refusal: 429 when it is the tenant's doing
+        (over its share, or a batch tenant), else 503; ``Retry-After`` and OpenAI error JSON
+        either way. ``admitted``: the request holds a tenant ticket (its outcome is counted
+        at its end), else it was refused at arrival."""
+        self.metrics.admission_rejected.labels(exc.reason).inc()
+        retry = max(exc.retry_after_s, self.config.retry_after_s)
+        if exc.tenant_fault and tenant is not None:
+            limited = RateLimited(tenant.name, exc.reason, str(exc), retry)
+            return self.tenant_refused(request_id, limited, tenant.label, admitted)
+        if tenant is not None:
+            self.metrics.tenant_rejected(tenant.label, exc.reason)
+            if not admitted:
+                self.metrics.tenant_outcome(tenant.label, "rejected")
+        return error_response(
+            503,
+            str(exc),
+            "server_error",
+            headers={"Retry-After": str(max(1, math.ceil(retry))), "X-Request-Id": request_id},
+        )
 
     async def _serve(self, request: web.Request, ctx: RequestContext) -> web.StreamResponse:
         if not ctx.tokens:
@@ -276,23 +302,7 @@ class Flows(LmcachePdFlow, DecodeFallback):
             await self.admission.wait_open(candidates, ctx.tokens, tenant, ctx.request_id)
         except AdmissionRejected as exc:
             ctx.outcome = "rejected"
-            self.metrics.admission_rejected.labels(exc.reason).inc()
-            retry = max(exc.retry_after_s, self.config.retry_after_s)
-            if exc.tenant_fault and tenant is not None:  # over its share, or batch: 429
-                return self.tenant_limited(
-                    ctx, RateLimited(tenant.name, exc.reason, str(exc), retry)
-                )
-            if tenant is not None:
-                self.metrics.tenant_rejected(tenant.label, exc.reason)
-            return error_response(
-                503,
-                str(exc),
-                "server_error",
-                headers={
-                    "Retry-After": str(max(1, math.ceil(retry))),
-                    "X-Request-Id": ctx.request_id,
-                },
-            )
+            return self.admission_refused(exc, tenant, ctx.request_id, admitted=True)
         # hold the tokens now (P/D: the decoder is picked after the prefill leg)
         self.admission.hold(candidates(), ctx.request_id, ctx.tokens)
         return None

@@ -354,6 +354,52 @@ async def test_alone_past_capacity_most_are_refused_at_once_and_the_rest_meet_th
     assert predicted > 0 and 0.5 < actual / predicted < 2.0, (actual, predicted)
 
 
+async def _half_open(rp: ph.RunningProxy, key: str) -> tuple[bytes, float]:
+    """A request whose headers promise a 4 KiB body of which 24 bytes come (then nothing):
+    the proxy's answer within 5 s (b"" if none) and the seconds it took."""
+    host, port = rp.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    t0 = time.monotonic()
+    writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer "
+                 f"{key}\r\nContent-Type: application/json\r\nContent-Length: 4096\r\n\r\n"
+                 '{"model": "fake", "pro'.encode())
+    await writer.drain()
+    try:
+        answer = await asyncio.wait_for(reader.read(65536), 5.0)
+    except TimeoutError:
+        answer = b""
+    writer.close()
+    return answer, time.monotonic() - t0
+
+
+async def test_past_capacity_a_request_is_refused_on_its_headers() -> None:
+    """Saturated (the same engine and SLO as above, a flood of 20 queued), a request whose
+    body has not come (a client sending slowly, or a half-open connection) is refused at
+    once on its headers: 503 + Retry-After + OpenAI error JSON, the connection closed. Its
+    body is never awaited: refusing costs a flood nothing but headers. Below capacity the
+    same half-open request is held for its body (nothing to refuse)."""
+    async with ph.engines("e0", output_tokens=1, ttft_ms=300) as e:
+        eng = e["e0"]
+        cfg = {"api_keys": frozenset({QUIET}),
+               "admission": AdmissionConfig(enabled=True, max_running=1, queue_timeout_s=30.0,
+                                            ttft_slo_s=3.0)}
+        async with ph.running_proxy(table(eng), **cfg) as rp:
+            gate = rp.proxy.admission
+            await _warm_up(rp, QUIET)
+            idle_answer, _ = await _half_open(rp, QUIET)
+            flood = [asyncio.create_task(_timed(rp, QUIET)) for _ in range(20)]
+            await ph.until(lambda: gate.budget.predict(gate.queued) > gate.wait_budget_s,
+                           "the gate predicting past the budget")
+            answer, took = await _half_open(rp, QUIET)
+            await asyncio.wait_for(asyncio.gather(*flood), 30)
+    assert idle_answer == b"", "below capacity the proxy waits for the body"
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503"), answer[:200]
+    assert b"Retry-After: " in head and b"Connection: close" in head, head
+    assert b'"type": "server_error"' in body or b'"type":"server_error"' in body, body
+    assert took < 0.25, f"refused {took:.2f} s after its headers"
+
+
 async def test_a_cold_gate_refuses_nothing() -> None:
     """No first byte seen yet: the rate is unknown, so a burst waits (the deadline
     judges) instead of being refused on a guess."""

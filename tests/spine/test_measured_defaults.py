@@ -55,7 +55,7 @@ def with_vars(tmp_path: Path, base: str, **extra) -> Path:
     ("a100x3", ["--admission", "kv", "--admission-max-running", "256", *SLO_GPU]),
     ("b200x2", ["--admission", "kv", "--admission-max-running", "512", *SLO_GPU]),
     # cpu: on too (a flood drowned its engines: issue 54), with a CPU engine's SLO
-    ("local-cpu", ["--admission", "kv", "--admission-ttft-slo", "30"]),
+    ("local-cpu", ["--admission", "kv", "--admission-ttft-slo", "6"]),
 ])
 def test_proxy_admission_defaults(inventory: str, want: list[str]) -> None:
     assert proxy_admission_args(plan_of(inventory)) == want
@@ -192,5 +192,5 @@ def test_the_planned_proxy_command_parses_with_the_proxys_own_flags(inventory: s
     args = parser.parse_args(cmd[cmd.index("proxy") + 1:])
     admission = admission_from_args(args)
     assert admission.enabled
-    want = 30.0 if inventory == "local-cpu" else 2.0
+    want = 6.0 if inventory == "local-cpu" else 2.0
     assert admission.ttft_slo_s == want
