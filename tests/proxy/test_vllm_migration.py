@@ -1,5 +1,6 @@
 """Stream migration on real vLLM CPU engines (issue 55): two colocated engines behind the
-proxy; streams (completions and chat, greedy) run on engine A, A is SIGKILLed (its whole
+proxy; 20 streams (completions and chat, greedy; a third of them through the official
+``openai`` client) run on engine A, A is SIGKILLed (its whole
 process group: API server and EngineCore) mid-stream, or frozen with SIGSTOP, and every
 client stream completes on engine B, token-identical to an unbroken run with the same usage,
 and no client waits more than GAP_S for its next event across the fault (issue 55: the
@@ -21,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 
 from pdstack.proxy import migration_stall
@@ -32,7 +34,8 @@ pytestmark = pytest.mark.vllm
 
 GEN = "tiny-s1@cpu"
 MAX_TOKENS = 160
-STREAMS = 6  # 3 completions, 3 chat
+STREAMS = 20  # issue 55: 20 streams on the engine that dies; completions and chat in turn
+OPENAI_EVERY = 3  # every third stream goes through the official openai client
 # the longest a client may wait for its next event across the fault: a kill is noticed at
 # once, a freeze after --stall-probe-after (0.25 s) + an unanswered --stall-probe-timeout (1 s)
 GAP_S = 2.0
@@ -103,6 +106,49 @@ async def _stream(session: aiohttp.ClientSession, url: str, path: str, body: dic
     return "".join(text), usage, ids, arrived
 
 
+async def _stream_openai(url: str, path: str, body: dict[str, Any],
+                         started: asyncio.Event | None = None) -> Streamed:
+    """The same through the official ``openai`` client (AsyncOpenAI, streaming): what it
+    reads must be well-formed for it (an error event raises, [DONE] ends the stream)."""
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                                timeout=240)
+    text: list[str] = []
+    usage: dict[str, Any] = {}
+    ids: set[str] = set()
+    arrived: list[float] = []
+    args = {k: v for k, v in body.items() if k != "ignore_eos"}
+    extra = {"ignore_eos": body["ignore_eos"]}
+    try:
+        if path.endswith("/chat/completions"):
+            stream: Any = await client.chat.completions.create(**args, extra_body=extra)
+        else:
+            stream = await client.completions.create(**args, extra_body=extra)
+        async for chunk in stream:
+            arrived.append(time.monotonic())
+            ids.add(chunk.id)
+            if chunk.usage is not None:
+                usage = chunk.usage.model_dump()
+            for choice in chunk.choices:
+                piece = getattr(choice, "text", None)
+                if piece is None and getattr(choice, "delta", None) is not None:
+                    piece = choice.delta.content
+                text.append(piece or "")
+            if started is not None and len(text) >= 4:
+                started.set()
+    finally:
+        await client.close()
+    return "".join(text), usage, ids, arrived
+
+
+def _client_stream(i: int, session: aiohttp.ClientSession, url: str, path: str,
+                   body: dict[str, Any], started: asyncio.Event | None = None,
+                   ) -> Any:
+    """Stream ``i``: through the openai client every OPENAI_EVERY-th, else aiohttp."""
+    if i % OPENAI_EVERY == OPENAI_EVERY - 1:
+        return _stream_openai(url, path, body, started)
+    return _stream(session, url, path, body, started)
+
+
 def _gap_across(arrived: list[float], fault: float) -> float:
     """The longest wait for the next chunk that ended after ``fault``: the client's gap."""
     return max((b - a for a, b in itertools.pairwise(arrived) if b > fault), default=0.0)
@@ -133,8 +179,8 @@ async def _streams_on_a_then(engines: tuple[ve.Proc, ve.Proc], sig: signal.Signa
         await ph.until(lambda: all(b.healthy for b in backends), "both engines in", 60)
         assert await rp.backend_action("n1/engine-b", "drain") == 200
         started = [asyncio.Event() for _ in requests]
-        tasks = [asyncio.create_task(_stream(rp.session, rp.url, path, body, flag))
-                 for (path, body), flag in zip(requests, started, strict=True)]
+        tasks = [asyncio.create_task(_client_stream(i, rp.session, rp.url, path, body, flag))
+                 for i, ((path, body), flag) in enumerate(zip(requests, started, strict=True))]
         await asyncio.wait_for(asyncio.gather(*(flag.wait() for flag in started)), 120)
         assert await rp.backend_action("n1/engine-b", "undrain") == 200
         fault = time.monotonic()

@@ -1,0 +1,112 @@
+"""Stream migration in P/D on real vLLM CPU engines (issue 55): one prefiller and two
+decoders joined by NIXL behind the proxy; 20 greedy streams (completions and chat, a third
+through the official ``openai`` client) are prefilled on P and decode on decoder A; A is
+SIGKILLed (API server and EngineCore) mid-stream, and every client stream completes on
+decoder B (its prompt and the tokens already sent, recomputed there), token-identical to an
+unbroken run, with the same usage and one id, no client waiting more than GAP_S across the
+kill."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from pdstack.testing import proxy_harness as ph
+from pdstack.testing import vllm_engines as ve
+from pdstack.testing.heavy import heavy_lock
+
+from .test_vllm_migration import (
+    GAP_S,
+    GEN,
+    MAX_TOKENS,
+    STREAMS,
+    _client_stream,
+    _gap_across,
+    _request,
+    _stream,
+)
+
+pytestmark = pytest.mark.vllm
+
+Engines = tuple[ve.Proc, ve.Proc, ve.Proc]
+
+
+@pytest.fixture(scope="module")
+def pd_engines() -> Iterator[Engines]:
+    """Prefiller (core 0), decoder A (core 1), decoder B (core 0): NIXL on CPU buffers."""
+    ve.require_venv()
+    with heavy_lock():
+        procs: list[ve.Proc] = []
+        try:
+            for name, role, cpu in (("pdm-prefill", "kv_producer", "0"),
+                                    ("pdm-decode-a", "kv_consumer", "1"),
+                                    ("pdm-decode-b", "kv_consumer", "0")):
+                side = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(ve.free_port())}
+                config = {"kv_connector": "NixlConnector", "kv_role": role,
+                          "kv_buffer_device": "cpu"}
+                procs.append(ve.start_engine(name, ve.free_port(), cpu, config, side))
+            ve.wait_ready(procs)
+            yield procs[0], procs[1], procs[2]
+        finally:
+            for proc in procs:
+                proc.stop()
+
+
+def _table(engines: Engines) -> dict[str, Any]:
+    names = ("n1/prefill-0", "n1/decode-0", "n1/decode-1")
+    roles = ("prefill", "decode", "decode")
+    return ph.table("nixl", [
+        {"name": name, "role": role, "node": "n1", "url": engine.url, "generation": GEN}
+        for name, role, engine in zip(names, roles, engines, strict=True)
+    ], served_model_name="tiny")
+
+
+async def test_kill_9_decoder_streams_complete_on_the_other_token_identical(
+    pd_engines: Engines,
+) -> None:
+    prefill, decoder_a, decoder_b = pd_engines
+    requests = [_request(500 + i) for i in range(STREAMS)]
+    async with aiohttp.ClientSession() as session:  # the unbroken run: straight to B
+        reference = await asyncio.gather(*(_stream(session, decoder_b.url, path, body)
+                                           for path, body in requests))
+    async with ph.running_proxy(_table(pd_engines), health_interval_s=0.5,
+                                health_timeout_s=5.0) as rp:
+        backends = list(rp.registry.backends.values())
+        await ph.until(lambda: all(b.healthy for b in backends), "every engine in", 60)
+        assert await rp.backend_action("n1/decode-1", "drain") == 200
+        started = [asyncio.Event() for _ in requests]
+        tasks = [asyncio.create_task(_client_stream(i, rp.session, rp.url, path, body, flag))
+                 for i, ((path, body), flag) in enumerate(zip(requests, started, strict=True))]
+        await asyncio.wait_for(asyncio.gather(*(flag.wait() for flag in started)), 180)
+        assert await rp.backend_action("n1/decode-1", "undrain") == 200
+        on_a = rp.registry.backends["n1/decode-0"].in_flight
+        fault = time.monotonic()
+        os.killpg(decoder_a.popen.pid, signal.SIGKILL)  # API server and EngineCore at once
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+        await ph.until(lambda: rp.proxy.in_flight == 0, "every handler ended", 30)
+        metrics = await rp.metrics()
+    moved = ph.metric_value(metrics, "pdstack_proxy_migrations_total", outcome="continued")
+    failed = ph.metric_value(metrics, "pdstack_proxy_migrations_total", outcome="failed")
+    gaps = sorted(_gap_across(arrived, fault) for *_, arrived in results)
+    print(f"\nP/D decoder SIGKILL: {on_a} streams on decoder A at the kill, migrated "
+          f"{moved:g}, failed {failed:g}; the clients' gaps across the kill: P50 "
+          f"{gaps[len(gaps) // 2]:.3f} s, max {gaps[-1]:.3f} s")
+    for (text, usage, ids, _), (ref_text, ref_usage, *_) in zip(results, reference,
+                                                                 strict=True):
+        assert len(ids) == 1  # one id for the whole stream
+        assert text == ref_text  # greedy: token-identical to the unbroken run
+        assert usage["completion_tokens"] == ref_usage["completion_tokens"] == MAX_TOKENS
+        assert usage["prompt_tokens"] == ref_usage["prompt_tokens"]
+    assert moved >= 1, "no stream was still running on decoder A"
+    assert failed == 0
+    assert ph.metric_value(metrics, "pdstack_proxy_requests_total", outcome="ok") == STREAMS
+    assert gaps[-1] <= GAP_S, f"a client waited {gaps[-1]:.2f} s across the kill"
+    assert prefill.popen.poll() is None and decoder_b.popen.poll() is None
