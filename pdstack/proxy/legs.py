@@ -202,7 +202,7 @@ class Legs(Migration):
         proto: RelayProtocol | None = None
         response: web.StreamResponse | None = None
         timeout = self.config.decode_first_byte_timeout_s or ctx.budget_s
-        if self._migratable(ctx):
+        if self._migratable(ctx, backend):
             payload = with_token_ids(payload)
         try:
             # ---------- before the first byte: everything here may be retried elsewhere

@@ -114,11 +114,19 @@ class Migration:
         return StallWatch(lambda: self.session, self.config.stall_probe_after_s,
                           self.config.stall_probe_timeout_s)
 
-    def _migratable(self, ctx: RequestContext) -> bool:
-        """Whether the request's stream may be migrated (its legs then ask for token ids)."""
+    def _migratable(self, ctx: RequestContext, backend: BackendState | None = None) -> bool:
+        """Whether the request's stream may be migrated (its legs then ask for token ids).
+        On ``backend`` (its first streaming leg's engine), only when another engine of its
+        role and generation is planned: with none (one engine per role) the stream has
+        nowhere to go, and nothing is asked of the engine or done per event for it."""
         if ctx.migratable is None:
-            ctx.migratable = (self.config.max_migrations > 0
-                              and cannot_migrate(ctx.path, ctx.body) is None)
+            ctx.migratable = (
+                self.config.max_migrations > 0
+                and cannot_migrate(ctx.path, ctx.body) is None
+                and (backend is None or any(
+                    b is not backend and b.generation == backend.generation
+                    for b in self.registry.by_role(backend.role)))
+            )
         return ctx.migratable
 
     def _client_stream(self, ctx: RequestContext, request: web.Request,

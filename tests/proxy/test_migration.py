@@ -163,8 +163,10 @@ async def test_never_migrates_to_another_generation() -> None:
             assert await rp.backend_action("new", "undrain") == 200
             res = await task
     (err,) = res.error_events
-    assert "no other usable colocated of generation 'g1'" in err["message"]
+    # the only engine of its generation: nothing tracked, the failure told as it was
+    assert "colocated old failed mid-stream" in err["message"]
     assert not e["new"].seen()
+    assert [r.body.get("return_token_ids") for r in e["old"].seen() if r.body] == [None]
 
 
 @pytest.mark.parametrize("extra", [{"logprobs": 1}, {"n": 2}, {"stop": ["zzz"]}],
@@ -264,11 +266,13 @@ def test_tracker_hides_ids_and_continues_with_usage_of_the_client() -> None:
 
 
 async def test_held_back_error_event_reaches_the_client_when_nothing_can_continue() -> None:
-    """The only engine sends a 5xx error event after 2 tokens: held back for a migration
-    that finds no engine, then passed on as the proxy's error event, as without migration."""
-    async with ph.engines("c0", output_tokens=TOKENS) as e:
-        t = ph.table("colocated", [ph.backend("c0", "colocated", e["c0"])])
+    """A 5xx error event after 2 tokens on c0 while c1 (its generation) is drained: held
+    back for a migration that finds no usable engine, then passed on as the proxy's error
+    event, as without migration."""
+    async with ph.engines("c0", "c1", output_tokens=TOKENS) as e:
+        t = ph.table("colocated", [ph.backend(n, "colocated", e[n]) for n in ("c0", "c1")])
         async with ph.running_proxy(t, eject_after=100) as rp:
+            assert await rp.backend_action("c1", "drain") == 200
             e["c0"].faults = Faults(error_event_after_chunks=2)
             res = await ph.stream_completion(rp.session, rp.url, "alone", chat=True)
             await ph.until(lambda: rp.proxy.in_flight == 0, "the handler ended")
@@ -340,3 +344,24 @@ async def test_openai_client_reads_a_migrated_stream(chat: bool) -> None:
     assert len(ids) == 1 and "".join(texts) == expected and finishes == ["length"]
     assert usage is not None and usage.completion_tokens == TOKENS
     assert sum(len(engine.seen()) for engine in e.values()) == 3  # 5 + 5 + 2 tokens
+
+
+async def test_one_engine_of_its_role_asks_no_token_ids() -> None:
+    """A stream that has nowhere to move (the only engine of its role and generation; the
+    other one is another generation) asks its engine for no token ids: migration costs
+    nothing there. With a second engine of its generation it asks for them."""
+    async with ph.engines("c0", "c1", output_tokens=TOKENS) as e:
+        alone = ph.table("colocated", [ph.backend("c0", "colocated", e["c0"]),
+                                       ph.backend("c1", "colocated", e["c1"],
+                                                  gen="other@2")])
+        async with ph.running_proxy(alone) as rp:
+            await ph.stream_completion(rp.session, rp.url, "alone", max_tokens=TOKENS)
+        asked = [r.body.get("return_token_ids") for n in ("c0", "c1") for r in e[n].seen()
+                 if r.body is not None and r.path.startswith("/v1/")]
+        assert asked == [None], asked
+        pair = ph.table("colocated", [ph.backend(n, "colocated", e[n]) for n in ("c0", "c1")])
+        async with ph.running_proxy(pair) as rp:
+            await ph.stream_completion(rp.session, rp.url, "paired", max_tokens=TOKENS)
+        asked = [r.body.get("return_token_ids") for n in ("c0", "c1") for r in e[n].seen()
+                 if r.body is not None and r.path.startswith("/v1/")]
+        assert asked == [None, True], asked
