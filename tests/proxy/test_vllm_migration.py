@@ -283,6 +283,57 @@ async def test_busy_engines_with_no_fault_keep_every_stream(
     assert ph.metric_value(metrics, "pdstack_proxy_requests_total", outcome="ok") == len(tasks)
 
 
+async def test_vllm_bench_serve_through_a_frozen_engine(
+    colocated_engines: tuple[ve.Proc, ve.Proc], tmp_path: Any,
+) -> None:
+    """The real `vllm bench serve` (the CPU venv's: random prompts, STREAMS at once, 160
+    tokens each with ignore_eos) through the proxy while engine A, holding every stream, is
+    frozen (SIGSTOP; SIGCONT after): the benchmark counts every request completed, none
+    failed; the streams moved (reason frozen)."""
+    engine_a, _ = colocated_engines
+    args = [str(ve.VENV / "bin" / "vllm"), "bench", "serve", "--backend", "openai",
+            "--endpoint", "/v1/completions", "--model", "tiny",
+            "--tokenizer", str(ve.ensure_model()), "--dataset-name", "random",
+            "--random-input-len", "60", "--random-output-len", str(MAX_TOKENS),
+            "--num-prompts", str(STREAMS), "--max-concurrency", str(STREAMS),
+            "--request-rate", "inf", "--ignore-eos", "--temperature", "0", "--disable-tqdm",
+            "--ready-check-timeout-sec", "0", "--save-result", "--result-dir", str(tmp_path),
+            "--result-filename", "bench.json"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    async with ph.running_proxy(_table(colocated_engines), health_interval_s=0.5,
+                                health_timeout_s=5.0) as rp:
+        backends = list(rp.registry.backends.values())
+        await ph.until(lambda: all(b.healthy for b in backends), "both engines in", 60)
+        assert await rp.backend_action("n1/engine-b", "drain") == 200
+        a = rp.registry.backends["n1/engine-a"]
+        bench = await asyncio.create_subprocess_exec(
+            *args, "--base-url", rp.url, env=env, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT)
+        try:
+            await ph.until(lambda: a.in_flight >= STREAMS, "every stream on engine A", 120)
+            await asyncio.sleep(1.0)  # their first tokens
+            assert await rp.backend_action("n1/engine-b", "undrain") == 200
+            os.killpg(engine_a.popen.pid, signal.SIGSTOP)
+            try:
+                out, _ = await asyncio.wait_for(bench.communicate(), 300)
+            finally:
+                os.killpg(engine_a.popen.pid, signal.SIGCONT)
+        finally:
+            if bench.returncode is None:
+                bench.kill()
+        metrics = await rp.metrics()
+    text = out.decode(errors="replace")
+    moved = ph.metric_value(metrics, "pdstack_proxy_migrations_total", outcome="continued")
+    print(f"\nvllm bench serve through a frozen engine: moved {moved:g}\n{text[-1200:]}")
+    assert bench.returncode == 0, text[-4000:]
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["completed"] == STREAMS and doc.get("failed", 0) == 0, {
+        k: doc.get(k) for k in ("completed", "failed", "errors")}
+    assert doc["total_output_tokens"] == STREAMS * MAX_TOKENS, doc["total_output_tokens"]
+    assert moved >= 1 and ph.metric_value(metrics, "pdstack_proxy_migrations_total",
+                                          reason="frozen") == moved
+
+
 async def test_kill_9_colocated_engine_streams_complete_token_identical(
     colocated_engines: tuple[ve.Proc, ve.Proc],
 ) -> None:
