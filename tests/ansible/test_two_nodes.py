@@ -49,6 +49,7 @@ later test needs the earlier state):
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -202,9 +203,10 @@ def wait_for(what: str, check, timeout: float, every: float = 0.5) -> float:
 
 
 def stream(prompt: str, max_tokens: int, timeout: float = 120.0,
-           first: threading.Event | None = None) -> tuple[list[dict], float]:
+           first: threading.Event | None = None,
+           times: list[float] | None = None) -> tuple[list[dict], float]:
     """One streamed completion through the proxy: its SSE events and seconds taken
-    (``first`` is set when the first event arrives)."""
+    (``first`` is set when the first event arrives; ``times`` gets each event's arrival)."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True, "return_token_ids": True}
     req = urllib.request.Request(PROXY + "/v1/completions", data=json.dumps(body).encode(),
@@ -217,6 +219,8 @@ def stream(prompt: str, max_tokens: int, timeout: float = 120.0,
             line = raw.decode().strip()
             if line.startswith("data: ") and line != "data: [DONE]":
                 events.append(json.loads(line[6:]))
+                if times is not None:
+                    times.append(time.monotonic())
                 if first is not None:
                     first.set()
     return events, time.monotonic() - t0
@@ -740,6 +744,78 @@ def engine_queue(name: str) -> float:
     text = engine(name, "GET", "/metrics")
     return (metric_value(text, "vllm:num_requests_waiting")
             + metric_value(text, "vllm:num_requests_running"))
+
+
+MIDSTREAM = 4  # streams on node2's decoder when its link goes down
+MIDSTREAM_TOKENS = 96
+MIDSTREAM_GAP_S = 5.0  # the proxy's: ~1.3 s (silence 0.25 s + an unanswered 1 s probe)
+
+
+def test_link_lost_mid_stream_streams_go_on_on_node1(nodes: TwoNodes) -> None:
+    """MIDSTREAM greedy streams decode on node2's decoder (node1's drained until each has
+    its first tokens); node2's link goes down: node2's silent streams have its /health
+    probed, which nothing answers, so each goes on on node1's decoder (stream migration,
+    reason frozen): every stream completes with the tokens node1's decoder makes alone,
+    one id, no error, and no client waits more than MIDSTREAM_GAP_S across the loss. Link
+    up: node2 serves again (issue 55)."""
+    _need(nodes, "deployed")
+    lab = nodes.lab
+    prompts = [f"mid-stream {i}: {FIXED_PROMPT}" for i in range(MIDSTREAM)]
+    body = {"model": "tiny", "max_tokens": MIDSTREAM_TOKENS, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    reference = [engine("node1/decode-0", "POST", "/v1/completions",
+                        {**body, "prompt": p})["choices"][0]["token_ids"] for p in prompts]
+    migrated_before = metric_value(proxy("GET", "/metrics"), "pdstack_proxy_migrations_total",
+                                   outcome="continued")
+    results: list[tuple[list[dict], float] | BaseException] = [ValueError("not run")] * MIDSTREAM
+    times: list[list[float]] = [[] for _ in prompts]
+    started = [threading.Event() for _ in prompts]
+
+    def run(i: int) -> None:
+        try:
+            results[i] = stream(prompts[i], MIDSTREAM_TOKENS, timeout=120, first=started[i],
+                                times=times[i])
+        except Exception as exc:  # asserted below
+            results[i] = exc
+
+    proxy("POST", "/admin/backends/node1/decode-0/drain")
+    try:
+        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(MIDSTREAM)]
+        for t in threads:
+            t.start()
+        for flag in started:
+            assert flag.wait(60), "a stream got no first event from node2's decoder"
+    finally:
+        proxy("POST", "/admin/backends/node1/decode-0/undrain")
+    fire = lab.link_down_armed("node2")
+    fired_in = fire()
+    down = time.monotonic()
+    for t in threads:
+        t.join(timeout=120)
+    ended = time.monotonic() - down
+    migrated = metric_value(proxy("GET", "/metrics"), "pdstack_proxy_migrations_total",
+                            outcome="continued") - migrated_before
+    lab.link_up("node2")
+    gaps = [max((b - a for a, b in itertools.pairwise(ts) if b > down), default=0.0)
+            for ts in times]
+    print(f"\nlink lost mid-stream: {MIDSTREAM} streams on node2's decoder, the link down in "
+          f"{fired_in * 1000:.1f} ms; migrated {migrated:g}; every stream ended {ended:.1f} s "
+          f"after; the clients' gaps across the loss {[round(g, 2) for g in gaps]} s")
+    for i, res in enumerate(results):
+        assert not isinstance(res, BaseException), f"stream {i}: {res!r}"
+        events, _ = res
+        assert not [e for e in events if "error" in e], events[-2:]
+        assert len({e["id"] for e in events}) == 1
+        assert stream_tokens(events) == reference[i], f"stream {i}: not node1's tokens"
+    assert migrated >= 1, "no stream was still on node2's decoder when its link went down"
+    assert max(gaps) <= MIDSTREAM_GAP_S, f"a client waited {max(gaps):.1f} s"
+    proxy("POST", "/admin/backends/node1/decode-0/drain")
+    try:  # node2 back: it serves through the proxy (its decoder may have restarted)
+        back = wait_for("node2's decoder serving through the proxy",
+                        lambda: bool(signature("proxy")), timeout=240, every=2)
+    finally:
+        proxy("POST", "/admin/backends/node1/decode-0/undrain")
+    print(f"node2 serving again {back:.1f} s after link up")
 
 
 # --------------------------------------------------------------------------- 6. kv_mode nixl
