@@ -287,9 +287,9 @@ class Proxy(HealthProbes, AdminAPI, EngineRoutes, Flows):
             self.admission.refuse_at_arrival(tenant)
         except AdmissionRejected as exc:
             metrics.outcome["rejected"].inc()
-            refused = self.admission_refused(exc, tenant, rid, admitted=False)
-            refused.force_close()  # its unread body goes with the connection
-            return refused
+            # its unread body: aiohttp reads it away after the answer (keep-alive goes on);
+            # one that never comes (half-open) closes the connection after lingering_time
+            return self.admission_refused(exc, tenant, rid, admitted=False)
         # the body first (bounded in size, bytes held at once, and time), admission after:
         # a slow client holds a connection, never a slot
         raw, taken = await read_body(
