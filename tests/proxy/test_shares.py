@@ -325,6 +325,12 @@ async def test_a_batch_flood_past_its_budget_gets_429_at_once_and_chat_still_goe
     assert rejected == statuses.count(429), "refused for the budget, not by the deadline"
 
 
+# one key alone, running cap 1, a 3 s TTFT SLO (2.25 s on the prediction)
+ALONE_SLO3 = {"api_keys": frozenset({QUIET}),
+              "admission": AdmissionConfig(enabled=True, max_running=1, queue_timeout_s=30.0,
+                                           ttft_slo_s=3.0)}
+
+
 async def test_alone_past_capacity_most_are_refused_at_once_and_the_rest_meet_the_slo() -> None:
     """The same engine, one key alone, a 3 s TTFT SLO (2.25 s on the prediction):
     20 requests at once after a warm-up. The server is what is overloaded: 503 at arrival
@@ -333,10 +339,7 @@ async def test_alone_past_capacity_most_are_refused_at_once_and_the_rest_meet_th
     predicted between 0.5 and 2 on average)."""
     async with ph.engines("e0", output_tokens=1, ttft_ms=300) as e:
         eng = e["e0"]
-        cfg = {"api_keys": frozenset({QUIET}),
-               "admission": AdmissionConfig(enabled=True, max_running=1, queue_timeout_s=30.0,
-                                            ttft_slo_s=3.0)}
-        async with ph.running_proxy(table(eng), **cfg) as rp:
+        async with ph.running_proxy(table(eng), **ALONE_SLO3) as rp:
             await _warm_up(rp, QUIET)
             before = await rp.metrics()
             flood = [asyncio.create_task(_timed(rp, QUIET)) for _ in range(20)]
@@ -381,10 +384,7 @@ async def test_past_capacity_a_request_is_refused_on_its_headers() -> None:
     capacity the same half-open request is held for its body (nothing to refuse)."""
     async with ph.engines("e0", output_tokens=1, ttft_ms=300) as e:
         eng = e["e0"]
-        cfg = {"api_keys": frozenset({QUIET}),
-               "admission": AdmissionConfig(enabled=True, max_running=1, queue_timeout_s=30.0,
-                                            ttft_slo_s=3.0)}
-        async with ph.running_proxy(table(eng), **cfg) as rp:
+        async with ph.running_proxy(table(eng), **ALONE_SLO3) as rp:
             gate = rp.proxy.admission
             await _warm_up(rp, QUIET)
             idle_answer, _ = await _half_open(rp, QUIET)

@@ -161,6 +161,40 @@ def _table(engines: tuple[ve.Proc, ve.Proc]) -> dict[str, Any]:
     ], served_model_name="tiny")
 
 
+async def fault_mid_streams(
+    table: dict[str, Any], drain: str, victim: ve.Proc, reference_url: str,
+    sig: signal.Signals, seed: int,
+) -> tuple[list[Streamed], list[Streamed], str, float]:
+    """STREAMS greedy streams through a proxy over ``table`` (``drain`` drained until each
+    has its first 4 tokens, then back in), then ``sig`` to ``victim``'s process group (API
+    server and EngineCore at once; SIGCONT after a SIGSTOP). Returns the same requests
+    straight to ``reference_url`` (the unbroken run), the streams, the proxy's metrics after
+    and when the fault came."""
+    requests = [_request(seed + i) for i in range(STREAMS)]
+    async with aiohttp.ClientSession() as session:
+        reference = await asyncio.gather(*(_stream(session, reference_url, path, body)
+                                           for path, body in requests))
+    async with ph.running_proxy(table, health_interval_s=0.5, health_timeout_s=5.0) as rp:
+        backends = list(rp.registry.backends.values())
+        await ph.until(lambda: all(b.healthy for b in backends), "every engine in", 60)
+        assert await rp.backend_action(drain, "drain") == 200
+        started = [asyncio.Event() for _ in requests]
+        tasks = [asyncio.create_task(_client_stream(i, rp.session, rp.url, path, body, flag))
+                 for i, ((path, body), flag) in enumerate(zip(requests, started, strict=True))]
+        await asyncio.wait_for(asyncio.gather(*(flag.wait() for flag in started)), 180)
+        assert await rp.backend_action(drain, "undrain") == 200
+        fault = time.monotonic()
+        os.killpg(victim.popen.pid, sig)
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+        finally:
+            if sig == signal.SIGSTOP:
+                os.killpg(victim.popen.pid, signal.SIGCONT)
+        await ph.until(lambda: rp.proxy.in_flight == 0, "every handler ended", 30)
+        metrics = await rp.metrics()
+    return reference, results, metrics, fault
+
+
 async def _streams_on_a_then(engines: tuple[ve.Proc, ve.Proc], sig: signal.Signals,
                              seed: int) -> None:
     """STREAMS greedy streams start on engine A (B drained until each has 4 tokens, then back
@@ -168,30 +202,8 @@ async def _streams_on_a_then(engines: tuple[ve.Proc, ve.Proc], sig: signal.Signa
     same requests straight to B, with the same usage and one id; some moved, none failed,
     and no client waited more than GAP_S for its next chunk across the fault."""
     engine_a, engine_b = engines
-    requests = [_request(seed + i) for i in range(STREAMS)]
-    async with aiohttp.ClientSession() as session:
-        # the unbroken run: the same requests straight to engine B (the same build)
-        reference = await asyncio.gather(*(_stream(session, engine_b.url, path, body)
-                                           for path, body in requests))
-    async with ph.running_proxy(_table(engines), health_interval_s=0.5,
-                                health_timeout_s=5.0) as rp:
-        backends = list(rp.registry.backends.values())
-        await ph.until(lambda: all(b.healthy for b in backends), "both engines in", 60)
-        assert await rp.backend_action("n1/engine-b", "drain") == 200
-        started = [asyncio.Event() for _ in requests]
-        tasks = [asyncio.create_task(_client_stream(i, rp.session, rp.url, path, body, flag))
-                 for i, ((path, body), flag) in enumerate(zip(requests, started, strict=True))]
-        await asyncio.wait_for(asyncio.gather(*(flag.wait() for flag in started)), 120)
-        assert await rp.backend_action("n1/engine-b", "undrain") == 200
-        fault = time.monotonic()
-        os.killpg(engine_a.popen.pid, sig)  # API server and EngineCore at once
-        try:
-            results = await asyncio.wait_for(asyncio.gather(*tasks), 240)
-        finally:
-            if sig == signal.SIGSTOP:
-                os.killpg(engine_a.popen.pid, signal.SIGCONT)
-        await ph.until(lambda: rp.proxy.in_flight == 0, "every handler ended", 30)
-        metrics = await rp.metrics()
+    reference, results, metrics, fault = await fault_mid_streams(
+        _table(engines), "n1/engine-b", engine_a, engine_b.url, sig, seed)
     moved = ph.metric_value(metrics, "pdstack_proxy_migrations_total", outcome="continued")
     failed = ph.metric_value(metrics, "pdstack_proxy_migrations_total", outcome="failed")
     gap_sum = ph.metric_value(metrics, "pdstack_proxy_migration_gap_seconds_sum")

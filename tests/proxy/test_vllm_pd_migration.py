@@ -8,30 +8,17 @@ kill."""
 
 from __future__ import annotations
 
-import asyncio
-import os
 import signal
-import time
 from collections.abc import Iterator
 from typing import Any
 
-import aiohttp
 import pytest
 
 from pdstack.testing import proxy_harness as ph
 from pdstack.testing import vllm_engines as ve
 from pdstack.testing.heavy import heavy_lock
 
-from .test_vllm_migration import (
-    GAP_S,
-    GEN,
-    MAX_TOKENS,
-    STREAMS,
-    _client_stream,
-    _gap_across,
-    _request,
-    _stream,
-)
+from .test_vllm_migration import GAP_S, GEN, MAX_TOKENS, STREAMS, _gap_across, fault_mid_streams
 
 pytestmark = pytest.mark.vllm
 
@@ -73,31 +60,13 @@ async def test_kill_9_decoder_streams_complete_on_the_other_token_identical(
     pd_engines: Engines,
 ) -> None:
     prefill, decoder_a, decoder_b = pd_engines
-    requests = [_request(500 + i) for i in range(STREAMS)]
-    async with aiohttp.ClientSession() as session:  # the unbroken run: straight to B
-        reference = await asyncio.gather(*(_stream(session, decoder_b.url, path, body)
-                                           for path, body in requests))
-    async with ph.running_proxy(_table(pd_engines), health_interval_s=0.5,
-                                health_timeout_s=5.0) as rp:
-        backends = list(rp.registry.backends.values())
-        await ph.until(lambda: all(b.healthy for b in backends), "every engine in", 60)
-        assert await rp.backend_action("n1/decode-1", "drain") == 200
-        started = [asyncio.Event() for _ in requests]
-        tasks = [asyncio.create_task(_client_stream(i, rp.session, rp.url, path, body, flag))
-                 for i, ((path, body), flag) in enumerate(zip(requests, started, strict=True))]
-        await asyncio.wait_for(asyncio.gather(*(flag.wait() for flag in started)), 180)
-        assert await rp.backend_action("n1/decode-1", "undrain") == 200
-        on_a = rp.registry.backends["n1/decode-0"].in_flight
-        fault = time.monotonic()
-        os.killpg(decoder_a.popen.pid, signal.SIGKILL)  # API server and EngineCore at once
-        results = await asyncio.wait_for(asyncio.gather(*tasks), 240)
-        await ph.until(lambda: rp.proxy.in_flight == 0, "every handler ended", 30)
-        metrics = await rp.metrics()
+    reference, results, metrics, fault = await fault_mid_streams(
+        _table(pd_engines), "n1/decode-1", decoder_a, decoder_b.url, signal.SIGKILL, 500)
     moved = ph.metric_value(metrics, "pdstack_proxy_migrations_total", outcome="continued")
     failed = ph.metric_value(metrics, "pdstack_proxy_migrations_total", outcome="failed")
     gaps = sorted(_gap_across(arrived, fault) for *_, arrived in results)
-    print(f"\nP/D decoder SIGKILL: {on_a} streams on decoder A at the kill, migrated "
-          f"{moved:g}, failed {failed:g}; the clients' gaps across the kill: P50 "
+    print(f"\nP/D decoder SIGKILL: migrated {moved:g} of {STREAMS}, failed {failed:g}; the "
+          f"clients' gaps across the kill: P50 "
           f"{gaps[len(gaps) // 2]:.3f} s, max {gaps[-1]:.3f} s")
     for (text, usage, ids, _), (ref_text, ref_usage, *_) in zip(results, reference,
                                                                  strict=True):
