@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO))
 
 from pdstack.testing import vllm_engines as ve  # noqa: E402
 from pdstack.testing.heavy import heavy_lock  # noqa: E402
+from pdstack.testing.http import wait_http  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 WARMUP = 3
@@ -58,23 +59,11 @@ async def _one(
     return (first - t0) * 1000, (time.perf_counter() - t0) * 1000
 
 
-async def _ready(session: aiohttp.ClientSession, url: str) -> None:
-    for _ in range(120):
-        try:
-            async with session.get(url + "/health") as resp:
-                if resp.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.5)
-    raise RuntimeError(f"{url} not healthy")
-
-
 async def _measure(urls: dict[str, str], rounds: int) -> dict[str, list[tuple[float, float]]]:
     res: dict[str, list[tuple[float, float]]] = {k: [] for k in urls}
     async with aiohttp.ClientSession() as session:
         for url in urls.values():
-            await _ready(session, url)
+            await asyncio.to_thread(wait_http, url + "/health", 60.0)
         for i in range(rounds):
             for k, (name, url) in enumerate(urls.items()):
                 system = ve.prompt_of(900, seed=1000 * i + 7 * k + 1)
