@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pdstack.plan import NUMA_SYSFS_MASK
+from pdstack.plan_engine import CPU_ENGINE_ONE_PROCESS_ARGS, CPU_ENGINE_ONE_PROCESS_ENV
 from pdstack.testing.ports import free_port as free_port  # ve.free_port, re-exported
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout (editable install)
@@ -119,7 +120,8 @@ def start_engine(
     extra_env: dict[str, str] | None = None,
     extra_args: list[str] | None = None,
 ) -> Proc:
-    """One host-native vLLM CPU engine, eager: no torch.compile (it took ~18 s of each
+    """One host-native vLLM CPU engine, as the stacks' CPU engines run (one process fewer:
+    pdstack.plan_engine.CPU_ENGINE_ONE_PROCESS_ARGS), eager: no torch.compile (it took ~18 s of each
     engine's start here, inductor on 2 cores, every start in CI with its fresh compile
     cache; the stacks' engines run eager too: their image has no compiler)."""
     cmd = [
@@ -139,11 +141,12 @@ def start_engine(
         "--seed",
         "0",
         "--enforce-eager",
+        *CPU_ENGINE_ONE_PROCESS_ARGS,
     ]
     if kv_transfer_config is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     cmd += extra_args or []
-    env = base_env(cpu) | (extra_env or {})
+    env = base_env(cpu) | CPU_ENGINE_ONE_PROCESS_ENV | (extra_env or {})  # as the stacks' run
     if "VLLM_NIXL_SIDE_CHANNEL_PORT" in env:  # the planner's rule for CPU engines
         cmd = numa_hidden(cmd)
     # the whole engine (API server, engine core, worker) on its cores, as a container's

@@ -62,6 +62,29 @@ def _engine_tokens(urls: list[str]) -> dict[str, float]:
     return out
 
 
+def _engines() -> dict[str, str]:
+    """Engine service name -> its URL (from the proxy's backend table)."""
+    table = json.loads((CPU_STACK / "backends.json").read_text())
+    return {b["name"].split("/", 1)[1]: b["url"] for b in table["backends"]}
+
+
+def _why_down(service: str) -> str:
+    """What a failed test prints about an engine that stopped answering: its restarts by
+    its policy, its watchdog's last healthcheck outputs, and the log lines that say why."""
+    import subprocess
+
+    container = _container(service)
+    health = subprocess.run(
+        ["docker", "inspect", "--format",
+         "{{.RestartCount}} restarts; {{.State.Status}}; health: "
+         "{{range .State.Health.Log}}{{.ExitCode}} {{.Output}} | {{end}}", container],
+        capture_output=True, text=True).stdout.strip()
+    keys = ("pdstack-watchdog", "Error", "error", "Traceback", "Killed", "died", "exit")
+    logs = service_logs(CPU_STACK, service, tail=400).splitlines()
+    said = [line for line in logs if any(k in line for k in keys)][-40:]
+    return f"{service}: {health[-1500:]}\n" + "\n".join(said or logs[-20:])
+
+
 def _proxy_url() -> str:
     text = (CPU_STACK / "compose.yaml").read_text()
     # the proxy's command: pdstack proxy ... --host ADDR --port N
@@ -430,10 +453,13 @@ def test_logprobs_requests_keep_every_engine_up(cpu_stack: dict[str, float]) -> 
               if line.startswith("data: {")]
     assert any((e["choices"] or [{}])[0].get("logprobs") for e in events), streamed[-500:]
     assert streamed.rstrip().endswith("data: [DONE]"), streamed[-300:]
-    be = _backends()
-    for url in be["prefill"] + be["decode"]:
-        with urllib.request.urlopen(url + "/health", timeout=10) as resp:
-            assert resp.status == 200, f"{url} died after logprobs requests"
+    for name, url in _engines().items():
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=10) as resp:
+                assert resp.status == 200, f"{name} /health {resp.status}"
+        except OSError as exc:
+            raise AssertionError(f"{name} ({url}) does not answer after logprobs requests: "
+                                 f"{exc}\n{_why_down(name)}") from exc
     states = {s.service: s.state for s in service_states(CPU_STACK)}
     assert all(v == "running" for v in states.values()), states
 
