@@ -156,7 +156,7 @@ class AdmissionQueue:
         predicted = self.budget.predict(ahead)
         limit = self.config.queue_timeout_s if batch else self.wait_budget_s
         if predicted <= limit or limit <= 0:
-            self.budget.arrived(request_id, predicted)
+            self.budget.arrived(request_id, predicted, ahead)
             return
         rate = self.budget.rate()
         raise AdmissionRejected(

@@ -36,7 +36,9 @@ gate to the first byte the client got) are exported (``pdstack_proxy_admission_t
 their sums and a histogram of actual / predicted. The prediction is also corrected by them:
 it is scaled by the recent actual / uncorrected ratio (``SCALE_EWMA``, within
 ``SCALE_BOUNDS``): on one H100 past its knee the uncorrected prediction was 1.3-1.7x low
-(results/h200x1-overload/run1-h100), so a 1.5 s budget let TTFT P99 reach 2.4 s.
+(results/h200x1-overload/run1-h100), so a 1.5 s budget let TTFT P99 reach 2.4 s. Only
+requests predicted at a concurrency the engines were seen serving teach the correction (a
+burst's onset, extrapolated, would drive it to its bound and refuse what follows the burst).
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ class WaitBudget:
         # the window's most requests in prefill at a first byte, as (time, count) in falling
         # counts (a sliding maximum: rate() runs at every arrival, a scan of _landed would not)
         self._served_max: deque[tuple[float, int]] = deque()
-        # request id -> (arrival, prediction used, uncorrected), for calibration
+        # request id -> (arrival, prediction used, uncorrected or 0.0 where it extrapolated
+        # past the concurrency seen: it does not teach the correction), for calibration
         self._arrivals: dict[str, tuple[float, float, float]] = {}
         self.scale = 1.0  # actual / uncorrected prediction, lately (the correction)
         self.calibrated = 0  # requests with a prediction and a first byte
@@ -124,9 +127,10 @@ class WaitBudget:
         if arrival is not None:
             actual = now - arrival[0]
             self._calibrate(actual, arrival[1])
-            lo, hi = SCALE_BOUNDS
-            ratio = min(hi, max(lo, actual / arrival[2]))
-            self.scale += SCALE_EWMA * (ratio - self.scale)
+            if arrival[2] > 0:  # a prediction where the engines' concurrency was known
+                lo, hi = SCALE_BOUNDS
+                ratio = min(hi, max(lo, actual / arrival[2]))
+                self.scale += SCALE_EWMA * (ratio - self.scale)
 
     def ended(self, request_id: str) -> None:
         """The request is over (answered, failed, cancelled) without a first byte counted."""
@@ -175,7 +179,24 @@ class WaitBudget:
         rate = self.rate()
         return (ahead_in_queue + self.in_prefill) / rate * self.scale if rate else 0.0
 
-    def arrived(self, request_id: str, predicted: float) -> None:
-        """Remember the prediction (corrected) until its first byte (calibration)."""
+    def arrived(self, request_id: str, predicted: float, ahead_in_queue: int = 0) -> None:
+        """Remember the prediction (corrected) until its first byte (calibration). It will
+        teach the correction only if the engines were seen serving as many at once lately
+        (see :meth:`known_concurrency`)."""
         if request_id and predicted > 0 and len(self._arrivals) < ARRIVALS_MAX:
-            self._arrivals[request_id] = (time.monotonic(), predicted, predicted / self.scale)
+            uncorrected = predicted / self.scale
+            teaches = self.known_concurrency(ahead_in_queue)
+            self._arrivals[request_id] = (time.monotonic(), predicted,
+                                          uncorrected if teaches else 0.0)
+
+    def known_concurrency(self, ahead_in_queue: int) -> bool:
+        """Whether a request arriving behind ``ahead_in_queue`` waiters would be served at a
+        concurrency the engines were seen serving in the window (itself included). Past it
+        the prediction extrapolates (the time per request at that concurrency is unknown), and
+        its miss says nothing about the prediction where it is known: the first 30 of a flood
+        of 300 on the CPU stack came 4x late (the bound), which drove the correction to ~3x
+        and refused probes for seconds after the flood had drained (benchmarks/cpu_faults.py,
+        results cpu_faults_slo6_arrival: probes 3-4 s after it, refused on ~4.5 s predicted,
+        came in 0.5-1.5 s)."""
+        peak = self._served_max[0][1] if self._served_max else 0
+        return ahead_in_queue + self.in_prefill + 1 <= max(peak, 1)

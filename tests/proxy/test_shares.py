@@ -689,3 +689,40 @@ def test_the_prediction_corrects_itself_by_what_came_true(
     b.landed("outlier")
     hi = wait_budget.SCALE_BOUNDS[1]
     assert b.scale <= 2.0 + wait_budget.SCALE_EWMA * (hi - 2.0) + 1e-9
+
+
+def test_a_bursts_late_onset_does_not_teach_the_correction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One request at a time lately; then 20 at once, each predicted 0.5 s and 4x late: only
+    the first was predicted at a concurrency the engines had been seen serving, so the
+    correction moves once (not to ~3x, which refused probes for seconds after a flood had
+    drained on the CPU stack). Once 20 at a time were served, a miss at that concurrency
+    teaches it again."""
+    from pdstack.proxy import wait_budget
+
+    clock = [100.0]
+    monkeypatch.setattr(wait_budget.time, "monotonic", lambda: clock[0])
+    b = wait_budget.WaitBudget()
+    for i in range(wait_budget.MIN_LANDED):
+        b.admitted(f"r{i}")
+        clock[0] += 0.5
+        b.landed(f"r{i}")
+    b.rate()
+    assert b.known_concurrency(0) and not b.known_concurrency(1)
+    for i in range(20):
+        b.arrived(f"burst{i}", 0.5, i)
+        b.admitted(f"burst{i}")
+    clock[0] += 2.0
+    for i in range(20):
+        b.landed(f"burst{i}")
+    one_step = 1 + wait_budget.SCALE_EWMA * (wait_budget.SCALE_BOUNDS[1] - 1)
+    assert b.scale == pytest.approx(one_step)
+    assert b.calibrated == 20  # every one is in the calibration metrics all the same
+    b.rate()
+    assert b.known_concurrency(19) and not b.known_concurrency(20)
+    b.arrived("known", 0.5 * b.scale, 5)
+    b.admitted("known")
+    clock[0] += 2.0
+    b.landed("known")
+    assert b.scale == pytest.approx(one_step + wait_budget.SCALE_EWMA * (4.0 - one_step))
