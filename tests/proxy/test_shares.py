@@ -646,12 +646,10 @@ def test_ahead_of_counts_who_leaves_first() -> None:
         loop.close()
 
 
-def test_a_burst_is_predicted_from_the_concurrency_served_not_past_it(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """One request at a time lately, 0.5 s each: 10 arriving at once are not each given the
-    old 0.5 s (the engines were never seen serving 10); the current view trusts up to
-    BURST_GROWTH x 1 in prefill, so the 10 leave at 2 / 0.5 s = 4 a second: 2.5 s."""
+def _one_at_a_time(monkeypatch: pytest.MonkeyPatch, idle_s: float
+                   ) -> tuple[Any, list[float]]:
+    """A WaitBudget on a fake clock that saw MIN_LANDED requests served one at a time, 0.5 s
+    each, ``idle_s`` between them; and the clock."""
     from pdstack.proxy import wait_budget
 
     clock = [100.0]
@@ -661,7 +659,19 @@ def test_a_burst_is_predicted_from_the_concurrency_served_not_past_it(
         b.admitted(f"r{i}")
         clock[0] += 0.5
         b.landed(f"r{i}")
-        clock[0] += 2.0  # idle between them
+        clock[0] += idle_s
+    return b, clock
+
+
+def test_a_burst_is_predicted_from_the_concurrency_served_not_past_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One request at a time lately, 0.5 s each: 10 arriving at once are not each given the
+    old 0.5 s (the engines were never seen serving 10); the current view trusts up to
+    BURST_GROWTH x 1 in prefill, so the 10 leave at 2 / 0.5 s = 4 a second: 2.5 s."""
+    from pdstack.proxy import wait_budget
+
+    b, _ = _one_at_a_time(monkeypatch, idle_s=2.0)
     for i in range(10):
         b.admitted(f"burst{i}")
     assert wait_budget.BURST_GROWTH == 2.0
@@ -701,13 +711,7 @@ def test_a_bursts_late_onset_does_not_teach_the_correction(
     teaches it again."""
     from pdstack.proxy import wait_budget
 
-    clock = [100.0]
-    monkeypatch.setattr(wait_budget.time, "monotonic", lambda: clock[0])
-    b = wait_budget.WaitBudget()
-    for i in range(wait_budget.MIN_LANDED):
-        b.admitted(f"r{i}")
-        clock[0] += 0.5
-        b.landed(f"r{i}")
+    b, clock = _one_at_a_time(monkeypatch, idle_s=0.0)
     b.rate()
     assert b.known_concurrency(0) and not b.known_concurrency(1)
     for i in range(20):
