@@ -750,7 +750,6 @@ MIDSTREAM = 4  # streams on node2's decoder when its link goes down
 # long enough to be still streaming when the link goes down (96 tokens were over before it
 # once in CI: the tiny model makes hundreds of tokens a second)
 MIDSTREAM_TOKENS = 600
-SEAM_TOKENS = 32  # after the seam: compared to the reference (see the test)
 MIDSTREAM_GAP_S = 5.0  # the proxy's: ~1.3 s (silence 0.25 s + an unanswered 1 s probe)
 
 
@@ -813,25 +812,14 @@ def test_link_lost_mid_stream_streams_go_on_on_node1(nodes: TwoNodes) -> None:
           f"the link down in {fired_in * 1000:.1f} ms; migrated {migrated:g}; every stream "
           f"ended {ended:.1f} s after; the clients' gaps across the loss "
           f"{[round(g, 2) for g in gaps]} s")
-    whole = 0
     for i, res in enumerate(results):
         assert not isinstance(res, BaseException), f"stream {i}: {res!r}"
         events, _ = res
         assert not [e for e in events if "error" in e], events[-2:]
         assert len({e["id"] for e in events}) == 1
-        got, ref = stream_tokens(events), reference[i]
-        # the seam: the tokens the client had when the link went down, then SEAM_TOKENS
-        # more: none missing or repeated where the stream moved. Past that, greedy tokens of
-        # 4 streams decoded side by side in bfloat16 may part from the reference decoded
-        # alone (batch-variant CPU kernels: once at token 265 of 600, a fresh-clone CI);
-        # token identity over whole streams is the host-native migration tests'
-        seam = len(stream_tokens([e for e, t in zip(events, times[i], strict=True)
-                                  if t < down]))
-        assert len(got) == MIDSTREAM_TOKENS, f"stream {i}: {len(got)} tokens"
-        end = seam + SEAM_TOKENS
-        assert got[:end] == ref[:end], f"stream {i}: not node1's tokens at the seam ({seam})"
-        whole += got == ref
-    print(f"streams token-identical to node1's alone, whole: {whole} of {MIDSTREAM}")
+        # float32 engines (inventory/lab-2node): node2's tokens decoded beside 3 others, then
+        # node1's, equal node1's decoded alone
+        assert stream_tokens(events) == reference[i], f"stream {i}: not node1's tokens"
     assert running == MIDSTREAM, f"{MIDSTREAM - running} stream(s) ended before the link went down"
     assert migrated == MIDSTREAM, f"{migrated:g} of {MIDSTREAM} streams moved"
     assert max(gaps) <= MIDSTREAM_GAP_S, f"a client waited {max(gaps):.1f} s"
