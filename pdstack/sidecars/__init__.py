@@ -26,11 +26,12 @@ LMCACHE_SOCKET = "pdstack.sidecars.lmcache_socket"
 METRICS_GATE = "pdstack.sidecars.metrics_gate"
 
 # what the containers run from pdstack, relative to the package folder: these programs and the
-# vLLM plugins (pdstack/vllm_engine_auth.py, pdstack/vllm_offload_fix.py), all stdlib (+ vLLM)
+# vLLM plugins (pdstack/vllm_engine_auth.py, vllm_offload_fix.py, vllm_kv_xfer_fix.py), all
+# stdlib (+ vLLM)
 PACKAGE = Path(__file__).resolve().parent.parent
 CONTAINER_FILES = ("__init__.py", "vllm_engine_auth.py", "vllm_offload_fix.py",
-                   "sidecars/__init__.py", "sidecars/watchdog.py", "sidecars/lmcache_socket.py",
-                   "sidecars/metrics_gate.py")
+                   "vllm_kv_xfer_fix.py", "sidecars/__init__.py", "sidecars/watchdog.py",
+                   "sidecars/lmcache_socket.py", "sidecars/metrics_gate.py")
 # the plugins' dist-infos (their vllm.general_plugins entry points), in the package: a folder
 # an engine's PYTHONPATH names beside the package's parent, where vLLM's plugin loader finds them
 PLUGINS_DIR = "vllm_plugins"

@@ -364,9 +364,12 @@ from vllm.plugins import load_general_plugins
 load_general_plugins()  # what vLLM does in every process it starts
 import pdstack.vllm_offload_fix as fix
 import vllm
+from vllm.v1.core.sched.scheduler import Scheduler
 found = m.entry_points(group="vllm.general_plugins")
 print(json.dumps({"pythonpath": os.environ.get("PYTHONPATH"), "file": fix.__file__,
                   "vllm": vllm.__version__, "applied": fix.apply(),
+                  "kv_xfer_fix": getattr(Scheduler._update_from_kv_xfer_finished,
+                                         "__pdstack_kv_xfer_fix__", False),
                   "plugins": [(e.name, e.value) for e in found]}))
 """
 
@@ -375,7 +378,8 @@ def test_engines_load_pdstacks_vllm_plugin(cpu_stack: dict[str, float]) -> None:
     """The stack mounts pdstack's package (its vLLM plugin: pdstack/vllm_offload_fix.py, and
     the plugins' entry points in pdstack/vllm_plugins/) into every engine with PYTHONPATH set
     to it: vLLM's own plugin discovery in the engine's container finds it and loads it; on
-    this image's vLLM (not 0.26.0) it patches nothing."""
+    this image's vLLM (not 0.26.0) the offload fix patches nothing, the KV transfer fix
+    (pdstack/vllm_kv_xfer_fix.py) patches the scheduler."""
     import subprocess
 
     for svc, spec in _compose_services().items():
@@ -390,6 +394,8 @@ def test_engines_load_pdstacks_vllm_plugin(cpu_stack: dict[str, float]) -> None:
         assert ["pdstack_offload_fix", "pdstack.vllm_offload_fix:register"] in [
             list(p) for p in got["plugins"]], (svc, got)
         assert got["vllm"] != "0.26.0" and got["applied"] is False, (svc, got)
+        # pdstack/vllm_kv_xfer_fix.py: this vLLM still asserts there, so it is patched
+        assert got["kv_xfer_fix"] is True, (svc, got)
 
 
 def test_bench_three_rate_sweep_against_the_stack(cpu_stack: dict[str, float], tmp_path) -> None:

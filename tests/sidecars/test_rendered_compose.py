@@ -108,8 +108,8 @@ def test_the_container_files_run_with_nothing_else(tmp_path: Path) -> None:
     for rel, text in sidecars.container_files().items():
         (tmp_path / "pdstack" / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "pdstack" / rel).write_text(text)
-    for module in (sidecars.WATCHDOG, sidecars.METRICS_GATE, sidecars.LMCACHE_SOCKET,
-                   "pdstack.vllm_offload_fix"):
+    plugins = ("pdstack.vllm_offload_fix", "pdstack.vllm_kv_xfer_fix")
+    for module in (sidecars.WATCHDOG, sidecars.METRICS_GATE, sidecars.LMCACHE_SOCKET, *plugins):
         run = subprocess.run([sys.executable, "-S", "-c", f"import {module}"],
                              env={"PYTHONPATH": str(tmp_path)}, capture_output=True, text=True,
                              timeout=60, cwd=tmp_path)
@@ -117,7 +117,7 @@ def test_the_container_files_run_with_nothing_else(tmp_path: Path) -> None:
         usage = subprocess.run([sys.executable, "-S", "-m", module], capture_output=True,
                                env={"PYTHONPATH": str(tmp_path)}, text=True, timeout=60,
                                cwd=tmp_path)
-        if module != "pdstack.vllm_offload_fix":
+        if module not in plugins:
             assert usage.returncode == 2 and "Usage:" in usage.stderr, (module, usage.stderr)
 
 
@@ -126,6 +126,7 @@ def test_the_plugins_entry_points_name_their_register() -> None:
     found = sorted((ep.name, ep.value) for dist in importlib.metadata.distributions(
         path=[str(path)]) for ep in dist.entry_points if ep.group == "vllm.general_plugins")
     assert found == [("pdstack_engine_auth", "pdstack.vllm_engine_auth:register"),
+                     ("pdstack_kv_xfer_fix", "pdstack.vllm_kv_xfer_fix:register"),
                      ("pdstack_offload_fix", "pdstack.vllm_offload_fix:register")]
     for name, value in found:
         module = importlib.import_module(value.split(":")[0])
