@@ -142,14 +142,16 @@ def test_register_without_key_does_nothing_and_with_key_fails_loudly_when_it_can
     assert KEY not in caplog.text
 
 
-def test_plugin_files_ship_both_plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plugin_files_ship_every_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What ``pdstack launch`` and ``pdstack render`` put on the engines' PYTHONPATH: vLLM's
-    plugin discovery finds the key check beside the offload fix, as a standalone module."""
+    plugin discovery finds the key check beside the offload and KV transfer fixes, as a
+    standalone module."""
     path = vllm_offload_fix.plugin_path(tmp_path)
     dists = importlib.metadata.distributions(path=[str(path)])
     found = sorted((ep.name, ep.value) for dist in dists
                    for ep in dist.entry_points if ep.group == "vllm.general_plugins")
     assert found == [("pdstack_engine_auth", "pdstack.vllm_engine_auth:register"),
+                     ("pdstack_kv_xfer_fix", "pdstack.vllm_kv_xfer_fix:register"),
                      ("pdstack_offload_fix", "pdstack.vllm_offload_fix:register")]
     assert (path / "pdstack" / "vllm_engine_auth.py").read_text() == Path(
         auth.__file__).read_text()
