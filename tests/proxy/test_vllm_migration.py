@@ -39,6 +39,7 @@ OPENAI_EVERY = 3  # every third stream goes through the official openai client
 # the longest a client may wait for its next event across the fault: a kill is noticed at
 # once, a freeze after --stall-probe-after (0.25 s) + an unanswered --stall-probe-timeout (1 s)
 GAP_S = 2.0
+BENCH_TOKENS = 480  # the bench's streams: long enough to be mid-answer when A freezes
 BUSY_S = 40  # the no-fault run: streams at 2 req/s this long (80), on a loaded machine
 
 
@@ -305,15 +306,15 @@ async def test_busy_engines_with_no_fault_keep_every_stream(
 async def test_vllm_bench_serve_through_a_frozen_engine(
     colocated_engines: tuple[ve.Proc, ve.Proc], tmp_path: Any,
 ) -> None:
-    """The real `vllm bench serve` (the CPU venv's: random prompts, STREAMS at once, 160
-    tokens each with ignore_eos) through the proxy while engine A, holding every stream, is
+    """The real `vllm bench serve` (the CPU venv's: random prompts, STREAMS at once,
+    BENCH_TOKENS each with ignore_eos) through the proxy while engine A, holding every stream, is
     frozen (SIGSTOP; SIGCONT after): the benchmark counts every request completed, none
     failed; the streams moved (reason frozen)."""
     engine_a, _ = colocated_engines
     args = [str(ve.VENV / "bin" / "vllm"), "bench", "serve", "--backend", "openai",
             "--endpoint", "/v1/completions", "--model", "tiny",
             "--tokenizer", str(ve.ensure_model()), "--dataset-name", "random",
-            "--random-input-len", "60", "--random-output-len", str(MAX_TOKENS),
+            "--random-input-len", "60", "--random-output-len", str(BENCH_TOKENS),
             "--num-prompts", str(STREAMS), "--max-concurrency", str(STREAMS),
             "--request-rate", "inf", "--ignore-eos", "--temperature", "0", "--disable-tqdm",
             "--ready-check-timeout-sec", "0", "--save-result", "--result-dir", str(tmp_path),
@@ -330,7 +331,14 @@ async def test_vllm_bench_serve_through_a_frozen_engine(
             stderr=asyncio.subprocess.STDOUT)
         try:
             await ph.until(lambda: a.in_flight >= STREAMS, "every stream on engine A", 120)
-            await asyncio.sleep(1.0)  # their first tokens
+            # freeze once every stream has its first byte, not after a fixed sleep: a tiny
+            # model on a fast core writes a stream's BENCH_TOKENS in about a second (CI saw
+            # every stream end before a freeze 1 s after they arrived: nothing to move)
+            deadline = time.monotonic() + 60
+            while ph.metric_value(await rp.metrics(), "pdstack_proxy_ttft_seconds_count") < \
+                    STREAMS:
+                assert time.monotonic() < deadline, "no first byte on every stream in 60 s"
+                await asyncio.sleep(0.02)
             assert await rp.backend_action("n1/engine-b", "undrain") == 200
             os.killpg(engine_a.popen.pid, signal.SIGSTOP)
             try:
@@ -348,7 +356,7 @@ async def test_vllm_bench_serve_through_a_frozen_engine(
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert doc["completed"] == STREAMS and doc.get("failed", 0) == 0, {
         k: doc.get(k) for k in ("completed", "failed", "errors")}
-    assert doc["total_output_tokens"] == STREAMS * MAX_TOKENS, doc["total_output_tokens"]
+    assert doc["total_output_tokens"] == STREAMS * BENCH_TOKENS, doc["total_output_tokens"]
     assert moved >= 1 and ph.metric_value(metrics, "pdstack_proxy_migrations_total",
                                           reason="frozen") == moved
 
