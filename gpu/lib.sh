@@ -221,12 +221,13 @@ gpu_facts() {
   lscpu 2>/dev/null | grep -m1 'Model name'
 }
 # gpu_bench NAME TARGET RATES DURATION ARGS...: one `pdstack bench` (seed 1, cold caches: the
-# sweep's own vLLM cache_salt) into results/NAME.json; 0 when the JSON is there
+# sweep's own vLLM cache_salt, or with GPU_SALT_FLAG=--prompt-salt its own salt leading every
+# prompt) into results/NAME.json; 0 when the JSON is there
 gpu_bench() {
   local name=$1 target=$2 rates=$3 dur=$4; shift 4
   python3 -m pdstack.cli bench --target "$target" --token-ids --model "${GPU_MODEL:-deepseek-v2-lite}" \
     "$@" --rates "$rates" --duration "$dur" --warmup "$WARMUP" --drain-timeout "${DRAIN:-30}" \
-    --seed 1 --gpus 1 --request-timeout 120 --cache-salt "$GPU_TAG-$name" --label "$name" \
+    --seed 1 --gpus 1 --request-timeout 120 "${GPU_SALT_FLAG:---cache-salt}" "$GPU_TAG-$name" --label "$name" \
     --output "$W/results/$name.json" --no-progress > "$W/logs/bench-$name.out" 2>&1 &
   local bench=$!  # the card's clocks under load, every 5 s (results/clocks-NAME.csv)
   nvidia-smi --query-gpu=timestamp,$GPU_CLOCKS --format=csv -l 5 > "$W/results/clocks-$name.csv" 2>&1 &
@@ -239,15 +240,16 @@ gpu_bench() {
   [ -f "$W/results/$name.json" ]
 }
 # gpu_sweep NAME ENGINE TARGET RATES DURATION ARGS...: once (state swept-/failed-NAME), on a
-# quiet engine, with the engine's (and the proxy's) counters; 3 when it does not fit the budget
+# quiet engine, with the engine's (and the proxy's: TARGET_METRICS, default TARGET/metrics)
+# counters; 3 when it does not fit the budget
 gpu_sweep() {
   local name=$1 engine=$2 target=$3 rates=$4 dur=$5; shift 5
   [ -f "$W/state/swept-$name" ] || [ -f "$W/state/failed-$name" ] && return 0
   [ -n "$engine" ] || { log "no engine for $name"; touch "$W/state/failed-$name"; return 0; }
   gpu_fits "$name" "$rates" "$dur" || return 3
-  gpu_quiesce "$engine"
-  local metrics=(--metrics-url "$engine/metrics")
-  [ "$target" != "$engine" ] && metrics+=(--metrics-url "$target/metrics")
+  local e metrics=()  # ENGINE: one URL, or several (comma-separated): each quiet, each scraped
+  for e in ${engine//,/ }; do gpu_quiesce "$e"; metrics+=(--metrics-url "$e/metrics"); done
+  [ "$target" != "$engine" ] && metrics+=(--metrics-url "${TARGET_METRICS:-$target/metrics}")
   log "sweep $name: rates $rates x ${dur}s via $target $*"
   if gpu_bench "$name" "$target" "$rates" "$dur" "${metrics[@]}" "$@"; then
     touch "$W/state/swept-$name"

@@ -78,9 +78,23 @@ SWEEPS=${SWEEPS:-vllm-default vllm-native pdstack-default pdstack-default-before
 turn-vllm-default turn-pdstack-default seed-vllm-default seed-pdstack-default \
 turn-pdstack-default-before turn-vllm-native}
 
+# issue 56: three engines of one model on GPU 0 (RT_INV: V2-Lite, 10 GiB KV each, on an H200;
+# the mini model with the same KV in tokens on an H100, which holds one V2-Lite engine) behind,
+# one front at a time, on the same engines: pdstack (KV events), its hash ring, vllm-router
+RATES_RT=${RATES_RT:-12,24,36,48}
+RT_ENGINES=http://127.0.0.1:8290,http://127.0.0.1:8291,http://127.0.0.1:8292
+
 # shellcheck source=gpu/lib.sh
 source "$(pwd)/gpu/lib.sh"
 gpu_start ceiling /tmp/pdceil "${1:-}" || exit 1
+if [ -z "${RT_INV-}" ]; then
+  case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)" in
+    *H200*) RT_INV=inventory/h200x1-3e ;;
+    *) RT_INV=inventory/h100x1-3e-mini ;;
+  esac
+fi
+case $RT_INV in *mini*) [ -d /tmp/models/deepseek-v2-mini ] || { mkdir -p /tmp/models \
+  && cp -r "$REPO/gpu/models/deepseek-v2-mini" /tmp/models/; } ;; esac
 OLD_REV=${OLD_REV:-431b547}  # the -before proxy's commit (its tree: OLD_PDSTACK)
 OLD_PDSTACK=${OLD_PDSTACK:-$REPO/gpu/payload/old-pdstack}
 
@@ -107,6 +121,13 @@ STACKS=(
   # engines behind a proxy with --kv-events off (the hash ring): an H200 only
   "pdstack-2e http://127.0.0.1:8190 http://127.0.0.1:8090 e inventory/h200x1-2e engine-0,engine-1,proxy"
   "pdstack-2e-ring http://127.0.0.1:8190 http://127.0.0.1:8091 e inventory/h200x1-2e engine-0,engine-1,proxy"
+  # issue 56: RT_INV's three engines (key t) behind pdstack's proxy (key tp: KV-event routing),
+  # the hash ring (--kv-events off) and vllm-router's policies (ROUTERS); t's row first
+  "rt-rr $RT_ENGINES http://127.0.0.1:8194 t $RT_INV engine-0,engine-1,engine-2"
+  "rt-pdstack $RT_ENGINES http://127.0.0.1:8190 tp $RT_INV proxy"
+  "rt-ring $RT_ENGINES http://127.0.0.1:8193 tp $RT_INV proxy"
+  "rt-ca $RT_ENGINES http://127.0.0.1:8195 t $RT_INV engine-0,engine-1,engine-2"
+  "rt-kv $RT_ENGINES http://127.0.0.1:8196 t $RT_INV engine-0,engine-1,engine-2"
   # issue 37: tenants chat + batch on pdstack's default engine (iso) or on INV_CHUNK's (isoc);
   # -p1: a second proxy with --admission-prefill-tokens P1_TOKENS (batch prefills one prompt
   # at a time while chat is active); -nofirst: --admission-interactive-first off; iso-split:
@@ -165,6 +186,7 @@ for name in $SWEEPS; do
   for s in "$st" ${BATCH_TO[$st]:-}; do
     read -r _ _ key _ <<< "$(stack "$s")"
     [ -n "$key" ] && NEED+="$key "
+    [ "$key" = tp ] && NEED+="t "  # pdstack's proxy of RT_INV's engines (launched apart)
   done
 done
 needed() { case "$NEED" in *" $1 "*) return 0 ;; esac; return 1; }
@@ -217,12 +239,99 @@ EXTRA_PROXIES=(
   "pdstack-caution0 caution0 8064 $REPO --admission-preempt-caution 0"
   "pdstack-nomigr nomigr 8065 $REPO --max-migrations 0"
   "pdstack-2e-ring ring 8091 $REPO --kv-events off"
+  "rt-ring rt-ring 8193 $REPO --kv-events off"
   "iso-p1 p1 8068 $REPO --admission-prefill-tokens $P1_TOKENS"
   "iso-chunk-p1 p1c 8069 $REPO --admission-prefill-tokens $P1_TOKENS"
   "iso-nofirst nofirst 8070 $REPO --admission-interactive-first off"
 )
+# vllm-router 0.1.17 (issue 56's baselines: stack, port, policy; its defaults but the policy)
+# on RT_INV's engines, its wheel in /tmp/chunks/router (unpacked once into $SITE/router), its
+# metrics on port + 100. kv_aware reads the engines' KV events through gpu/kv_events_fanout.py:
+# pdstack's engines publish to its proxy's SUB, which the fanout binds once that proxy (key tp)
+# is stopped, so rt-kv comes after every tp sweep (rt-pdstack, rt-ring) in SWEEPS
+ROUTERS=(
+  "rt-rr 8194 round_robin"
+  "rt-ca 8195 cache_aware"
+  "rt-kv 8196 kv_aware"
+)
+router_install() {
+  [ -d "$SITE/router/vllm_router" ] && return 0
+  local whl mod
+  mkdir -p "$SITE/router"
+  python3 -m zipfile -e /tmp/chunks/router/vllm_router-*.whl "$SITE/router" || return 1
+  for mod in orjson setproctitle; do  # its two imports vLLM's venv may lack
+    python3 -c "import $mod" 2>/dev/null && continue
+    for whl in /tmp/chunks/router/"$mod"-*.whl; do python3 -m zipfile -e "$whl" "$SITE/router"; done
+  done
+  log "vllm-router unpacked into $SITE/router"
+}
+rt_node() { case $RT_INV in *mini*) echo h100 ;; *) echo h200 ;; esac; }
+rt_block_size() {  # the engines' KV block size (vllm:cache_config_info)
+  http_get "${RT_ENGINES%%,*}/metrics" \
+    | sed -n 's/^vllm:cache_config_info{.*block_size="\([0-9]*\)".*/\1/p' | head -1
+}
+router() {  # up|down STACK: the stack's vllm-router (2: the stack has none)
+  local r name port policy i urls flags=() fan=() pid
+  for r in "${ROUTERS[@]}"; do
+    read -r name port policy <<< "$r"
+    [ "$name" = "$2" ] || continue
+    if [ "$1" = down ]; then
+      for pid in "router-$name" fanout; do
+        [ -f "$W/state/$pid.pid" ] && kill "$(cat "$W/state/$pid.pid")" 2>/dev/null
+        rm -f "$W/state/$pid.pid"
+      done
+      return 0
+    fi
+    router_install || { log "no vllm-router in /tmp/chunks/router"; return 1; }
+    IFS=, read -ra urls <<< "$RT_ENGINES"
+    if [ "$policy" = kv_aware ]; then
+      gpu_stop tp "$RT_INV"  # pdstack's proxy: the fanout binds its SUB
+      for i in "${!urls[@]}"; do
+        fan+=(--pub "$(rt_node)/engine-$i=tcp://127.0.0.1:$((5601 + i))")
+        flags+=(--kv-event-source "${urls[$i]}=tcp://127.0.0.1:$((5601 + i))"
+                --kv-event-replay-source "${urls[$i]}=tcp://127.0.0.1:$((5591 + i))")
+      done
+      # the engines' block size (the router's default 16 against an engine's 64 credits no
+      # prefix, silently: helper-14's CPU probe); the model is a label only (no tokenizer)
+      local bs=${RT_BLOCK_SIZE:-$(rt_block_size)}
+      [ -n "$bs" ] || { log "no block size in ${RT_ENGINES%%,*}/metrics: no $name"; return 1; }
+      flags+=(--kv-event-block-size "$bs" --kv-event-model "${GPU_MODEL:-deepseek-v2-lite}")
+      setsid python3 "$REPO/gpu/kv_events_fanout.py" --sub tcp://127.0.0.1:5590 "${fan[@]}" \
+        > "$W/logs/fanout.out" 2>&1 < /dev/null &
+      echo $! > "$W/state/fanout.pid"
+    fi
+    log "router $name :$port --policy $policy ${flags[*]}"
+    # ROUTER_PYTHON: vLLM's venv has its imports (uvicorn, fastapi, aiohttp); the dry run
+    # gives .venv-router's
+    PYTHONPATH="$SITE/router${PYTHONPATH:+:$PYTHONPATH}" setsid "${ROUTER_PYTHON:-python3}" \
+      -m vllm_router.launch_router \
+      --host 127.0.0.1 --port "$port" --worker-urls "${urls[@]}" --policy "$policy" "${flags[@]}" \
+      --prometheus-host 127.0.0.1 --prometheus-port $((port + 100)) \
+      > "$W/logs/router-$name.out" 2>&1 < /dev/null &
+    pid=$!
+    echo $pid > "$W/state/router-$name.pid"
+    for _ in $(seq 60); do
+      http_get "http://127.0.0.1:$port/health" > /dev/null && return 0
+      kill -0 $pid 2>/dev/null || break
+      sleep 1
+    done
+    log "router $name :$port not healthy:"; tail -20 "$W/logs/router-$name.out" | tee -a "$W/run.log"
+    return 1
+  done
+  return 2
+}
+target_metrics() {  # STACK TARGET: where the front's own counters are (a router's on port + 100)
+  local r name port
+  for r in "${ROUTERS[@]}"; do
+    read -r name port _ <<< "$r"
+    [ "$name" = "$1" ] && { echo "http://127.0.0.1:$((port + 100))/metrics"; return; }
+  done
+  echo "$2/metrics"
+}
 extra_proxy() {  # up|down STACK: start/stop the stack's extra proxy (0 when it has none)
-  local e name port code flags key GPU_SECRETS=${GPU_SECRETS:-}
+  local e name port code flags key GPU_SECRETS=${GPU_SECRETS:-} rc
+  router "$1" "$2"; rc=$?
+  [ $rc = 2 ] || return $rc
   for e in "${EXTRA_PROXIES[@]}"; do
     [ "${e%% *}" = "$2" ] || continue
     read -r _ name port code flags <<< "$e"
@@ -255,6 +364,10 @@ sweep() {  # NAME: [WORKLOAD-]STACK[-rN]; 3 when it does not fit the budget now
   [ -f "$W/state/down-$key" ] && engine=""  # gpu_sweep: "no engine", failed
   local rv=${WL_RATES[$wl]:-} dur=$DURATION
   [ "$wl" = batch ] && dur=$((DURATION * 2 / 3))
+  GPU_SALT_FLAG=--cache-salt TARGET_METRICS=$(target_metrics "$st" "$target")
+  # RT_INV's fronts: the same engines, and routers that know no cache_salt: cold caches by a
+  # salt in the prompts (the bench's --prompt-salt) for every front
+  if [[ $st == rt-* ]]; then GPU_SALT_FLAG=--prompt-salt; [ "$wl" = mt ] && rv=RATES_RT; fi
   [ -f "$W/state/swept-$name" ] || [ -f "$W/state/failed-$name" ] || extra_proxy up "$st" \
     || { log "no proxy for $st: skip $name"; touch "$W/state/failed-$name"; return 0; }
   local rc=0

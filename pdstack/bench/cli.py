@@ -117,6 +117,10 @@ def register(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentPar
     p.add_argument("--cache-salt", default=None,
                    help="vLLM cache_salt on every request: the same requests on cold prefix "
                         "caches and native tier (vLLM keys cached blocks by it)")
+    p.add_argument("--prompt-salt", default=None,
+                   help="lead every prompt with this salt (its first token id, or word): the "
+                        "same requests on cold caches for fronts that hash prompts and know no "
+                        "cache_salt (a router's prefix index)")
     p.add_argument("--slo-ttft-p50-ms", type=float, default=2000.0)
     p.add_argument("--slo-ttft-p99-ms", type=float, default=3500.0)
     p.add_argument("--slo-ttft-ms", type=float, default=SLO_TTFT_MS,
@@ -201,6 +205,7 @@ def _config(args: argparse.Namespace, resolved: scenarios.Resolved | None = None
         seed=args.seed,
         turns=knobs["turns"],
         think_time=knobs["think_time"] if knobs["think_time"] is not None else 4.0,
+        prompt_salt=args.prompt_salt,
     )
     return BenchConfig(
         target=args.target,

@@ -126,6 +126,9 @@ class WorkloadConfig:
     # multi-turn: turns per conversation (None: one request per arrival, no conversations)
     turns: Distribution | None = None
     think_time: float = 4.0  # seconds, mean of an exponential, between turns
+    # leads every prompt's tag (its first token id, or first word): the same workload on cold
+    # caches with no vLLM cache_salt, which a router that hashes prompts may not know
+    prompt_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_system_prompts < 1:
@@ -177,15 +180,16 @@ class Workload:
 
     def _text_or_ids(self, rng: random.Random, n: int, tag: str) -> str | list[int]:
         cfg = self.config
+        k = max(0, n - len(tag.split()))  # the words drawn: the same with a salt or without
+        if cfg.prompt_salt:
+            tag = f"{cfg.prompt_salt} {tag}"
         if cfg.token_ids:
             # The tag's checksum makes the first ids differ between prompts.
             span = cfg.token_id_max - cfg.token_id_min
             head = [cfg.token_id_min + zlib.crc32(tag.encode()) % span]
             return head + rng.choices(range(cfg.token_id_min, cfg.token_id_max), k=n - 1)
         # The tag (a few words) always leads, so a prompt may be a bit longer than n.
-        words = tag.split()
-        words += rng.choices(_WORDS, k=max(0, n - len(words)))
-        return " ".join(words)
+        return " ".join(tag.split() + rng.choices(_WORDS, k=k))
 
     def next_request(self) -> ChatRequest:
         cfg, rng = self.config, self._rng

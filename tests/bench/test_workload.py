@@ -97,6 +97,29 @@ def test_token_id_prompts() -> None:
     assert wl.system_prompts[0] != wl.system_prompts[1]
 
 
+@pytest.mark.parametrize("token_ids", [True, False])
+def test_prompt_salt_changes_only_each_prompts_lead(token_ids: bool) -> None:
+    """--prompt-salt: the same workload (lengths, sharing, every id or word after the lead),
+    but each prompt's first token id / first word differs between salts: cold caches with no
+    cache_salt, so a router that hashes the prompt sees the engines' own blocks."""
+    def draw(salt: str | None) -> list:
+        wl = Workload(WorkloadConfig(num_system_prompts=3, token_ids=token_ids,
+                                     token_id_min=10, token_id_max=100_000, seed=7,
+                                     prompt_salt=salt))
+        return [wl.next_request() for _ in range(60)]
+    plain, a, b = draw(None), draw("run-a"), draw("run-b")
+    for x, y, z in zip(plain, a, b, strict=True):
+        assert (x.system_prompt_id, x.max_tokens) == (y.system_prompt_id, y.max_tokens) \
+            == (z.system_prompt_id, z.max_tokens)
+        if token_ids:
+            assert x.system[1:] == y.system[1:] == z.system[1:]
+            assert len({x.system[0], y.system[0], z.system[0]}) == 3
+        else:
+            assert y.system.startswith("run-a system prompt") or y.system.startswith("run-a unique")
+            assert y.system.split()[1:] == z.system.split()[1:]
+            assert not x.system.startswith("run-")
+
+
 def test_config_rejects_bad_share() -> None:
     with pytest.raises(ValueError):
         WorkloadConfig(shared_share=1.5)
