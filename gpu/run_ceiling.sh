@@ -285,6 +285,12 @@ router() {  # up|down STACK: the stack's vllm-router (2: the stack has none)
     router_install || { log "no vllm-router in /tmp/chunks/router"; return 1; }
     IFS=, read -ra urls <<< "$RT_ENGINES"
     if [ "$policy" = kv_aware ]; then
+      local n s k
+      for n in $SWEEPS; do  # pdstack's proxy (key tp) goes for good: its sweeps first
+        read -r _ s <<< "$(parse_sweep "$n")"; read -r _ _ k _ <<< "$(stack "$s")"
+        [ "$k" = tp ] && [ ! -f "$W/state/swept-$n" ] && [ ! -f "$W/state/failed-$n" ] \
+          && { log "$name waits for $n (pdstack's proxy goes for $name)"; return 3; }
+      done
       gpu_stop tp "$RT_INV"  # pdstack's proxy: the fanout binds its SUB
       for i in "${!urls[@]}"; do
         fan+=(--pub "$(rt_node)/engine-$i=tcp://127.0.0.1:$((5601 + i))")
@@ -368,9 +374,12 @@ sweep() {  # NAME: [WORKLOAD-]STACK[-rN]; 3 when it does not fit the budget now
   # RT_INV's fronts: the same engines, and routers that know no cache_salt: cold caches by a
   # salt in the prompts (the bench's --prompt-salt) for every front
   if [[ $st == rt-* ]]; then GPU_SALT_FLAG=--prompt-salt; [ "$wl" = mt ] && rv=RATES_RT; fi
-  [ -f "$W/state/swept-$name" ] || [ -f "$W/state/failed-$name" ] || extra_proxy up "$st" \
-    || { log "no proxy for $st: skip $name"; touch "$W/state/failed-$name"; return 0; }
   local rc=0
+  if [ ! -f "$W/state/swept-$name" ] && [ ! -f "$W/state/failed-$name" ]; then
+    extra_proxy up "$st" || rc=$?
+    [ $rc = 3 ] && return 3  # not yet (rt-kv: pdstack's proxy has sweeps left)
+    [ $rc = 0 ] || { log "no proxy for $st: skip $name"; touch "$W/state/failed-$name"; return 0; }
+  fi
   # shellcheck disable=SC2086
   case $wl in
     chat|over|flood) pair "$name" "$st" "$engine" "$target" "$wl" || rc=$? ;;
