@@ -79,8 +79,8 @@ turn-vllm-default turn-pdstack-default seed-vllm-default seed-pdstack-default \
 turn-pdstack-default-before turn-vllm-native}
 
 # issue 56: three engines of one model on GPU 0 (RT_INV: V2-Lite, 10 GiB KV each, on an H200;
-# the mini model with the same KV in tokens on an H100, which holds one V2-Lite engine) behind,
-# one front at a time, on the same engines: pdstack (KV events), its hash ring, vllm-router
+# on an H100, which holds one V2-Lite engine, V2-Lite's first 12 layers with the same KV in
+# tokens) behind, one front at a time, on the same engines: pdstack (KV events), its hash ring, vllm-router
 RATES_RT=${RATES_RT:-12,24,36,48}
 RT_ENGINES=http://127.0.0.1:8290,http://127.0.0.1:8291,http://127.0.0.1:8292
 
@@ -90,11 +90,11 @@ gpu_start ceiling /tmp/pdceil "${1:-}" || exit 1
 if [ -z "${RT_INV-}" ]; then
   case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)" in
     *H200*) RT_INV=inventory/h200x1-3e ;;
-    *) RT_INV=inventory/h100x1-3e-mini ;;
+    *) RT_INV=inventory/h100x1-3e ;;
   esac
 fi
-case $RT_INV in *mini*) [ -d /tmp/models/deepseek-v2-mini ] || { mkdir -p /tmp/models \
-  && cp -r "$REPO/gpu/models/deepseek-v2-mini" /tmp/models/; } ;; esac
+case $RT_INV in *h100x1-3e) [ -d /tmp/models/deepseek-v2-12l ] || { mkdir -p /tmp/models \
+  && cp -r "$REPO/gpu/models/deepseek-v2-12l" /tmp/models/; } ;; esac
 OLD_REV=${OLD_REV:-431b547}  # the -before proxy's commit (its tree: OLD_PDSTACK)
 OLD_PDSTACK=${OLD_PDSTACK:-$REPO/gpu/payload/old-pdstack}
 
@@ -265,7 +265,7 @@ router_install() {
   done
   log "vllm-router unpacked into $SITE/router"
 }
-rt_node() { case $RT_INV in *mini*) echo h100 ;; *) echo h200 ;; esac; }
+rt_node() { case $RT_INV in *h100x1-3e) echo h100 ;; *) echo h200 ;; esac; }
 rt_block_size() {  # the engines' KV block size (vllm:cache_config_info)
   http_get "${RT_ENGINES%%,*}/metrics" \
     | sed -n 's/^vllm:cache_config_info{.*block_size="\([0-9]*\)".*/\1/p' | head -1

@@ -117,3 +117,17 @@ def test_pretend_nodes_on_one_host_do_not_collide():
         assert "--http-port" not in lm.command and "--http-host" not in lm.command
         binds.append((lm.command[lm.command.index("--host") + 1], lm.ports["zmq"]))
     assert sorted(binds) == [("127.0.0.1", 6110), ("127.0.0.2", 6110)]
+
+
+def test_the_12_layer_model_is_v2_lite_cut_and_its_inventory_carries_it():
+    """gpu/models/deepseek-v2-12l (issue 56 on an H100): V2-Lite with 12 layers, every expert;
+    inventory/h100x1-3e's weight and KV bytes are its own."""
+    c = json.loads((REPO / "gpu" / "models" / "deepseek-v2-12l" / "config.json").read_text())
+    lite = {**json.loads(MINI.read_text()), "num_hidden_layers": 27, "n_routed_experts": 64}
+    assert {k: v for k, v in c.items() if k != "num_hidden_layers"} == {
+        k: v for k, v in lite.items() if k != "num_hidden_layers"}
+    assert c["num_hidden_layers"] == 12
+    model = load_topology(REPO / "inventory" / "h100x1-3e").deployment.model
+    assert model.name == "/tmp/models/deepseek-v2-12l"
+    assert model.weight_bytes == deepseek_v2_params(c) * 2 == 13_867_532_288
+    assert model.kv_bytes_per_token == kv_bytes_per_token(c) == 13824
