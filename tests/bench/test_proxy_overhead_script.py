@@ -28,7 +28,9 @@ def test_script_writes_ratio_table(tmp_path: Path) -> None:
     assert set(runs) == {(t, n) for t in ("direct", "pdstack", "pdstack-gc") for n in (1, 2)}
     for (target, _), r in runs.items():
         assert r["failed"] == 0 and r["completed"] > 0
-        assert r["median_ttft_ms"] >= 25  # prefill 20 ms + decode 5 ms
+        # direct: prefill 20 ms then decode 5 ms, always; through the proxy a prefill leg that
+        # is slow on a loaded machine may fall back to the decoder alone (its own 5 ms)
+        assert r["median_ttft_ms"] >= (25 if target == "direct" else 5)
         assert "load generator" in r["cpu_cores_used"]
         if target != "direct":
             assert r["cpu_cores_used"][target] > 0
