@@ -292,6 +292,7 @@ router() {  # up|down STACK: the stack's vllm-router (2: the stack has none)
           && { log "$name waits for $n (pdstack's proxy goes for $name)"; return 3; }
       done
       gpu_stop tp "$RT_INV"  # pdstack's proxy: the fanout binds its SUB
+      pkill -f "[k]v_events_fanout.py" && sleep 2  # one left by an earlier sweep: its port
       for i in "${!urls[@]}"; do
         fan+=(--pub "$(rt_node)/engine-$i=tcp://127.0.0.1:$((5601 + i))")
         flags+=(--kv-event-source "${urls[$i]}=tcp://127.0.0.1:$((5601 + i))"
@@ -376,6 +377,8 @@ sweep() {  # NAME: [WORKLOAD-]STACK[-rN]; 3 when it does not fit the budget now
   if [[ $st == rt-* ]]; then GPU_SALT_FLAG=--prompt-salt; [ "$wl" = mt ] && rv=RATES_RT; fi
   local rc=0
   if [ ! -f "$W/state/swept-$name" ] && [ ! -f "$W/state/failed-$name" ]; then
+    # a front that does not fit now is not started (rt-kv would stop pdstack's proxy for it)
+    [[ $st == rt-* ]] && ! gpu_fits "$name" "${!rv}" "$dur" && return 3
     extra_proxy up "$st" || rc=$?
     [ $rc = 3 ] && return 3  # not yet (rt-kv: pdstack's proxy has sweeps left)
     [ $rc = 0 ] || { log "no proxy for $st: skip $name"; touch "$W/state/failed-$name"; return 0; }
