@@ -5,9 +5,10 @@ issue 56's ``kv_aware`` baseline) on the same engines pdstack routes.
 pdstack plans every engine's PUB to *connect* to its proxy's SUB (vLLM binds a PUB endpoint
 only for ``*``, ``::`` or ipc: pdstack.plan_engine.kv_events_config), topic = the backend name
 (``NODE/engine-N``). This binds that SUB instead (run it with pdstack's proxy stopped) and
-sends each message, its frames unchanged (topic, sequence, payload), on the PUB bound for
-its topic: what the router would read from an engine that binds its own PUB. Replays need
-nothing: the engines' ROUTER sockets are bound (``--kv-event-replay-source``).
+sends each message on the PUB bound for its topic, with the topic vLLM's default config
+publishes (``""``: ``--keep-topic`` sends pdstack's) and the sequence and payload unchanged:
+what the router would read from an engine that binds its own PUB with vLLM's defaults.
+Replays need nothing: the engines' ROUTER sockets are bound (``--kv-event-replay-source``).
 
     python gpu/kv_events_fanout.py --sub tcp://127.0.0.1:5590 \\
         --pub h200/engine-0=tcp://127.0.0.1:5601 --pub h200/engine-1=tcp://127.0.0.1:5602
@@ -30,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sub", required=True, help="the endpoint the engines' PUBs connect to")
     p.add_argument("--pub", action="append", required=True, metavar="TOPIC=ENDPOINT",
                    help="bind a PUB at ENDPOINT for the engine publishing TOPIC (repeat)")
+    p.add_argument("--keep-topic", action="store_true",
+                   help="send pdstack's topic (NODE/engine-N), not vLLM's default empty one")
     args = p.parse_args(argv)
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
@@ -64,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             if pub is None:
                 unknown += 1
             else:
-                pub.send_multipart(frames)
+                pub.send_multipart(frames if args.keep_topic else [b"", *frames[1:]])
                 counts[frames[0]] += 1
         if time.monotonic() - last >= 10:
             last = time.monotonic()
