@@ -371,6 +371,7 @@ class Proxy(HealthProbes, AdminAPI, EngineRoutes, Flows):
             self.in_flight -= 1
             if ctx is not None:
                 self.admission.forget(ctx.request_id)  # a hold its final leg never took
+                self.kv_routing.prefilled(ctx.request_id)  # one that never got a first byte
                 if ctx.ticket is not None:
                     self._tenant_done(ctx, ctx.ticket.tenant)
 

@@ -10,9 +10,11 @@ Per request, only when some candidate's events are *fresh* and its hashing verif
 2. its block hashes per scheme the engines hash with (with ``cache_salt``);
 3. the pick: the hash ring's choice is kept when its events are not fresh (today's hashing,
    counted as ``hash_<state>``); otherwise every fresh candidate is costed (blocks it does
-   not hold, a CPU-tier hit at ``cpu_hit_cost``, plus its queued work) and the cheapest
-   wins, ring order breaking ties (``cost``); an engine at the ring's load bound
-   (``load_factor`` x its share of the requests in flight) is not a candidate.
+   not hold, a CPU-tier hit at ``cpu_hit_cost``, plus the prompt tokens already routed to it
+   that it has not answered yet: :meth:`KvRouting.prefilled` takes a request's share off at
+   its first byte or end) and the cheapest wins, ring order breaking ties (``cost``); an
+   engine at the ring's load bound (``load_factor`` x its share of the requests in flight)
+   is not a candidate.
 
 Every decision is counted in ``pdstack_proxy_kv_route_total{decision}``.
 """
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +45,7 @@ CHAT_TOKENIZE_KEYS = (
 )
 DECISIONS = ("cost", "hash_missing", "hash_stale", "hash_unverified", "hash_no_tokens",
              "hash_bound")
+QUEUED_TTL_S = 120.0  # a request still queued after this long is dropped from the count
 TOKENIZE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -138,6 +141,10 @@ class KvRouting:
             ["decision"], registry=registry,
         )
         self.load_tokens = 0.0  # EWMA of the tokens routed requests had to compute
+        # prompt tokens routed to each engine by cost that it has not answered yet (the
+        # prefills queued ahead of a new request there), and each request's share of them
+        self.queued_tokens: dict[str, float] = {}
+        self._queued: OrderedDict[str, tuple[str, float, float]] = OrderedDict()
         self.recent: deque[Decision] = deque(maxlen=256)
         # a request's token ids and blocks, for its next lookups (P/D: the decoders, the
         # prefillers, the decode leg's pick)
@@ -297,12 +304,33 @@ class KvRouting:
             self._note(request_id, by_hash.name, "hash_bound", blocks, salted)
             return by_hash
         chosen, miss = pick_by_cost(
-            costed, blocks.tokens, self.config.cpu_hit_cost, max(self.load_tokens, 1.0)
+            costed, blocks.tokens, self.config.cpu_hit_cost, self.queued_tokens,
+            max(self.load_tokens, 1.0),
         )
         self.load_tokens += 0.1 * (miss - self.load_tokens)
+        self._queue(request_id, chosen.name, miss)
         self._decision["cost"].inc()
         self._note(request_id, chosen.name, "cost", blocks, salted)
         return chosen
+
+    def _queue(self, request_id: str, name: str, tokens: float) -> None:
+        self.prefilled(request_id)  # a retry's earlier pick
+        now = time.monotonic()
+        self._queued[request_id] = (name, tokens, now)
+        self.queued_tokens[name] = self.queued_tokens.get(name, 0.0) + tokens
+        while self._queued:  # one whose end never came (a bug elsewhere) ages out
+            oldest, (_, _, at) = next(iter(self._queued.items()))
+            if now - at < QUEUED_TTL_S:
+                break
+            self.prefilled(oldest)
+
+    def prefilled(self, request_id: str) -> None:
+        """The request's first byte went out (or it ended): its prompt tokens are no longer
+        queued on its engine. Idempotent."""
+        entry = self._queued.pop(request_id, None)
+        if entry is not None:
+            name, tokens, _ = entry
+            self.queued_tokens[name] = max(0.0, self.queued_tokens.get(name, 0.0) - tokens)
 
     def blocks_of(self, body: dict[str, Any]) -> RequestBlocks | None:
         """What :meth:`blocks_for` found for this request body (the last with hashes, for

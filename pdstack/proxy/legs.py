@@ -21,6 +21,7 @@ from pdstack.proxy.errors import (
     error_event_status,
     error_response,
 )
+from pdstack.proxy.kv_events_route import KvRouting
 from pdstack.proxy.migration import Migration
 from pdstack.proxy.migration_stream import with_token_ids
 from pdstack.proxy.relay import RelayError, RelayProtocol, build_request, split_url
@@ -63,6 +64,7 @@ class Legs(Migration):
     # (leg_deadline: a busy engine's legs are not cut while it progresses)
     session: aiohttp.ClientSession | None
     _addresses: dict[str, tuple[str, int, str]]
+    kv_routing: KvRouting
 
     # ------------------------------------------------------------------ legs
     async def _prefill(
@@ -389,8 +391,10 @@ class Legs(Migration):
         )
 
     def _first_byte(self, ctx: RequestContext) -> float:
-        """The client gets its first byte now: traced and timed (TTFT by route); now."""
+        """The client gets its first byte now: traced and timed (TTFT by route), its prompt no
+        longer queued on its engine (the KV-event router's load); now."""
         tracing.first_byte(ctx)
+        self.kv_routing.prefilled(ctx.request_id)
         now = time.perf_counter()
         self.metrics.ttft_route[ctx.route].observe(now - ctx.started)
         return now

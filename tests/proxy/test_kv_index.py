@@ -158,7 +158,7 @@ def _b(name: str, in_flight: int = 0, held: int = 0) -> BackendState:
 
 def test_cost_prefers_the_engine_holding_the_prompt() -> None:
     a, b = _b("a"), _b("b")
-    chosen, miss = pick_by_cost([(a, Held(0, 0, 16)), (b, Held(6, 0, 16))], 100, 0.25, 50)
+    chosen, miss = pick_by_cost([(a, Held(0, 0, 16)), (b, Held(6, 0, 16))], 100, 0.25, {})
     assert chosen is b and miss == 4
 
 
@@ -166,24 +166,37 @@ def test_cost_counts_a_cpu_hit_as_its_load_share() -> None:
     a, b = _b("a"), _b("b")
     # a: 64 tokens in its CPU tier (load 0.25 x 64 + 36 computed = 52); b: 32 on its GPU
     # (68 computed)
-    chosen, miss = pick_by_cost([(b, Held(2, 0, 16)), (a, Held(0, 4, 16))], 100, 0.25, 10)
+    chosen, miss = pick_by_cost([(b, Held(2, 0, 16)), (a, Held(0, 4, 16))], 100, 0.25, {})
     assert chosen is a and miss == pytest.approx(52.0)
     # 48 on its GPU (52 computed) ties with a: ring order (b first) decides
-    chosen, _ = pick_by_cost([(b, Held(3, 0, 16)), (a, Held(0, 4, 16))], 100, 0.25, 10)
+    chosen, _ = pick_by_cost([(b, Held(3, 0, 16)), (a, Held(0, 4, 16))], 100, 0.25, {})
     assert chosen is b
 
 
-def test_cost_spills_when_the_holder_is_busy_and_ties_keep_ring_order() -> None:
-    busy, idle = _b("busy", in_flight=10), _b("idle")
-    chosen, _ = pick_by_cost([(busy, Held(6, 0, 16)), (idle, Held(0, 0, 16))], 100, 0.25, 50)
+def test_cost_spills_when_prefills_queue_on_the_holder_and_ties_keep_ring_order() -> None:
+    holder, idle = _b("holder"), _b("idle")
+    # holder: 4 tokens to compute, 120 queued ahead; idle: 100 to compute
+    chosen, _ = pick_by_cost([(holder, Held(6, 0, 16)), (idle, Held(0, 0, 16))], 100, 0.25,
+                             {"holder": 120.0})
     assert chosen is idle
-    # the engine's own count (another proxy's requests) counts as well
+    # another proxy's requests on the engine (its count beyond our in flight) count as well
     chosen, _ = pick_by_cost([(_b("x", held=10), Held(6, 0, 16)), (idle, Held(0, 0, 16))],
-                             100, 0.25, 50)
+                             100, 0.25, {}, foreign_tokens=50)
     assert chosen is idle
     first, second = _b("first"), _b("second")
-    chosen, _ = pick_by_cost([(first, Held(0, 0, 16)), (second, Held(0, 0, 16))], 100, 0.25, 50)
+    chosen, _ = pick_by_cost([(first, Held(0, 0, 16)), (second, Held(0, 0, 16))], 100, 0.25, {})
     assert chosen is first
+
+
+def test_decoding_requests_do_not_break_affinity() -> None:
+    """Issue 56 run 1 (one H100, three engines): counting every request in flight as a
+    prefill sent a prompt away from the engine holding it whenever a few more streams were
+    decoding there, and the engines' hit ratio fell to 0.42-0.47 (a sticky router: 0.57-0.70).
+    In-flight requests whose prompt was answered cost nothing; the holder keeps it."""
+    busy, idle = _b("busy", in_flight=30, held=30), _b("idle", in_flight=2, held=2)
+    chosen, miss = pick_by_cost([(idle, Held(0, 0, 16)), (busy, Held(180, 0, 16))], 3000,
+                                0.25, {}, foreign_tokens=500)
+    assert chosen is busy and miss == 3000 - 180 * 16
 
 
 @pytest.mark.vllm
@@ -216,3 +229,39 @@ def test_a_hot_prefix_holder_takes_at_most_its_bounded_share() -> None:
     backends["a"].in_flight = 5  # bound: ceil(1.25 x 6 / 3) = 3
     chosen = routing.pick(ring, 1, backends, 1.25, blocks)
     assert chosen is not None and chosen.name != "a"
+
+
+def test_prompts_queue_on_their_engine_until_their_first_byte() -> None:
+    """The router's load is the prompt tokens it sent an engine that it has not answered:
+    a burst of new prompts spreads (each queued miss costs the next), a prompt whose holder
+    has only decoding streams goes to the holder, and a request's share leaves at its first
+    byte (or end; twice is harmless)."""
+    from prometheus_client import CollectorRegistry
+
+    from pdstack.proxy.kv_events_route import KvEventsConfig, KvRouting, RequestBlocks
+    from pdstack.proxy.routing import HashRing
+
+    routing = KvRouting(KvEventsConfig(enabled=False), lambda: None, dict, CollectorRegistry())
+    routing.state = lambda name: "fresh"  # type: ignore[method-assign]
+    scheme = HashScheme("0")
+    for name in ("a", "b"):  # each engine has announced its block size (nothing useful held)
+        routing.index.apply(name, _Stored(block_hashes([7] * 16, 16, scheme), [7] * 16))
+    ring = HashRing(["a", "b"])
+    backends = {n: _b(n) for n in "ab"}
+
+    def blocks(seed: int) -> RequestBlocks:
+        tokens = [seed] * 64
+        return RequestBlocks(64, {(scheme, 16): block_hashes(tokens, 16, scheme)})
+
+    first = routing.pick(ring, 1, backends, 10.0, blocks(1), "r1")
+    assert first is not None and routing.queued_tokens[first.name] == 64
+    second = routing.pick(ring, 1, backends, 10.0, blocks(2), "r2")
+    assert second is not None and second.name != first.name  # 64 queued on the first
+    routing.prefilled("r1")
+    routing.prefilled("r1")
+    assert routing.queued_tokens[first.name] == 0 and routing.queued_tokens[second.name] == 64
+    # the first engine now holds prompt 1 and streams 20 answers: a repeat still goes there
+    routing.index.apply(first.name, _Stored(blocks(1).hashes[(scheme, 16)], [1] * 64))
+    backends[first.name].in_flight = 20
+    again = routing.pick(ring, 1, backends, 10.0, blocks(1), "r3")
+    assert again is first and routing.queued_tokens[first.name] == 0  # a full hit: 0 to compute
