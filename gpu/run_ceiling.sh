@@ -117,10 +117,6 @@ STACKS=(
   # overload run 3: below the knee the proxy added 6-35 ms P50 over its engine straight; the
   # request it sends differs by return_token_ids (stream migration): the proxy without it
   "pdstack-nomigr http://127.0.0.1:8160 http://127.0.0.1:8065 p $PD_INV engine-0,proxy"
-  # issue 56: two engines on the one GPU behind one proxy (KV-event routing), and the same
-  # engines behind a proxy with --kv-events off (the hash ring): an H200 only
-  "pdstack-2e http://127.0.0.1:8190 http://127.0.0.1:8090 e inventory/h200x1-2e engine-0,engine-1,proxy"
-  "pdstack-2e-ring http://127.0.0.1:8190 http://127.0.0.1:8091 e inventory/h200x1-2e engine-0,engine-1,proxy"
   # issue 56: RT_INV's three engines (key t) behind pdstack's proxy (key tp: KV-event routing),
   # the hash ring (--kv-events off) and vllm-router's policies (ROUTERS); t's row first
   "rt-rr $RT_ENGINES http://127.0.0.1:8194 t $RT_INV engine-0,engine-1,engine-2"
@@ -238,7 +234,6 @@ EXTRA_PROXIES=(
   "pdstack-kv97 kv97 8063 $REPO --admission-kv-high 0.97"
   "pdstack-caution0 caution0 8064 $REPO --admission-preempt-caution 0"
   "pdstack-nomigr nomigr 8065 $REPO --max-migrations 0"
-  "pdstack-2e-ring ring 8091 $REPO --kv-events off"
   "rt-ring rt-ring 8193 $REPO --kv-events off"
   "iso-p1 p1 8068 $REPO --admission-prefill-tokens $P1_TOKENS"
   "iso-chunk-p1 p1c 8069 $REPO --admission-prefill-tokens $P1_TOKENS"
