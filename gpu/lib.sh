@@ -222,12 +222,13 @@ gpu_facts() {
 }
 # gpu_bench NAME TARGET RATES DURATION ARGS...: one `pdstack bench` (seed 1, cold caches: the
 # sweep's own vLLM cache_salt, or with GPU_SALT_FLAG=--prompt-salt its own salt leading every
-# prompt) into results/NAME.json; 0 when the JSON is there
+# prompt; GPU_BENCH_EXTRA: more bench flags) into results/NAME.json; 0 when the JSON is there
 gpu_bench() {
   local name=$1 target=$2 rates=$3 dur=$4; shift 4
   python3 -m pdstack.cli bench --target "$target" --token-ids --model "${GPU_MODEL:-deepseek-v2-lite}" \
     "$@" --rates "$rates" --duration "$dur" --warmup "$WARMUP" --drain-timeout "${DRAIN:-30}" \
-    --seed 1 --gpus 1 --request-timeout 120 "${GPU_SALT_FLAG:---cache-salt}" "$GPU_TAG-$name" --label "$name" \
+    --seed 1 --gpus 1 --request-timeout 120 "${GPU_SALT_FLAG:---cache-salt}" "$GPU_TAG-$name" \
+    ${GPU_BENCH_EXTRA:-} --label "$name" \
     --output "$W/results/$name.json" --no-progress > "$W/logs/bench-$name.out" 2>&1 &
   local bench=$!  # the card's clocks under load, every 5 s (results/clocks-NAME.csv)
   nvidia-smi --query-gpu=timestamp,$GPU_CLOCKS --format=csv -l 5 > "$W/results/clocks-$name.csv" 2>&1 &

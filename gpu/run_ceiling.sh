@@ -366,10 +366,15 @@ sweep() {  # NAME: [WORKLOAD-]STACK[-rN]; 3 when it does not fit the budget now
   [ -f "$W/state/down-$key" ] && engine=""  # gpu_sweep: "no engine", failed
   local rv=${WL_RATES[$wl]:-} dur=$DURATION
   [ "$wl" = batch ] && dur=$((DURATION * 2 / 3))
-  GPU_SALT_FLAG=--cache-salt TARGET_METRICS=$(target_metrics "$st" "$target")
-  # RT_INV's fronts: the same engines, and routers that know no cache_salt: cold caches by a
-  # salt in the prompts (the bench's --prompt-salt) for every front
-  if [[ $st == rt-* ]]; then GPU_SALT_FLAG=--prompt-salt; [ "$wl" = mt ] && rv=RATES_RT; fi
+  GPU_SALT_FLAG=--cache-salt GPU_BENCH_EXTRA="" TARGET_METRICS=$(target_metrics "$st" "$target")
+  # RT_INV's fronts: the same engines and the same requests for each, with only OpenAI's
+  # fields: cold caches by a salt in the prompts (vllm-router's kv_aware routes a request
+  # with cache_salt as a miss) and no return_token_ids (any field it does not model makes
+  # 0.1.17 skip its KV lookup: helper-15's CPU check; routing run 1 sent it)
+  if [[ $st == rt-* ]]; then
+    GPU_SALT_FLAG=--prompt-salt GPU_BENCH_EXTRA=--no-return-token-ids
+    [ "$wl" = mt ] && rv=RATES_RT
+  fi
   local rc=0
   if [ ! -f "$W/state/swept-$name" ] && [ ! -f "$W/state/failed-$name" ]; then
     # a front that does not fit now is not started (rt-kv would stop pdstack's proxy for it)

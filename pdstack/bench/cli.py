@@ -121,6 +121,10 @@ def register(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentPar
                    help="lead every prompt with this salt (its first token id, or word): the "
                         "same requests on cold caches for fronts that hash prompts and know no "
                         "cache_salt (a router's prefix index)")
+    p.add_argument("--no-return-token-ids", dest="token_ids_back", action="store_false",
+                   help="token-id prompts without vLLM's return_token_ids (output counted from "
+                        "usage): only OpenAI's fields, for fronts that mishandle others "
+                        "(vllm-router 0.1.17's kv_aware skips its KV lookup)")
     p.add_argument("--slo-ttft-p50-ms", type=float, default=2000.0)
     p.add_argument("--slo-ttft-p99-ms", type=float, default=3500.0)
     p.add_argument("--slo-ttft-ms", type=float, default=SLO_TTFT_MS,
@@ -222,6 +226,7 @@ def _config(args: argparse.Namespace, resolved: scenarios.Resolved | None = None
         metrics_urls=args.metrics_url,
         prefill_url=args.prefill_url,
         cache_salt=args.cache_salt,
+        token_ids_back=args.token_ids_back,
         slo_ttft_p50_ms=args.slo_ttft_p50_ms,
         slo_ttft_p99_ms=args.slo_ttft_p99_ms,
         slo_ttft_ms=args.slo_ttft_ms,

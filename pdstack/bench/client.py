@@ -72,11 +72,14 @@ class RequestResult:
 
 def build_body(
     req: ChatRequest, model: str, endpoint: str, ignore_eos: bool = True,
-    cache_salt: str | None = None,
+    cache_salt: str | None = None, token_ids_back: bool = True,
 ) -> dict[str, Any]:
     """The OpenAI request body for ``req`` (streaming, usage reported at the end).
     ``cache_salt``: vLLM's per-request prefix-cache salt (cold caches for a repeat of the
-    same requests: the GPU prefix cache and vLLM's native tier key blocks by it)."""
+    same requests: the GPU prefix cache and vLLM's native tier key blocks by it).
+    ``token_ids_back``: a token-id prompt asks vLLM's ``return_token_ids`` (each event's
+    tokens counted exactly); off, the body has only OpenAI's fields and ``ignore_eos``
+    (vllm-router 0.1.17's ``kv_aware`` skips its KV lookup for a field it does not model)."""
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": req.max_tokens,
@@ -100,7 +103,8 @@ def build_body(
             body["prompt"] = ids + req.user
         else:
             body["prompt"] = req.system + req.user
-        body["return_token_ids"] = True
+        if token_ids_back:
+            body["return_token_ids"] = True
     elif endpoint == "chat":
         messages: list[dict[str, Any]] = [{"role": "system", "content": req.system}]
         for i, part in enumerate(req.history):  # user, assistant, user, assistant, ...
@@ -161,9 +165,11 @@ class BenchClient:
         prefill_url: str | None = None,
         api_key: str | None = None,
         cache_salt: str | None = None,
+        token_ids_back: bool = True,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.cache_salt = cache_salt
+        self.token_ids_back = token_ids_back
         self.model = model
         self.endpoint = endpoint
         self.token_ids = token_ids
@@ -202,7 +208,8 @@ class BenchClient:
     ) -> RequestResult:
         """Send ``req`` and stream the answer. The result goes into ``sink`` at once,
         so a request cancelled midway still leaves its partial result there."""
-        body = build_body(req, self.model, self.endpoint, self.ignore_eos, self.cache_salt)
+        body = build_body(req, self.model, self.endpoint, self.ignore_eos, self.cache_salt,
+                          self.token_ids_back)
         result = RequestResult(req.index, req.shared, time.perf_counter(), req.prompt_len)
         if sink is not None:
             sink.append(result)

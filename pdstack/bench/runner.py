@@ -42,6 +42,7 @@ class BenchConfig:
     metrics_urls: list[str] = field(default_factory=list)
     prefill_url: str | None = None
     cache_salt: str | None = None  # vLLM cache_salt on every request (cold caches)
+    token_ids_back: bool = True  # token-id prompts ask return_token_ids
     slo_ttft_p50_ms: float = 2000.0
     slo_ttft_p99_ms: float = 3500.0
     slo_ttft_ms: float = SLO_TTFT_MS  # per request: goodput and attainment
@@ -313,7 +314,8 @@ async def _run_tenants(
     clients = [
         BenchClient(cfg.target, model, endpoint=cfg.endpoint, token_ids=cfg.workload.token_ids,
                     ignore_eos=cfg.ignore_eos, timeout_s=cfg.request_timeout,
-                    prefill_url=cfg.prefill_url, api_key=t.key())
+                    prefill_url=cfg.prefill_url, api_key=t.key(),
+                    token_ids_back=cfg.token_ids_back)
         for t in cfg.tenants
     ]
     try:
@@ -364,6 +366,7 @@ async def run_sweep(
         timeout_s=cfg.request_timeout,
         prefill_url=cfg.prefill_url,
         cache_salt=cfg.cache_salt,
+        token_ids_back=cfg.token_ids_back,
     )
     progress = make_progress(console, enabled=show_progress)
     async with client:

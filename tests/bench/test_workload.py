@@ -125,3 +125,17 @@ def test_config_rejects_bad_share() -> None:
         WorkloadConfig(shared_share=1.5)
     with pytest.raises(ValueError):
         WorkloadConfig(num_system_prompts=0)
+
+
+def test_no_return_token_ids_leaves_only_openais_fields() -> None:
+    """--no-return-token-ids: a token-id prompt's body has no ``return_token_ids``
+    (vllm-router 0.1.17's kv_aware skips its KV lookup for any field it does not model);
+    by default it asks for them."""
+    from pdstack.bench.client import build_body
+
+    req = Workload(WorkloadConfig(token_ids=True)).next_request()
+    assert build_body(req, "m", "completions")["return_token_ids"] is True
+    body = build_body(req, "m", "completions", token_ids_back=False)
+    assert "return_token_ids" not in body
+    assert set(body) == {"model", "max_tokens", "stream", "stream_options", "temperature",
+                         "ignore_eos", "prompt"}
