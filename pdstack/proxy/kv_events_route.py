@@ -304,8 +304,7 @@ class KvRouting:
             self._note(request_id, by_hash.name, "hash_bound", blocks, salted)
             return by_hash
         chosen, miss = pick_by_cost(
-            costed, blocks.tokens, self.config.cpu_hit_cost, self.queued_tokens,
-            max(self.load_tokens, 1.0),
+            costed, blocks.tokens, self.config.cpu_hit_cost, self.queued_tokens
         )
         self.load_tokens += 0.1 * (miss - self.load_tokens)
         self._queue(request_id, chosen.name, miss)

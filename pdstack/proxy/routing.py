@@ -109,28 +109,27 @@ def pick_by_cost(
     prompt_tokens: int,
     cpu_hit_cost: float,
     queued: Mapping[str, float],
-    foreign_tokens: float = 0.0,
 ) -> tuple[BackendState, float]:
     """The cheapest engine for a request, from what each holds of its prompt (its KV events:
     :mod:`pdstack.proxy.kv_events_route`): cost = the prompt tokens it would compute (a
     block its CPU tier holds counts ``cpu_hit_cost`` of one it computes: loading it is not
-    free) + the prompt tokens already routed to it that it has not answered yet
-    (``queued[name]``: the prefills ahead of this one) + ``foreign_tokens`` for each request
-    the engine holds beyond this proxy's in flight (another proxy's). Requests that are
-    decoding cost nothing here: a decode takes one token of a step, a prefill thousands, and
-    counting them as prefills broke affinity under load (issue 56, results/h200x1-routing
-    run 1: hit ratio 0.42-0.47 by cost vs 0.57-0.70 for a sticky router); the load bound
-    (:func:`bound`) keeps them spread. The first of equals wins: callers pass ``costed`` in
-    hash-ring order, so ties keep prefix affinity. Returns the engine and the tokens it has
-    to compute. ``costed`` must not be empty."""
+    free) + the prompt tokens this proxy already routed to it that it has not answered yet
+    (``queued[name]``: the prefills ahead of this one). Requests that are decoding cost
+    nothing here: a decode takes one token of a step, a prefill thousands, and counting them
+    as prefills broke affinity under load (issue 56, results/h200x1-routing run 1: hit ratio
+    0.42-0.47 by cost vs 0.57-0.70 for a sticky router); the load bound (:func:`bound`) keeps
+    them spread. Nor does the engine's own count (its last scrape): compared with the requests
+    in flight now it reads a finished burst as another proxy's work, and that too sent prompts
+    away from their holder (benchmarks/results/kv_route_hits.txt). The first of equals wins:
+    callers pass ``costed`` in hash-ring order, so ties keep prefix affinity. Returns the
+    engine and the tokens it has to compute. ``costed`` must not be empty."""
     best: tuple[BackendState, float] | None = None
     best_cost = math.inf
     for backend, held in costed:
         gpu = min(held.gpu_blocks * held.block_size, prompt_tokens)
         cpu = min(held.cpu_blocks * held.block_size, prompt_tokens - gpu)
         miss = prompt_tokens - gpu - cpu + cpu_hit_cost * cpu
-        others = max(0, backend.engine_held - backend.in_flight)
-        cost = miss + queued.get(backend.name, 0.0) + foreign_tokens * others
+        cost = miss + queued.get(backend.name, 0.0)
         if cost < best_cost:
             best, best_cost = (backend, miss), cost
     assert best is not None, "pick_by_cost needs a candidate"
