@@ -36,6 +36,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from pdstack.bench.promscrape import kv_capacity_tokens, parse_samples  # noqa: E402
 from pdstack.testing import proxy_harness as ph  # noqa: E402
 from pdstack.testing import vllm_engines as ve  # noqa: E402
 from pdstack.testing.ports import free_port  # noqa: E402
@@ -47,11 +48,6 @@ CORES = ("0", "1", "0")
 def http_get(url: str, timeout: float = 5.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return resp.read().decode()
-
-
-def counter(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.split("{", 1)[0].split(" ", 1)[0] == name)
 
 
 def start_engines(kv_bytes: int, sub_port: int) -> tuple[list[ve.Proc], list[int]]:
@@ -161,8 +157,7 @@ def main() -> int:
     try:
         table = tmp / "backends.json"
         table_file(procs, replays, sub_port, table)
-        sizing = http_get(procs[0].url + "/metrics")
-        blocks = counter(sizing, "vllm:cache_config_info")
+        capacity = kv_capacity_tokens(parse_samples(http_get(procs[0].url + "/metrics")))
         for label, code, flags in fronts:
             results.append(run_front(label, code, table, flags, procs, args, tmp))
     finally:
@@ -175,7 +170,7 @@ def main() -> int:
            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                                     capture_output=True, text=True).stdout.strip(),
            "engines": {"count": 3, "kv_bytes": args.kv_bytes, "cores": CORES,
-                       "cache_config_info_seen": blocks > 0},
+                       "kv_capacity_tokens": capacity},
            "workload": {"prompts": args.prompts, "system_len": args.system_len,
                         "shared_share": 0.85, "output_len": args.output_len,
                         "rates": args.rates, "duration_s": args.duration},

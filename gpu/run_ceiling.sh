@@ -293,8 +293,8 @@ router() {  # up|down STACK: the stack's vllm-router (2: the stack has none)
         flags+=(--kv-event-source "${urls[$i]}=tcp://127.0.0.1:$((5601 + i))"
                 --kv-event-replay-source "${urls[$i]}=tcp://127.0.0.1:$((5591 + i))")
       done
-      # the engines' block size (the router's default 16 against an engine's 64 credits no
-      # prefix, silently: helper-14's CPU probe); the model is a label only (no tokenizer)
+      # the engines' block size: any other (the router's default 16 against a CPU engine's
+      # 128) credits no prefix, silently (stop 63's CPU probe); the model is a label only
       local bs=${RT_BLOCK_SIZE:-$(rt_block_size)}
       [ -n "$bs" ] || { log "no block size in ${RT_ENGINES%%,*}/metrics: no $name"; return 1; }
       flags+=(--kv-event-block-size "$bs" --kv-event-model "${GPU_MODEL:-deepseek-v2-lite}")
@@ -370,7 +370,7 @@ sweep() {  # NAME: [WORKLOAD-]STACK[-rN]; 3 when it does not fit the budget now
   # RT_INV's fronts: the same engines and the same requests for each, with only OpenAI's
   # fields: cold caches by a salt in the prompts (vllm-router's kv_aware routes a request
   # with cache_salt as a miss) and no return_token_ids (any field it does not model makes
-  # 0.1.17 skip its KV lookup: helper-15's CPU check; routing run 1 sent it)
+  # 0.1.17 skip its KV lookup: results/h200x1-routing/run1-h100/README.md)
   if [[ $st == rt-* ]]; then
     GPU_SALT_FLAG=--prompt-salt GPU_BENCH_EXTRA=--no-return-token-ids
     [ "$wl" = mt ] && rv=RATES_RT

@@ -180,16 +180,16 @@ class Workload:
 
     def _text_or_ids(self, rng: random.Random, n: int, tag: str) -> str | list[int]:
         cfg = self.config
-        k = max(0, n - len(tag.split()))  # the words drawn: the same with a salt or without
-        if cfg.prompt_salt:
-            tag = f"{cfg.prompt_salt} {tag}"
+        lead = f"{cfg.prompt_salt} {tag}" if cfg.prompt_salt else tag
         if cfg.token_ids:
-            # The tag's checksum makes the first ids differ between prompts.
+            # The lead's checksum makes the first ids differ between prompts (and salts).
             span = cfg.token_id_max - cfg.token_id_min
-            head = [cfg.token_id_min + zlib.crc32(tag.encode()) % span]
+            head = [cfg.token_id_min + zlib.crc32(lead.encode()) % span]
             return head + rng.choices(range(cfg.token_id_min, cfg.token_id_max), k=n - 1)
-        # The tag (a few words) always leads, so a prompt may be a bit longer than n.
-        return " ".join(tag.split() + rng.choices(_WORDS, k=k))
+        # The lead (a few words) always comes first, so a prompt may be a bit longer than n;
+        # as many words are drawn with a salt as without (the same draw after it).
+        words = rng.choices(_WORDS, k=max(0, n - len(tag.split())))
+        return " ".join(lead.split() + words)
 
     def next_request(self) -> ChatRequest:
         cfg, rng = self.config, self._rng

@@ -117,12 +117,13 @@ def pick_by_cost(
     (``queued[name]``: the prefills ahead of this one). Requests that are decoding cost
     nothing here: a decode takes one token of a step, a prefill thousands, and counting them
     as prefills broke affinity under load (issue 56, results/h200x1-routing run 1: hit ratio
-    0.42-0.47 by cost vs 0.57-0.70 for a sticky router); the load bound (:func:`bound`) keeps
-    them spread. Nor does the engine's own count (its last scrape): compared with the requests
-    in flight now it reads a finished burst as another proxy's work, and that too sent prompts
-    away from their holder (benchmarks/results/kv_route_hits.txt). The first of equals wins:
-    callers pass ``costed`` in hash-ring order, so ties keep prefix affinity. Returns the
-    engine and the tokens it has to compute. ``costed`` must not be empty."""
+    0.42-0.47 by cost vs 0.57-0.71 for a sticky router, 30-90 req/s); the load bound
+    (:func:`bound`) keeps them spread. Nor does the engine's own count (its last scrape):
+    compared with the requests in flight now it reads a finished burst as another proxy's
+    work, and that too sent prompts away from their holder (benchmarks/README.md,
+    ``kv_route_hits.py``). The first of equals wins: callers pass ``costed`` in hash-ring
+    order, so ties keep prefix affinity. Returns the engine and the tokens it has to
+    compute. ``costed`` must not be empty."""
     best: tuple[BackendState, float] | None = None
     best_cost = math.inf
     for backend, held in costed:
