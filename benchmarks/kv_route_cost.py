@@ -65,8 +65,12 @@ def main() -> None:
             hashes = block_hashes(tokens, args.block, scheme)
             blocks = RequestBlocks(n_tokens, {(scheme, args.block): hashes})
             routing.subscriber = None
-            costed = [(b, routing.held(b.name, blocks)) for b in backends.values()]
-            pick_by_cost(costed, n_tokens, 0.25, 100.0)
+            now = time.monotonic()
+            costed = [(b, routing.held(b.name, blocks, now=now)) for b in backends.values()]
+            chosen, _ = pick_by_cost(costed, n_tokens, routing.config.cpu_hit_cost,
+                                     routing.queued_tokens,
+                                     miss_weight=routing.config.miss_weight)
+            routing.index.route(chosen.name, hashes, now, routing.config.pending_s)
             t2 = time.perf_counter()
             ring_s.append(t1 - t0)
             kv_s.append(t2 - t1)

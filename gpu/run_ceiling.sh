@@ -83,6 +83,7 @@ turn-pdstack-default-before turn-vllm-native}
 # tokens) behind, one front at a time, on the same engines: pdstack (KV events), its hash ring, vllm-router
 RATES_RT=${RATES_RT:-12,24,36,48}
 RT_ENGINES=http://127.0.0.1:8290,http://127.0.0.1:8291,http://127.0.0.1:8292
+RT_SUB=tcp://127.0.0.1:5590  # RT_INV's kv_events listen address (pdstack's proxy's SUB)
 
 # shellcheck source=gpu/lib.sh
 source "$(pwd)/gpu/lib.sh"
@@ -124,6 +125,11 @@ STACKS=(
   "rt-ring $RT_ENGINES http://127.0.0.1:8193 tp $RT_INV proxy"
   "rt-ca $RT_ENGINES http://127.0.0.1:8195 t $RT_INV engine-0,engine-1,engine-2"
   "rt-kv $RT_ENGINES http://127.0.0.1:8196 t $RT_INV engine-0,engine-1,engine-2"
+  # the routing cost's parts (stop 64: blocks routed count as held until events tell, a miss
+  # weighs 2): pdstack's proxy again with --kv-miss-weight 1, and with stop 63's cost
+  # (--kv-pending-s 0 too); each binds pdstack's SUB (SUB_TAKERS), so key t, not tp
+  "rt-pd-w1 $RT_ENGINES http://127.0.0.1:8197 t $RT_INV proxy"
+  "rt-pd-63 $RT_ENGINES http://127.0.0.1:8198 t $RT_INV proxy"
   # issue 37: tenants chat + batch on pdstack's default engine (iso) or on INV_CHUNK's (isoc);
   # -p1: a second proxy with --admission-prefill-tokens P1_TOKENS (batch prefills one prompt
   # at a time while chat is active); -nofirst: --admission-interactive-first off; iso-split:
@@ -235,6 +241,8 @@ EXTRA_PROXIES=(
   "pdstack-caution0 caution0 8064 $REPO --admission-preempt-caution 0"
   "pdstack-nomigr nomigr 8065 $REPO --max-migrations 0"
   "rt-ring rt-ring 8193 $REPO --kv-events off"
+  "rt-pd-w1 rt-pd-w1 8197 $REPO --kv-miss-weight 1"
+  "rt-pd-63 rt-pd-63 8198 $REPO --kv-miss-weight 1 --kv-pending-s 0"
   "iso-p1 p1 8068 $REPO --admission-prefill-tokens $P1_TOKENS"
   "iso-chunk-p1 p1c 8069 $REPO --admission-prefill-tokens $P1_TOKENS"
   "iso-nofirst nofirst 8070 $REPO --admission-interactive-first off"
@@ -243,7 +251,7 @@ EXTRA_PROXIES=(
 # on RT_INV's engines, its wheel in /tmp/chunks/router (unpacked once into $SITE/router), its
 # metrics on port + 100. kv_aware reads the engines' KV events through gpu/kv_events_fanout.py:
 # pdstack's engines publish to its proxy's SUB, which the fanout binds once that proxy (key tp)
-# is stopped, so rt-kv comes after every tp sweep (rt-pdstack, rt-ring) in SWEEPS
+# is stopped, so rt-kv comes after every tp sweep (rt-pdstack, rt-ring) in SWEEPS (take_sub)
 ROUTERS=(
   "rt-rr 8194 round_robin"
   "rt-ca 8195 cache_aware"
@@ -265,6 +273,32 @@ rt_block_size() {  # the engines' KV block size (vllm:cache_config_info)
   http_get "${RT_ENGINES%%,*}/metrics" \
     | sed -n 's/^vllm:cache_config_info{.*block_size="\([0-9]*\)".*/\1/p' | head -1
 }
+# the fronts that bind pdstack's SUB for the engines' events (tp's proxy binds it): each
+# starts once every tp sweep in SWEEPS is done, stops tp for good (its flags kept first) and
+# frees the port at its end
+SUB_TAKERS=" rt-kv rt-pd-w1 rt-pd-63 "
+take_sub() {  # NAME: 0 once pdstack's SUB is free, 3 while a tp sweep is still to run
+  local n s k
+  for n in $SWEEPS; do
+    read -r _ s <<< "$(parse_sweep "$n")"; read -r _ _ k _ <<< "$(stack "$s")"
+    [ "$k" = tp ] && [ ! -f "$W/state/swept-$n" ] && [ ! -f "$W/state/failed-$n" ] \
+      && { log "$1 waits for $n (pdstack's proxy goes for $1)"; return 3; }
+  done
+  [ -s "$W/state/tp-args" ] || gpu_proxy_args tp > "$W/state/tp-args" 2>/dev/null \
+    || rm -f "$W/state/tp-args"
+  gpu_stop tp "$RT_INV"  # pdstack's proxy: its SUB goes
+  pkill -f "[k]v_events_fanout.py"  # one left by an earlier sweep
+  # the port free (a proxy whose SUB cannot bind routes by hash: it would not be the front
+  # this sweep measures), <= 20 s
+  local port=${RT_SUB##*:} i
+  for i in $(seq 40); do
+    python3 -c "import socket, sys; s = socket.socket(); \
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('127.0.0.1', $port))" \
+      2>/dev/null && return 0
+    sleep 0.5
+  done
+  log "$1: port $port still taken"; return 1
+}
 router() {  # up|down STACK: the stack's vllm-router (2: the stack has none)
   local r name port policy i urls flags=() fan=() pid
   for r in "${ROUTERS[@]}"; do
@@ -280,14 +314,7 @@ router() {  # up|down STACK: the stack's vllm-router (2: the stack has none)
     router_install || { log "no vllm-router in /tmp/chunks/router"; return 1; }
     IFS=, read -ra urls <<< "$RT_ENGINES"
     if [ "$policy" = kv_aware ]; then
-      local n s k
-      for n in $SWEEPS; do  # pdstack's proxy (key tp) goes for good: its sweeps first
-        read -r _ s <<< "$(parse_sweep "$n")"; read -r _ _ k _ <<< "$(stack "$s")"
-        [ "$k" = tp ] && [ ! -f "$W/state/swept-$n" ] && [ ! -f "$W/state/failed-$n" ] \
-          && { log "$name waits for $n (pdstack's proxy goes for $name)"; return 3; }
-      done
-      gpu_stop tp "$RT_INV"  # pdstack's proxy: the fanout binds its SUB
-      pkill -f "[k]v_events_fanout.py" && sleep 2  # one left by an earlier sweep: its port
+      take_sub "$name" || return $?  # the fanout binds pdstack's SUB
       for i in "${!urls[@]}"; do
         fan+=(--pub "$(rt_node)/engine-$i=tcp://127.0.0.1:$((5601 + i))")
         flags+=(--kv-event-source "${urls[$i]}=tcp://127.0.0.1:$((5601 + i))"
@@ -298,7 +325,7 @@ router() {  # up|down STACK: the stack's vllm-router (2: the stack has none)
       local bs=${RT_BLOCK_SIZE:-$(rt_block_size)}
       [ -n "$bs" ] || { log "no block size in ${RT_ENGINES%%,*}/metrics: no $name"; return 1; }
       flags+=(--kv-event-block-size "$bs" --kv-event-model "${GPU_MODEL:-deepseek-v2-lite}")
-      setsid python3 "$REPO/gpu/kv_events_fanout.py" --sub tcp://127.0.0.1:5590 "${fan[@]}" \
+      setsid python3 "$REPO/gpu/kv_events_fanout.py" --sub "$RT_SUB" "${fan[@]}" \
         > "$W/logs/fanout.out" 2>&1 < /dev/null &
       echo $! > "$W/state/fanout.pid"
     fi
@@ -341,6 +368,13 @@ extra_proxy() {  # up|down STACK: start/stop the stack's extra proxy (0 when it 
     read -r _ _ key _ <<< "$(stack "$2")"
     case $key in iso*) ;; *) GPU_SECRETS="" ;; esac  # tenants' keys: the iso proxies only
     [ -d "$code/pdstack" ] && [ ! -f "$W/state/down-$key" ] || return 1
+    if [[ $SUB_TAKERS == *" $2 "* ]]; then  # tp's proxy again, with its flags
+      take_sub "$2" || return $?
+      [ -s "$W/state/tp-args" ] || { log "no flags of tp's proxy kept: no $2"; return 1; }
+      # shellcheck disable=SC2046,SC2086
+      gpu_proxy "$name" "$port" "$code" $(cat "$W/state/tp-args") $flags
+      return
+    fi
     # shellcheck disable=SC2046,SC2086
     gpu_proxy "$name" "$port" "$code" $(gpu_proxy_args "$key") $flags
     return

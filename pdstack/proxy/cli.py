@@ -151,6 +151,17 @@ def register(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentPar
         help="follow the engines' vLLM KV events (the backend table's kv_events) and route "
         "colocated requests by the blocks each engine holds (default %(default)s)",
     )
+    defaults = KvEventsConfig()
+    p.add_argument(
+        "--kv-pending-s", type=float, default=defaults.pending_s,
+        help="seconds a routed prompt's blocks count as held on its engine before its KV "
+        "events tell (0: only what events told; default %(default)s)",
+    )
+    p.add_argument(
+        "--kv-miss-weight", type=float, default=defaults.miss_weight,
+        help="routing cost of a prompt token to compute, against one queued ahead of it on "
+        "the engine (above 1: stickier to the engine holding the prefix; default %(default)s)",
+    )
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run)
     return p
@@ -276,9 +287,17 @@ def config_from_args(args: argparse.Namespace, table: Any = None) -> ProxyConfig
         tenants={name: TenantPolicy.from_spec(name, spec) for name, spec in tenants.items()},
         engine_priority=bool(getattr(table, "engine_priority", False)),
     )
+    for flag in ("kv_pending_s", "kv_miss_weight"):
+        value = getattr(args, flag, 0.0)
+        if not value >= 0:  # NaN too
+            raise SystemExit(f"pdstack proxy: --{flag.replace('_', '-')} must be >= 0, "
+                             f"got {value}")
     if table is not None:
+        defaults = KvEventsConfig()
         config.kv_events = KvEventsConfig.from_table(
-            table, enabled=getattr(args, "kv_events", "on") == "on"
+            table, enabled=getattr(args, "kv_events", "on") == "on",
+            pending_s=getattr(args, "kv_pending_s", defaults.pending_s),
+            miss_weight=getattr(args, "kv_miss_weight", defaults.miss_weight),
         )
     env_file = args.env_file
     if env_file is None and Path(DEFAULT_ENV_FILE).exists():

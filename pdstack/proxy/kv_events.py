@@ -392,7 +392,14 @@ class KvEventsCollector:
                 resets.add_metric([feed.name, reason], n)
             if feed.contact_at is not None:
                 age.add_metric([feed.name], now - feed.contact_at)
+        pending = GaugeMetricFamily(
+            "pdstack_proxy_kv_pending_blocks", "blocks of prompts this proxy routed to an "
+            "engine that its events have not told of yet (counted as held until they do, or "
+            "lapse)", labels=["backend"],
+        )
         for name, tiers in sub.index.stats().items():
             for medium, n in tiers.items():
                 blocks.add_metric([name, medium], n)
-        yield from (state, batches, resets, age, blocks)
+        for name, eng in sub.index.engines.items():
+            pending.add_metric([name], len(eng.pending))
+        yield from (state, batches, resets, age, blocks, pending)

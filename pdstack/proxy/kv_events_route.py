@@ -14,7 +14,10 @@ Per request, only when some candidate's events are *fresh* and its hashing verif
    that it has not answered yet: :meth:`KvRouting.prefilled` takes a request's share off at
    its first byte or end) and the cheapest wins, ring order breaking ties (``cost``); an
    engine at the ring's load bound (``load_factor`` x its share of the requests in flight)
-   is not a candidate.
+   is not a candidate;
+4. the chosen engine's blocks of the prompt count as held there for ``pending_s`` until its
+   events tell (:meth:`KvIndex.route`): the next request with that prefix follows it even
+   while the first is still being prefilled.
 
 Every decision is counted in ``pdstack_proxy_kv_route_total{decision}``.
 """
@@ -64,6 +67,14 @@ class KvEventsConfig:
     replay_timeout_s: float = 2.0
     capacity: int = 400_000  # block hashes per engine
     cpu_hit_cost: float = 0.25  # a native-tier hit costs this share of computing the block
+    # a routed prompt's blocks count as held on its engine this long before its events tell
+    # (KvIndex.route; 0: only what events told)
+    pending_s: float = 10.0
+    # a prompt token to compute against one queued ahead of it: a token computed again is
+    # paid by this request and by every prompt queued behind it on that engine, one queued
+    # ahead only delays this one (1 sent a burst's second request of a new prefix, queued
+    # behind its first, to an idle engine to compute it again)
+    miss_weight: float = 2.0
     tokenize_timeout_s: float = 1.0  # then the request goes by hash (hash_no_tokens)
 
     @classmethod
@@ -256,8 +267,10 @@ class KvRouting:
         finally:
             self.tokenize_seconds.observe(time.perf_counter() - started)
 
-    def held(self, name: str, blocks: RequestBlocks, salted: bool = False) -> Held:
-        """What ``name`` holds of the request (the best of its schemes)."""
+    def held(self, name: str, blocks: RequestBlocks, salted: bool = False,
+             now: float | None = None) -> Held:
+        """What ``name`` holds of the request (the best of its schemes); with ``now``, the
+        blocks routed there and not yet told of count (:meth:`KvIndex.route`)."""
         eng = self.index.engines.get(name)
         if eng is None or eng.block_size <= 0:
             return Held(0, 0, 0)
@@ -265,10 +278,21 @@ class KvRouting:
         for scheme in self.index.schemes_for(name, salted):
             hs = blocks.hashes.get((scheme, eng.block_size))
             if hs is not None:
-                h = self.index.held(name, hs)
+                h = self.index.held(name, hs, now)
                 if h.tokens > best.tokens:
                     best = h
         return best
+
+    def _routed(self, name: str, blocks: RequestBlocks, salted: bool, now: float) -> None:
+        """The request goes to ``name``: its blocks are pending there (every scheme it may
+        hash with: one, or two while a salted first block has not told which)."""
+        eng = self.index.engines.get(name)
+        if eng is None or eng.block_size <= 0 or self.config.pending_s <= 0:
+            return
+        for scheme in self.index.schemes_for(name, salted):
+            hs = blocks.hashes.get((scheme, eng.block_size))
+            if hs:
+                self.index.route(name, hs, now, self.config.pending_s)
 
     def pick(
         self,
@@ -294,22 +318,26 @@ class KvRouting:
         # the ring's load bound holds here too: a hot prefix's holder takes at most
         # load_factor x its share of the requests in flight, then the next cheapest does
         cap = bound(candidates.values(), load_factor)
+        now = time.monotonic()
         costed: list[tuple[BackendState, Held]] = []
         for name in order:
             b = candidates[name]
             if self.state(name) == "fresh" and b.in_flight < cap:
-                costed.append((b, self.held(name, blocks, salted)))
+                costed.append((b, self.held(name, blocks, salted, now)))
         if not costed:  # every fresh one is at its bound: the ring's pick is not
             self._decision["hash_bound"].inc()
             self._note(request_id, by_hash.name, "hash_bound", blocks, salted)
+            self._routed(by_hash.name, blocks, salted, now)
             return by_hash
         chosen, miss = pick_by_cost(
-            costed, blocks.tokens, self.config.cpu_hit_cost, self.queued_tokens
+            costed, blocks.tokens, self.config.cpu_hit_cost, self.queued_tokens,
+            miss_weight=self.config.miss_weight,
         )
         self.load_tokens += 0.1 * (miss - self.load_tokens)
         self._queue(request_id, chosen.name, miss)
         self._decision["cost"].inc()
-        self._note(request_id, chosen.name, "cost", blocks, salted)
+        self._note(request_id, chosen.name, "cost", blocks, salted, now)
+        self._routed(chosen.name, blocks, salted, now)
         return chosen
 
     def _queue(self, request_id: str, name: str, tokens: float) -> None:
@@ -368,9 +396,10 @@ class KvRouting:
         return best
 
     def _note(
-        self, request_id: str, name: str, decision: str, blocks: RequestBlocks, salted: bool
+        self, request_id: str, name: str, decision: str, blocks: RequestBlocks, salted: bool,
+        now: float | None = None,
     ) -> None:
-        predicted = self.held(name, blocks, salted).tokens if blocks.hashes else 0
+        predicted = self.held(name, blocks, salted, now).tokens if blocks.hashes else 0
         self.recent.append(Decision(request_id, name, decision, predicted))
         log.debug("kv route %s -> %s (%s, %d cached tokens predicted)",
                   request_id, name, decision, predicted)

@@ -19,6 +19,14 @@ never trusts a lookup on it (llm-d-router #2513: hash parity is checked, not ass
 **Index.** Per engine and medium (``GPU``; ``CPU``: vLLM's native tier), a set of block
 hashes in insertion order, at most ``capacity`` per engine (oldest dropped first: vLLM's
 own ``BlockRemoved`` normally keeps it far below). Pure data, no I/O, no locks.
+
+**Routed, not yet stored.** An engine's events tell of a prompt's blocks only once its
+prefill has computed them: until then a second request with the same prefix would see no
+holder anywhere and be sent elsewhere, to compute the prefix again (under a burst, every
+request of a new prefix does). :meth:`KvIndex.route` marks a routed request's blocks as
+*pending* on its engine for ``ttl`` seconds; a lookup counts them as held in its GPU cache,
+the engine's ``BlockStored`` (or ``BlockRemoved``) for a block replaces the mark, and an
+unconfirmed one (the request failed, or the engine evicted it at once) lapses.
 """
 
 from __future__ import annotations
@@ -98,6 +106,9 @@ class EngineBlocks:
     tiers: dict[str, dict[int, None]] = field(default_factory=dict)
     stored: int = 0  # BlockStored block hashes applied (for the metrics)
     removed: int = 0
+    # blocks of prompts routed here that its events have not told of yet: hash -> deadline
+    # (time.monotonic), in insertion order
+    pending: dict[int, float] = field(default_factory=dict)
 
     def size(self) -> int:
         return sum(len(t) for t in self.tiers.values())
@@ -142,6 +153,7 @@ class KvIndex:
         eng = self.engines.get(name)
         if eng is not None:
             eng.tiers.clear()
+            eng.pending.clear()
 
     def drop(self, name: str) -> None:
         self.engines.pop(name, None)
@@ -156,13 +168,16 @@ class KvIndex:
             self._stored(eng, event)
         elif kind == "BlockRemoved":
             tier = eng.tiers.get(event.medium or DEFAULT_MEDIUM)
-            if tier is not None:
-                for h in event.block_hashes:
-                    tier.pop(external_hash(h), None)
+            for h in event.block_hashes:
+                key = external_hash(h)
+                eng.pending.pop(key, None)
+                if tier is not None:
+                    tier.pop(key, None)
                     eng.removed += 1
         elif kind == "AllBlocksCleared":
             # vLLM's reset_prefix_cache: the GPU cache only (the tier clears itself apart)
             eng.tiers.pop(GPU, None)
+            eng.pending.clear()
 
     def _stored(self, eng: EngineBlocks, ev: Any) -> None:
         medium = ev.medium or DEFAULT_MEDIUM
@@ -172,7 +187,9 @@ class KvIndex:
             self._calibrate(eng, ev)
         tier = eng.tiers.setdefault(medium, {})
         for h in ev.block_hashes:
-            tier[external_hash(h)] = None
+            key = external_hash(h)
+            tier[key] = None
+            eng.pending.pop(key, None)
             eng.stored += 1
         excess = eng.size() - self.capacity
         while excess > 0 and tier:
@@ -212,16 +229,39 @@ class KvIndex:
             return [eng.scheme, HashScheme(eng.scheme.seed, not eng.scheme.salt_tagged)]
         return [eng.scheme]
 
-    def held(self, name: str, hashes: Sequence[int]) -> Held:
-        """The longest prefix of ``hashes`` in the GPU cache, then the run after it that the
-        CPU tier holds (vLLM loads a native-tier hit after the GPU prefix)."""
+    def route(self, name: str, hashes: Sequence[int], now: float, ttl: float) -> None:
+        """A request with these block hashes was routed to ``name`` at ``now``
+        (``time.monotonic``): count them as held there for ``ttl`` seconds unless its events
+        tell first (the module's docstring). Blocks it already holds are not marked."""
+        eng = self.engines.get(name)
+        if eng is None or ttl <= 0:
+            return
+        gpu = eng.tiers.get(GPU, {})
+        pending = eng.pending
+        deadline = now + ttl
+        for h in hashes:
+            if h not in gpu:
+                pending.pop(h, None)  # re-inserted: the oldest stay first
+                pending[h] = deadline
+        while pending:  # lapsed ones, oldest first; and never more than the index holds
+            oldest, at = next(iter(pending.items()))
+            if at > now and len(pending) <= self.capacity:
+                break
+            del pending[oldest]
+
+    def held(self, name: str, hashes: Sequence[int], now: float | None = None) -> Held:
+        """The longest prefix of ``hashes`` in the GPU cache (or routed there before ``now``
+        plus its ttl: :meth:`route`), then the run after it that the CPU tier holds (vLLM
+        loads a native-tier hit after the GPU prefix)."""
         eng = self.engines.get(name)
         if eng is None:
             return Held(0, 0, 0)
         gpu = eng.tiers.get(GPU, {})
         cpu = eng.tiers.get(CPU, {})
+        pending = eng.pending
         g = 0
-        while g < len(hashes) and hashes[g] in gpu:
+        while g < len(hashes) and (hashes[g] in gpu or (
+                now is not None and pending.get(hashes[g], 0.0) > now)):
             g += 1
         c = g
         while c < len(hashes) and (hashes[c] in cpu or hashes[c] in gpu):

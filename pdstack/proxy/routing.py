@@ -109,6 +109,8 @@ def pick_by_cost(
     prompt_tokens: int,
     cpu_hit_cost: float,
     queued: Mapping[str, float],
+    *,
+    miss_weight: float,
 ) -> tuple[BackendState, float]:
     """The cheapest engine for a request, from what each holds of its prompt (its KV events:
     :mod:`pdstack.proxy.kv_events_route`): cost = the prompt tokens it would compute (a
@@ -122,7 +124,8 @@ def pick_by_cost(
     compared with the requests in flight now it reads a finished burst as another proxy's
     work, and that too sent prompts away from their holder (benchmarks/README.md,
     ``kv_route_hits.py``). The first of equals wins: callers pass ``costed`` in hash-ring
-    order, so ties keep prefix affinity. Returns the engine and the tokens it has to
+    order, so ties keep prefix affinity. ``miss_weight`` scales the tokens to compute against
+    the queued ones (above 1: stickier). Returns the engine and the tokens it has to
     compute. ``costed`` must not be empty."""
     best: tuple[BackendState, float] | None = None
     best_cost = math.inf
@@ -130,7 +133,7 @@ def pick_by_cost(
         gpu = min(held.gpu_blocks * held.block_size, prompt_tokens)
         cpu = min(held.cpu_blocks * held.block_size, prompt_tokens - gpu)
         miss = prompt_tokens - gpu - cpu + cpu_hit_cost * cpu
-        cost = miss + queued.get(backend.name, 0.0)
+        cost = miss_weight * miss + queued.get(backend.name, 0.0)
         if cost < best_cost:
             best, best_cost = (backend, miss), cost
     assert best is not None, "pick_by_cost needs a candidate"

@@ -748,8 +748,10 @@ def engine_queue(name: str) -> float:
 
 MIDSTREAM = 4  # streams on node2's decoder when its link goes down
 # long enough to be still streaming when the link goes down (96 tokens were over before it
-# once in CI: the tiny model makes hundreds of tokens a second)
-MIDSTREAM_TOKENS = 600
+# once in CI, and one of 4 600-token streams once: the tiny model makes hundreds of tokens a
+# second, and the 4 first events can come seconds apart on 2 cores)
+MIDSTREAM_TOKENS = 1000
+MIDSTREAM_MIN_RUNNING = 2  # streams still on node2's decoder when the link goes down
 MIDSTREAM_GAP_S = 5.0  # the proxy's: ~1.3 s (silence 0.25 s + an unanswered 1 s probe)
 
 
@@ -820,8 +822,11 @@ def test_link_lost_mid_stream_streams_go_on_on_node1(nodes: TwoNodes) -> None:
         # float32 engines (inventory/lab-2node): node2's tokens decoded beside 3 others, then
         # node1's, equal node1's decoded alone
         assert stream_tokens(events) == reference[i], f"stream {i}: not node1's tokens"
-    assert running == MIDSTREAM, f"{MIDSTREAM - running} stream(s) ended before the link went down"
-    assert migrated == MIDSTREAM, f"{migrated:g} of {MIDSTREAM} streams moved"
+    # a stream that ended before the fault is not the proxy's doing (it is checked above like
+    # the others); each one the fault caught must have moved
+    assert running >= MIDSTREAM_MIN_RUNNING, (
+        f"{MIDSTREAM - running} stream(s) ended before the link went down: not exercised")
+    assert migrated == running, f"{migrated:g} of the {running} streams the fault caught moved"
     assert max(gaps) <= MIDSTREAM_GAP_S, f"a client waited {max(gaps):.1f} s"
     proxy("POST", "/admin/backends/node1/decode-0/drain")
     try:  # node2 back: it serves through the proxy (its decoder may have restarted)

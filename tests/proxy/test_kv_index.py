@@ -158,7 +158,8 @@ def _b(name: str, in_flight: int = 0, held: int = 0) -> BackendState:
 
 def test_cost_prefers_the_engine_holding_the_prompt() -> None:
     a, b = _b("a"), _b("b")
-    chosen, miss = pick_by_cost([(a, Held(0, 0, 16)), (b, Held(6, 0, 16))], 100, 0.25, {})
+    chosen, miss = pick_by_cost([(a, Held(0, 0, 16)), (b, Held(6, 0, 16))], 100, 0.25, {},
+                                miss_weight=1.0)
     assert chosen is b and miss == 4
 
 
@@ -166,10 +167,12 @@ def test_cost_counts_a_cpu_hit_as_its_load_share() -> None:
     a, b = _b("a"), _b("b")
     # a: 64 tokens in its CPU tier (load 0.25 x 64 + 36 computed = 52); b: 32 on its GPU
     # (68 computed)
-    chosen, miss = pick_by_cost([(b, Held(2, 0, 16)), (a, Held(0, 4, 16))], 100, 0.25, {})
+    chosen, miss = pick_by_cost([(b, Held(2, 0, 16)), (a, Held(0, 4, 16))], 100, 0.25, {},
+                                miss_weight=1.0)
     assert chosen is a and miss == pytest.approx(52.0)
     # 48 on its GPU (52 computed) ties with a: ring order (b first) decides
-    chosen, _ = pick_by_cost([(b, Held(3, 0, 16)), (a, Held(0, 4, 16))], 100, 0.25, {})
+    chosen, _ = pick_by_cost([(b, Held(3, 0, 16)), (a, Held(0, 4, 16))], 100, 0.25, {},
+                             miss_weight=1.0)
     assert chosen is b
 
 
@@ -177,14 +180,15 @@ def test_cost_spills_when_prefills_queue_on_the_holder_and_ties_keep_ring_order(
     holder, idle = _b("holder"), _b("idle")
     # holder: 4 tokens to compute, 120 queued ahead; idle: 100 to compute
     chosen, _ = pick_by_cost([(holder, Held(6, 0, 16)), (idle, Held(0, 0, 16))], 100, 0.25,
-                             {"holder": 120.0})
+                             {"holder": 120.0}, miss_weight=1.0)
     assert chosen is idle
     # the engine's own count at its last scrape (a burst since finished) is no load
     chosen, _ = pick_by_cost([(_b("x", held=10), Held(6, 0, 16)), (idle, Held(0, 0, 16))],
-                             100, 0.25, {})
+                             100, 0.25, {}, miss_weight=1.0)
     assert chosen.name == "x"
     first, second = _b("first"), _b("second")
-    chosen, _ = pick_by_cost([(first, Held(0, 0, 16)), (second, Held(0, 0, 16))], 100, 0.25, {})
+    chosen, _ = pick_by_cost([(first, Held(0, 0, 16)), (second, Held(0, 0, 16))], 100, 0.25, {},
+                             miss_weight=1.0)
     assert chosen is first
 
 
@@ -195,7 +199,7 @@ def test_decoding_requests_do_not_break_affinity() -> None:
     In-flight requests whose prompt was answered cost nothing; the holder keeps it."""
     busy, idle = _b("busy", in_flight=30, held=30), _b("idle", in_flight=2, held=2)
     chosen, miss = pick_by_cost([(idle, Held(0, 0, 16)), (busy, Held(180, 0, 16))], 3000,
-                                0.25, {})
+                                0.25, {}, miss_weight=1.0)
     assert chosen is busy and miss == 3000 - 180 * 16
 
 
@@ -265,3 +269,82 @@ def test_prompts_queue_on_their_engine_until_their_first_byte() -> None:
     backends[first.name].in_flight = 20
     again = routing.pick(ring, 1, backends, 10.0, blocks(1), "r3")
     assert again is first and routing.queued_tokens[first.name] == 0  # a full hit: 0 to compute
+
+
+def test_routed_blocks_count_as_held_until_events_tell_or_they_lapse() -> None:
+    tokens = list(range(64))
+    h = block_hashes(tokens, 16, HashScheme("0"))
+    index = KvIndex(seed="0")
+    index.apply("e", _Stored(h[:1], tokens[:16]))  # e holds block 0
+    index.route("e", h, now=100.0, ttl=10.0)
+    assert index.engines["e"].pending == {h[1]: 110.0, h[2]: 110.0, h[3]: 110.0}
+    assert index.held("e", h, now=105.0) == Held(4, 0, 16)
+    assert index.held("e", h) == Held(1, 0, 16)  # without a clock: only what events told
+    assert index.held("e", h, now=110.0) == Held(1, 0, 16)  # lapsed
+    # its events tell of blocks 1-2 (stored) and 3 (evicted at once): the marks go
+    index.apply("e", _Stored(h[1:3], tokens[16:48], parent=h[0]))
+    removed = type("BlockRemoved", (), {"block_hashes": [h[3]], "medium": GPU})()
+    index.apply("e", removed)
+    assert index.engines["e"].pending == {}
+    assert index.held("e", h, now=105.0) == Held(3, 0, 16)
+    # a restart forgets them with the rest; an unknown engine is not marked
+    index.route("e", h, now=200.0, ttl=10.0)
+    index.clear("e")
+    assert index.engines["e"].pending == {}
+    index.route("other", h, now=200.0, ttl=10.0)
+    assert "other" not in index.engines
+
+
+def test_pending_marks_are_bounded_and_lapsed_ones_go_first() -> None:
+    index = KvIndex(seed="0", capacity=4)
+    index.apply("e", _Stored([1], list(range(16))))
+    index.route("e", [10, 11, 12], now=0.0, ttl=5.0)
+    index.route("e", [20, 21], now=6.0, ttl=5.0)  # 10-12 lapsed at 5
+    assert list(index.engines["e"].pending) == [20, 21]
+    index.route("e", [30, 31, 32, 33], now=7.0, ttl=5.0)  # over capacity: oldest out
+    assert list(index.engines["e"].pending) == [30, 31, 32, 33]
+
+
+def test_cost_miss_weight_keeps_a_prefix_on_its_holder_behind_a_queue() -> None:
+    holder, idle = _b("holder"), _b("idle")
+    costed = [(idle, Held(0, 0, 16)), (holder, Held(6, 0, 16))]
+    # holder: 4 to compute behind 120 queued (124) against idle's 100 (weight 1: idle)
+    assert pick_by_cost(costed, 100, 0.25, {"holder": 120.0}, miss_weight=1.0)[0] is idle
+    # a miss weighs twice (it is also paid by every prompt queued behind it): holder
+    assert pick_by_cost(costed, 100, 0.25, {"holder": 120.0}, miss_weight=2.0)[0] is holder
+
+
+def test_a_burst_of_one_new_prefix_follows_its_first_request() -> None:
+    """Issue 56: a new prefix's blocks reach the index only once its first request's
+    prefill has computed them; meanwhile a second request with it found no holder and, its
+    first request's tokens queued on that engine, went to another engine and computed the
+    prefix again (every request of a burst did). Routed blocks count as held there until
+    the events tell: the burst stays on one engine. With ``pending_s`` 0 it does not."""
+    from prometheus_client import CollectorRegistry
+
+    from pdstack.proxy.kv_events_route import KvEventsConfig, KvRouting, RequestBlocks
+    from pdstack.proxy.routing import HashRing
+
+    scheme = HashScheme("0")
+    prefix = list(range(1000, 1000 + 160))
+
+    def burst(pending_s: float) -> list[str]:
+        routing = KvRouting(KvEventsConfig(enabled=False, pending_s=pending_s), lambda: None,
+                            dict, CollectorRegistry())
+        routing.state = lambda name: "fresh"  # type: ignore[method-assign]
+        for name in ("a", "b", "c"):
+            routing.index.apply(name, _Stored(block_hashes([7] * 16, 16, scheme), [7] * 16))
+        ring = HashRing(["a", "b", "c"])
+        backends = {n: _b(n) for n in "abc"}
+        chosen = []
+        for i in range(3):  # the shared prefix + 16 tokens of its own, none answered yet
+            tokens = prefix + [i] * 16
+            blocks = RequestBlocks(len(tokens), {(scheme, 16): block_hashes(tokens, 16, scheme)})
+            b = routing.pick(ring, 1, backends, 10.0, blocks, f"r{i}")
+            assert b is not None
+            backends[b.name].in_flight += 1
+            chosen.append(b.name)
+        return chosen
+
+    assert len(set(burst(10.0))) == 1
+    assert len(set(burst(0.0))) == 3
