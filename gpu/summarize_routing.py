@@ -27,6 +27,7 @@ FRONTS = {
     "rt-kv": "vllm-router `kv_aware` (the engines' KV events)",
     "rt-pd-w1": "pdstack, `--kv-miss-weight 1` (a miss weighs what a queued token does)",
     "rt-pd-63": "pdstack, stop 63's cost (`--kv-miss-weight 1 --kv-pending-s 0`)",
+    "rt-pd-open": "pdstack's routing, its admission off (`--admission off`)",
 }
 ENGINE_PORTS = ("8290", "8291", "8292")
 
