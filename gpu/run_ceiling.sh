@@ -433,6 +433,10 @@ sweep() {  # NAME: [WORKLOAD-]STACK[-rN]; 3 when it does not fit the budget now
       for r in json.load(open(sys.argv[1]))['results']))))" "$W/results/$name.json" \
       > "$W/state/cap-$key" && log "CAP $(cat "$W/state/cap-$key") req/s ($name)"
   fi
+  # the front's own counters at its end (vllm-router's kv_aware lookups: the bench reads
+  # no router series; routing run 2 could not show that its lookups hit)
+  [[ $st == rt-* ]] && [ -n "$TARGET_METRICS" ] \
+    && http_get "$TARGET_METRICS" > "$W/results/front-metrics-$name.txt" 2>/dev/null
   extra_proxy down "$st"
   return $rc
 }
