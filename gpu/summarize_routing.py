@@ -28,6 +28,7 @@ FRONTS = {
     "rt-pd-w1": "pdstack, `--kv-miss-weight 1` (a miss weighs what a queued token does)",
     "rt-pd-63": "pdstack, stop 63's cost (`--kv-miss-weight 1 --kv-pending-s 0`)",
     "rt-pd-open": "pdstack's routing, its admission off (`--admission off`)",
+    "rt-pd-kv12": "pdstack, its gate's watermark at 1.2 of the KV (`--admission-kv-high 1.2`)",
 }
 ENGINE_PORTS = ("8290", "8291", "8292")
 

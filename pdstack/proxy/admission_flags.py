@@ -13,7 +13,9 @@ _ADMISSION = (
     Flag(
         "kv_high",
         "watermark on an engine's projected peak KV (prompts held, and the expected output "
-        "of each request until it ends) over its capacity (default %(default)s)",
+        "of each request until it ends) over its capacity; above 1 the engine may preempt "
+        "(cheap while preempted prompts stay in its prefix cache; at most 2) (default "
+        "%(default)s)",
         metavar="RATIO",
     ),
     Flag(
@@ -73,7 +75,7 @@ _ADMISSION = (
 )
 # float flags that must lie in [lo, hi]; int flags that must be >= 0
 _ADMISSION_RANGES = {
-    "kv_high": (0.05, 1.0),
+    "kv_high": (0.05, 2.0),
     "preempt_caution_s": (0.0, 3600.0),
     "scrape_interval_s": (0.01, 10.0),
     "scrape_idle_interval_s": (0.01, 60.0),

@@ -155,6 +155,22 @@ async def test_request_waits_while_kv_is_full_and_goes_when_it_drops() -> None:
     assert ph.metric_value(metrics, "pdstack_proxy_admission_waited_total") == 1
 
 
+async def test_a_watermark_above_the_kv_lets_the_engine_preempt() -> None:
+    """``--admission-kv-high`` above 1 (issue 56, routing run 2: vLLM's preemptions cost
+    nothing while the preempted prompts stayed cached): the same full engine that holds the
+    request above (mark 0.8) takes it at once at 1.2."""
+    async with ph.engines("e0", kv_capacity_tokens=CAPACITY, output_tokens=4) as e:
+        eng = e["e0"]
+        async with ph.running_proxy(colocated("e0", e=e), admission=admission(kv_high=1.2)) as rp:
+            async with hanging(rp, eng, "a"):
+                await full(rp, eng, "e0")
+                status, _, data = await post(rp, words(50, "b"))
+            metrics = await rp.metrics()
+    assert status == 200, data
+    assert ph.metric_value(metrics, "pdstack_proxy_admission_waited_total") == 0
+    assert ph.metric_value(metrics, "pdstack_proxy_admission_admitted_total", reason="fits") >= 1
+
+
 # ------------------------------------------------------------------ (b2) issue 36: only what hurts
 
 HOUR = 3600.0  # scrape interval after the first scrape: no scrape happens in a test
@@ -801,6 +817,12 @@ def test_admission_flags_new_and_removed() -> None:
     assert not cli.admission_from_args(args).interactive_first
     args = parser.parse_args(["proxy", "--admission-max-waiting", "2"])
     with pytest.raises(SystemExit, match="--admission-max-waiting was removed"):
+        cli.admission_from_args(args)
+    args = parser.parse_args(["proxy", "--admission-kv-high", "1.2"])
+    assert cli.admission_from_args(args).kv_high == 1.2
+    args = parser.parse_args(["proxy", "--admission-kv-high", "2.5"])
+    with pytest.raises(SystemExit,
+                       match=r"--admission-kv-high must be within \[0.05, 2\], got 2.5"):
         cli.admission_from_args(args)
     args = parser.parse_args(["proxy", "--admission-output-tokens", "-1"])
     with pytest.raises(SystemExit, match="--admission-output-tokens must be >= 0"):
