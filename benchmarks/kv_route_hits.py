@@ -131,7 +131,8 @@ def run_front(label: str, code: Path, table: Path, flags: list[str], engines: li
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--old", default=None, help="also the proxy of this commit (events@REV)")
-    p.add_argument("--fronts", default="events,ring", help="of events, ring (and --old's)")
+    p.add_argument("--fronts", default="events,ring",
+                   help="of events, ring, events-w1, events-63 (and --old's)")
     p.add_argument("--rates", default="4,8")
     p.add_argument("--duration", type=float, default=40.0)
     p.add_argument("--prompts", type=int, default=40)
@@ -144,7 +145,10 @@ def main() -> int:
     args = p.parse_args()
     ve.require_venv()
     tmp = Path(tempfile.mkdtemp(prefix="kv-route-hits-"))
-    fronts = [f for f in [("events", REPO, []), ("ring", REPO, ["--kv-events", "off"])]
+    fronts = [f for f in [("events", REPO, []), ("ring", REPO, ["--kv-events", "off"]),
+                          # the cost's parts (routing run 2): a miss weighs 1, and stop 63's
+                          ("events-w1", REPO, ["--kv-miss-weight", "1"]),
+                          ("events-63", REPO, ["--kv-miss-weight", "1", "--kv-pending-s", "0"])]
               if f[0] in args.fronts.split(",")]
     if args.old:
         old = tmp / "old"
