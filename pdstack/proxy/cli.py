@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import signal
 from pathlib import Path
 from typing import Any
@@ -289,9 +290,9 @@ def config_from_args(args: argparse.Namespace, table: Any = None) -> ProxyConfig
     )
     for flag in ("kv_pending_s", "kv_miss_weight"):
         value = getattr(args, flag, 0.0)
-        if not value >= 0:  # NaN too
-            raise SystemExit(f"pdstack proxy: --{flag.replace('_', '-')} must be >= 0, "
-                             f"got {value}")
+        if not (math.isfinite(value) and value >= 0):  # inf x a full hit's 0 miss is NaN
+            raise SystemExit(f"pdstack proxy: --{flag.replace('_', '-')} must be a finite "
+                             f"number >= 0, got {value}")
     if table is not None:
         defaults = KvEventsConfig()
         config.kv_events = KvEventsConfig.from_table(

@@ -365,8 +365,10 @@ def test_the_cli_takes_the_kv_events_from_the_backend_table(tmp_path: Any) -> No
     tuned = config("--kv-pending-s", "0", "--kv-miss-weight", "1.5")
     assert (tuned.pending_s, tuned.miss_weight) == (0.0, 1.5)
     for flag in ("--kv-pending-s", "--kv-miss-weight"):
-        with pytest.raises(SystemExit, match=f"{flag} must be >= 0, got -1.0"):
-            config(flag, "-1")
+        for bad in ("-1", "inf", "nan"):  # inf x a full hit's 0 miss: no engine is cheapest
+            with pytest.raises(SystemExit,
+                               match=f"{flag} must be a finite number >= 0, got {float(bad)}"):
+                config(flag, bad)
 
 
 async def test_pd_picks_the_decoder_holding_the_prompt() -> None:
