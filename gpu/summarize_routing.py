@@ -29,6 +29,8 @@ FRONTS = {
     "rt-pd-63": "pdstack, stop 63's cost (`--kv-miss-weight 1 --kv-pending-s 0`)",
     "rt-pd-open": "pdstack's routing, its admission off (`--admission off`)",
     "rt-pd-kv12": "pdstack, its gate's watermark at 1.2 of the KV (`--admission-kv-high 1.2`)",
+    "rt-pd-learn": "pdstack, its watermark learned per engine from its first bytes, 0.97 to 1.5 "
+    "(`--admission-kv-learn-max 1.5`)",
 }
 ENGINE_PORTS = ("8290", "8291", "8292")
 

@@ -35,15 +35,17 @@ WAITING = ("vllm:num_requests_waiting",)
 # engine's at the last scrape (why the gate held, or let an engine preempt)
 GATE_PROJECTED = ("pdstack_proxy_engine_projected_tokens",)
 GATE_BASE_SCALE = ("pdstack_proxy_engine_base_scale",)
+GATE_KV_MARK = ("pdstack_proxy_engine_kv_mark",)  # the watermark (learned: kv_mark.py)
 GAUGES: dict[str, tuple[str, ...]] = {
     "kv_cache_usage": KV_USAGE,
     "num_requests_running": RUNNING,
     "num_requests_waiting": WAITING,
     "gate_projected_tokens": GATE_PROJECTED,
     "gate_base_scale": GATE_BASE_SCALE,
+    "gate_kv_mark": GATE_KV_MARK,
 }
 # gauges whose total over endpoints is the largest (a fraction or a ratio), not the sum
-_MAX_OVER_ENDPOINTS = ("kv_cache_usage", "gate_base_scale")
+_MAX_OVER_ENDPOINTS = ("kv_cache_usage", "gate_base_scale", "gate_kv_mark")
 
 
 def parse_samples(text: str) -> Samples:

@@ -50,6 +50,7 @@ from pdstack.proxy.admission_queue import _SENT, AdmissionQueue
 from pdstack.proxy.backends import BackendState
 from pdstack.proxy.fair_queue import AdmissionRejected, FairQueue
 from pdstack.proxy.kv_gate import GATED_ROLES, EngineLoad, prompt_tokens
+from pdstack.proxy.kv_mark import KvMark
 from pdstack.proxy.periodic import every
 from pdstack.proxy.routing import PrefixIndex
 from pdstack.proxy.scrape_pace import ScrapePace
@@ -83,6 +84,7 @@ class KvAdmission(AdmissionQueue):
         self._backends = backends
         self._headers = headers or dict
         self.loads: dict[str, EngineLoad] = {}
+        self.marks: dict[str, KvMark] = {}  # engine -> its watermark (:mod:`.kv_mark`)
         self.ledger = TenantLedger(lambda tenant, delta: self._queue.settle(tenant, delta))
         self._queue = FairQueue(config.fairness, cost=self.ledger.cost_of)
         self._expected: dict[str, int] = {}  # request id -> expected output tokens
@@ -225,17 +227,28 @@ class KvAdmission(AdmissionQueue):
             return True, kv_gate.OPEN_UNKNOWN
         now = time.monotonic()
         fresh = now - load.scraped_at <= self.config.stale_after_s
+        mark = self.mark(backend.name)
         # room for the peak with it: the KV above its prompt's (its output is in the peak)
-        room = self.config.kv_high * load.capacity_tokens - load.adds(
+        room = mark.value * load.capacity_tokens - load.adds(
             tokens, *self._prompt(request_id, tokens)
         )
         if load.upper(fresh, output) <= room:
             return True, kv_gate.OPEN_FITS
         if load.projected(fresh, output) > room:
+            mark.held(now)
             return False, kv_gate.HELD_KV
-        if load.cautious(now, self.config.preempt_caution_s):
+        if mark.at_floor and load.cautious(now, self.config.preempt_caution_s):
+            mark.held(now)
             return False, kv_gate.HELD_PREEMPTING  # fits on the path, which preempted
         return True, kv_gate.OPEN_FITS
+
+    def mark(self, name: str) -> KvMark:
+        """The engine's KV watermark: ``kv_high``, learned up to ``kv_learn_max``."""
+        mark = self.marks.get(name)
+        if mark is None:
+            c = self.config
+            mark = self.marks[name] = KvMark(c.kv_high, c.kv_learn_max)
+        return mark
 
     def is_open(
         self, backend: BackendState, tokens: int, tenant: str | None = None, request_id: str = ""
@@ -357,8 +370,9 @@ class KvAdmission(AdmissionQueue):
     def landed(self, backend: BackendState, request_id: str) -> None:
         """The request's first byte came back: its KV is allocated on ``backend``."""
         load = self.loads.get(backend.name)
-        if load is not None:
-            load.land(request_id)
+        seconds = load.land(request_id) if load is not None else None
+        if seconds is not None:
+            self.mark(backend.name).first_byte(seconds, time.monotonic(), self.config.ttft_slo_s)
         self.budget.landed(request_id)
         if self.ledger.landed(request_id):
             self.pump()  # its tenant's prefill share has room again

@@ -18,6 +18,9 @@ class AdmissionConfig:
     # preemption, and the held queue's bursts pushed it into a slower state (81 running at
     # 24 req/s vs 40 at 0.97; TTFT P99 1.67 vs 0.41 s); 0.97 never let it preempt either
     kv_high: float = 0.97
+    # the most the watermark rises above kv_high while the engine's own first bytes stay
+    # fast under the mark (pdstack.proxy.kv_mark); at kv_high or below: a fixed mark
+    kv_learn_max: float = 0.0
     # after an engine's preemption counter rises, count every output at once there (no
     # credit for the requests ending first) for this long: the path was optimistic for it
     # (kv_gate.EngineLoad.cautious: one H100 near its knee, 168-453 preemptions on the path,

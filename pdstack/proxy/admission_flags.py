@@ -19,6 +19,13 @@ _ADMISSION = (
         metavar="RATIO",
     ),
     Flag(
+        "kv_learn_max",
+        "let each engine's watermark rise from kv-high up to this while the engine's own "
+        "time to first byte stays under 0.15 x the TTFT SLO (it falls back above 0.35 x); "
+        "0 or <= kv-high: a fixed watermark (default %(default)s)",
+        metavar="RATIO",
+    ),
+    Flag(
         "preempt_caution_s",
         "after an engine preempts, count every request's whole output at once there (no "
         "credit for requests ending first) for this long; 0 = never (default %(default)s)",
@@ -76,6 +83,7 @@ _ADMISSION = (
 # float flags that must lie in [lo, hi]; int flags that must be >= 0
 _ADMISSION_RANGES = {
     "kv_high": (0.05, 2.0),
+    "kv_learn_max": (0.0, 2.0),
     "preempt_caution_s": (0.0, 3600.0),
     "scrape_interval_s": (0.01, 10.0),
     "scrape_idle_interval_s": (0.01, 60.0),

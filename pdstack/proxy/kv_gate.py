@@ -177,11 +177,15 @@ class EngineLoad:
         if r is not None and r.sent_at is None:
             r.sent_at = time.monotonic()
 
-    def land(self, request_id: str) -> None:
+    def land(self, request_id: str) -> float | None:
+        """The request's first byte came: the seconds since its final leg went (the
+        engine's own time to first byte; None when not known)."""
         r = self.requests.get(request_id)
-        if r is not None and r.landed_at is None:
-            r.landed_at = time.monotonic()
-            self._traj.clear()  # it runs: its end frees its KV
+        if r is None or r.landed_at is not None:
+            return None
+        r.landed_at = time.monotonic()
+        self._traj.clear()  # it runs: its end frees its KV
+        return None if r.sent_at is None else r.landed_at - r.sent_at
 
     def stream(self, request_id: str, tokens: int) -> None:
         """``tokens`` more of the request's output were relayed (its KV grew by as many; the

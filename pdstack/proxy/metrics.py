@@ -341,6 +341,10 @@ _ENGINE_GAUGES = (
     ("preempt_caution", "1 while the gate counts every output at once on the engine: it "
      "preempted within the last preempt_caution_s"),
     ("kv_capacity_tokens", "the engine's KV capacity in tokens"),
+    ("kv_mark", "the gate's KV watermark on the engine now (kv_high, or above it while the "
+     "engine's first bytes are fast: --admission-kv-learn-max)"),
+    ("first_byte_seconds", "the engine's own time to first byte lately (the final leg's "
+     "send to its first byte, EWMA)"),
     ("projected_tokens", "KV tokens the gate projects the engine will hold for what it has"),
     ("base_scale", "the engine's KV at its last scrape per token the gate estimated for the "
      "same requests (above 1: the gate undercounts; NaN: no request in that scrape)"),
@@ -356,11 +360,13 @@ def _engine_gauges(a: Any) -> Iterator[Any]:
     }
     for name, load in a.loads.items():
         fresh = now - load.scraped_at <= a.config.stale_after_s
+        mark = a.mark(name)
         values = {
             "kv_usage": load.kv_usage, "requests_waiting": load.waiting,
             "requests_running": load.running, "preemptions": load.preemptions,
             "preempt_caution": float(load.cautious(now, a.config.preempt_caution_s)),
-            "kv_capacity_tokens": load.capacity_tokens,
+            "kv_capacity_tokens": load.capacity_tokens, "kv_mark": mark.value,
+            "first_byte_seconds": mark.first_byte_s,
             "projected_tokens": load.projected(fresh), "proxy_requests": load.active,
             "base_scale": load.base_scale if load.base else math.nan,
         }  # fmt: skip

@@ -824,6 +824,13 @@ def test_admission_flags_new_and_removed() -> None:
     with pytest.raises(SystemExit,
                        match=r"--admission-kv-high must be within \[0.05, 2\], got 2.5"):
         cli.admission_from_args(args)
+    assert config.kv_learn_max == 0.0, "a fixed watermark by default"
+    args = parser.parse_args(["proxy", "--admission-kv-learn-max", "1.3"])
+    assert cli.admission_from_args(args).kv_learn_max == 1.3
+    args = parser.parse_args(["proxy", "--admission-kv-learn-max", "2.5"])
+    with pytest.raises(SystemExit,
+                       match=r"--admission-kv-learn-max must be within \[0, 2\], got 2.5"):
+        cli.admission_from_args(args)
     args = parser.parse_args(["proxy", "--admission-output-tokens", "-1"])
     with pytest.raises(SystemExit, match="--admission-output-tokens must be >= 0"):
         cli.admission_from_args(args)
@@ -918,11 +925,11 @@ def test_peak_growth_counts_the_frees_of_requests_that_end_first() -> None:
 
 
 def _two_running(
-    ids: tuple[str, str], streamed: int, usage: float
+    ids: tuple[str, str], streamed: int, usage: float, **kw: Any
 ) -> tuple[KvAdmission, BackendState, EngineLoad]:
     """d0 (output_tokens 100) runs two 300-token requests that landed, the first of them
     ``streamed`` tokens into its answer, read by a scrape (``usage``) that began after."""
-    gate, engine = _gate(output_tokens=100)
+    gate, engine = _gate(output_tokens=100, **kw)
     engine.in_flight = 1
     load = _scraped(gate, 0.0)
     for rid in ids:
@@ -1022,3 +1029,52 @@ async def test_the_gate_reads_preemptions_from_the_engine_and_shows_its_caution(
             metrics = await rp.metrics()
     assert ph.metric_value(metrics, "pdstack_proxy_engine_preempt_caution", backend="e0") == 1
     assert ph.metric_value(metrics, "pdstack_proxy_engine_preemptions", backend="e0") == 6
+
+
+def _first_bytes(gate: KvAdmission, engine: BackendState, n: int, seconds: float) -> None:
+    """``n`` short requests on d0, each with its first byte ``seconds`` after its send."""
+    load = gate.loads["d0"]
+    for i in range(n):
+        rid = f"fb{seconds}-{i}"
+        gate.reserve(engine, rid, 1)
+        load.requests[rid].sent_at = time.monotonic() - seconds
+        gate.landed(engine, rid)
+        gate.release(engine, rid)
+
+
+def test_a_learned_mark_lets_through_what_the_floor_holds_and_falls_back() -> None:
+    """``kv_learn_max``: while the engine's own first bytes are fast and the mark holds
+    requests, the mark rises (up to the ceiling) and lets through what the floor held; slow
+    first bytes bring it back, and the floor holds again. The gauges show the mark and the
+    engine's time to first byte."""
+    gate, engine, _ = _two_running(("a", "b"), 0, 0.6, kv_learn_max=1.2)  # just started
+    assert gate.check(engine, 50, 100, request_id="c") == (False, "kv_full")  # 950 > 850
+    mark = gate.marks["d0"]
+    assert mark.value == 0.85 and mark.ceiling == 1.2
+    _first_bytes(gate, engine, 60, 0.05)  # fast (0.15 x the 2 s SLO: 0.3 s): +0.12
+    assert gate.check(engine, 50, 100, request_id="c") == (True, "fits")  # 950 <= 970
+    assert math.isclose(_gauge(gate, "kv_mark"), 0.97)
+    assert math.isclose(_gauge(gate, "first_byte_seconds"), 0.05, abs_tol=0.005)
+    _first_bytes(gate, engine, 40, 2.0)  # slow (over 0.35 x the SLO): down to the floor
+    assert mark.at_floor and mark.first_byte_s > 0.7
+    assert gate.check(engine, 50, 100, request_id="c") == (False, "kv_full")
+    mark.bound_at -= 3.0  # its last hold was 3 s ago: the mark does not bind
+    _first_bytes(gate, engine, 200, 0.05)
+    assert mark.at_floor, "an unbound mark does not rise"
+
+
+def test_above_its_floor_a_learned_mark_skips_the_preemption_caution() -> None:
+    """The caution (``kv_preempting``) holds at the floor only: a mark that fast first
+    bytes raised has shown the engine's preemptions cheap; back at the floor it holds."""
+    gate, engine, load = _two_running(("a", "b"), 95, 0.695, kv_learn_max=1.2)
+    gate.config.preempt_caution_s = 30.0
+    now = time.monotonic()
+    load.saw_preemptions(1, now)
+    load.saw_preemptions(5, now)
+    # on the path 760 <= 850; every output at once 950 > 850 (see the caution's test)
+    assert gate.check(engine, 50, 100, request_id="c") == (False, "kv_preempting")
+    _first_bytes(gate, engine, 10, 0.05)  # the caution's hold bound the mark: +0.02
+    assert math.isclose(gate.marks["d0"].value, 0.87)
+    assert gate.check(engine, 50, 100, request_id="c") == (True, "fits")  # 950 > 870 still
+    _first_bytes(gate, engine, 10, 2.0)
+    assert gate.check(engine, 50, 100, request_id="c") == (False, "kv_preempting")
