@@ -138,6 +138,11 @@ STACKS=(
   "rt-pd-kv12 $RT_ENGINES http://127.0.0.1:8189 t $RT_INV proxy"
   # and with a watermark each engine learns from its first bytes (kv_mark.py), 0.97 to 1.5
   "rt-pd-learn $RT_ENGINES http://127.0.0.1:8187 t $RT_INV proxy"
+  # routing run 3: past capacity the gate-off front's hit ratio fell to 0.46 (cache_aware
+  # 0.64); since then a prompt the engines hold alike goes to its ring home: the old rule
+  # (least queued among equals), and a stickier cost (a miss weighs 8 queued tokens)
+  "rt-pd-cost $RT_ENGINES http://127.0.0.1:8186 t $RT_INV proxy"
+  "rt-pd-w8 $RT_ENGINES http://127.0.0.1:8185 t $RT_INV proxy"
   # issue 37: tenants chat + batch on pdstack's default engine (iso) or on INV_CHUNK's (isoc);
   # -p1: a second proxy with --admission-prefill-tokens P1_TOKENS (batch prefills one prompt
   # at a time while chat is active); -nofirst: --admission-interactive-first off; iso-split:
@@ -254,6 +259,8 @@ EXTRA_PROXIES=(
   "rt-pd-open rt-pd-open 8199 $REPO --admission off"
   "rt-pd-kv12 rt-pd-kv12 8189 $REPO --admission-kv-high 1.2"
   "rt-pd-learn rt-pd-learn 8187 $REPO --admission-kv-learn-max 1.5"
+  "rt-pd-cost rt-pd-cost 8186 $REPO --kv-unheld cost"
+  "rt-pd-w8 rt-pd-w8 8185 $REPO --kv-miss-weight 8"
   "iso-p1 p1 8068 $REPO --admission-prefill-tokens $P1_TOKENS"
   "iso-chunk-p1 p1c 8069 $REPO --admission-prefill-tokens $P1_TOKENS"
   "iso-nofirst nofirst 8070 $REPO --admission-interactive-first off"
@@ -287,7 +294,7 @@ rt_block_size() {  # the engines' KV block size (vllm:cache_config_info)
 # the fronts that bind pdstack's SUB for the engines' events (tp's proxy binds it): each
 # starts once every tp sweep in SWEEPS is done, stops tp for good (its flags kept first) and
 # frees the port at its end
-SUB_TAKERS=" rt-kv rt-pd-w1 rt-pd-63 rt-pd-open rt-pd-kv12 rt-pd-learn "
+SUB_TAKERS=" rt-kv rt-pd-w1 rt-pd-63 rt-pd-open rt-pd-kv12 rt-pd-learn rt-pd-cost rt-pd-w8 "
 take_sub() {  # NAME: 0 once pdstack's SUB is free, 3 while a tp sweep is still to run
   local n s k
   for n in $SWEEPS; do

@@ -21,7 +21,7 @@ _ADMISSION = (
     Flag(
         "kv_learn_max",
         "let each engine's watermark rise from kv-high up to this while the engine's own "
-        "time to first byte stays under 0.15 x the TTFT SLO (it falls back above 0.35 x); "
+        "time to first byte stays under 0.25 x the TTFT SLO (it falls back above 0.5 x); "
         "0 or <= kv-high: a fixed watermark (default %(default)s)",
         metavar="RATIO",
     ),

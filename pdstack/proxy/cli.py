@@ -163,6 +163,11 @@ def register(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentPar
         help="routing cost of a prompt token to compute, against one queued ahead of it on "
         "the engine (above 1: stickier to the engine holding the prefix; default %(default)s)",
     )
+    p.add_argument(
+        "--kv-unheld", choices=("ring", "cost"), default="ring" if defaults.unheld_home else "cost",
+        help="a prompt no engine holds a block of: ring = to its hash-ring home under the load "
+        "bound, cost = to the least queued engine (default %(default)s)",
+    )
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run)
     return p
@@ -299,6 +304,7 @@ def config_from_args(args: argparse.Namespace, table: Any = None) -> ProxyConfig
             table, enabled=getattr(args, "kv_events", "on") == "on",
             pending_s=getattr(args, "kv_pending_s", defaults.pending_s),
             miss_weight=getattr(args, "kv_miss_weight", defaults.miss_weight),
+            unheld_home=getattr(args, "kv_unheld", "ring") == "ring",
         )
     env_file = args.env_file
     if env_file is None and Path(DEFAULT_ENV_FILE).exists():

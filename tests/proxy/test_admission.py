@@ -1051,12 +1051,12 @@ def test_a_learned_mark_lets_through_what_the_floor_holds_and_falls_back() -> No
     assert gate.check(engine, 50, 100, request_id="c") == (False, "kv_full")  # 950 > 850
     mark = gate.marks["d0"]
     assert mark.value == 0.85 and mark.ceiling == 1.2
-    _first_bytes(gate, engine, 60, 0.05)  # fast (0.15 x the 2 s SLO: 0.3 s): +0.12
+    _first_bytes(gate, engine, 60, 0.05)  # fast (under 0.25 x the 2 s SLO): +0.12
     assert gate.check(engine, 50, 100, request_id="c") == (True, "fits")  # 950 <= 970
     assert math.isclose(_gauge(gate, "kv_mark"), 0.97)
     assert math.isclose(_gauge(gate, "first_byte_seconds"), 0.05, abs_tol=0.005)
-    _first_bytes(gate, engine, 40, 2.0)  # slow (over 0.35 x the SLO): down to the floor
-    assert mark.at_floor and mark.first_byte_s > 0.7
+    _first_bytes(gate, engine, 40, 2.0)  # slow (over 0.5 x the SLO): down to the floor
+    assert mark.at_floor and mark.first_byte_s > 1.0
     assert gate.check(engine, 50, 100, request_id="c") == (False, "kv_full")
     mark.bound_at -= 3.0  # its last hold was 3 s ago: the mark does not bind
     _first_bytes(gate, engine, 200, 0.05)

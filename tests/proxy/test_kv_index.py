@@ -239,13 +239,15 @@ def test_prompts_queue_on_their_engine_until_their_first_byte() -> None:
     """The router's load is the prompt tokens it sent an engine that it has not answered:
     a burst of new prompts spreads (each queued miss costs the next), a prompt whose holder
     has only decoding streams goes to the holder, and a request's share leaves at its first
-    byte (or end; twice is harmless)."""
+    byte (or end; twice is harmless). With ``unheld_home`` off: the cost decides among
+    engines that hold alike (the next test has the default)."""
     from prometheus_client import CollectorRegistry
 
     from pdstack.proxy.kv_events_route import KvEventsConfig, KvRouting, RequestBlocks
     from pdstack.proxy.routing import HashRing
 
-    routing = KvRouting(KvEventsConfig(enabled=False), lambda: None, dict, CollectorRegistry())
+    config = KvEventsConfig(enabled=False, unheld_home=False)
+    routing = KvRouting(config, lambda: None, dict, CollectorRegistry())
     routing.state = lambda name: "fresh"  # type: ignore[method-assign]
     scheme = HashScheme("0")
     for name in ("a", "b"):  # each engine has announced its block size (nothing useful held)
@@ -269,6 +271,47 @@ def test_prompts_queue_on_their_engine_until_their_first_byte() -> None:
     backends[first.name].in_flight = 20
     again = routing.pick(ring, 1, backends, 10.0, blocks(1), "r3")
     assert again is first and routing.queued_tokens[first.name] == 0  # a full hit: 0 to compute
+
+
+def test_a_prompt_no_engine_holds_more_of_goes_to_its_ring_home() -> None:
+    """Holdings alike (none, or only a first block every engine has): the ring's home under
+    the load bound, whatever is queued where (``ring_unheld``); one engine holding more of
+    the prompt: the cost, as before. Past capacity, least-queued spread every evicted prefix
+    over every engine (routing run 3: hit ratio 0.46 vs cache_aware's 0.64)."""
+    from prometheus_client import CollectorRegistry
+
+    from pdstack.proxy.kv_events_route import KvEventsConfig, KvRouting, RequestBlocks
+    from pdstack.proxy.routing import HashRing
+
+    routing = KvRouting(KvEventsConfig(enabled=False), lambda: None, dict, CollectorRegistry())
+    routing.state = lambda name: "fresh"  # type: ignore[method-assign]
+    scheme = HashScheme("0")
+    template = [5] * 16  # a first block every prompt starts with (a chat template's)
+    for name in ("a", "b", "c"):
+        routing.index.apply(name, _Stored(block_hashes(template, 16, scheme), template))
+    ring = HashRing(["a", "b", "c"])
+    home = next(iter(ring.walk(7)))
+    backends = {n: _b(n) for n in "abc"}
+
+    def blocks(seed: int) -> RequestBlocks:
+        tokens = template + [seed] * 144
+        return RequestBlocks(160, {(scheme, 16): block_hashes(tokens, 16, scheme)})
+
+    routing.queued_tokens[home] = 10_000.0  # its queue is the longest by far
+    for i in range(3):  # three new prompts of one key: one home (pending marks or not)
+        assert routing.pick(ring, 7, backends, 10.0, blocks(i), f"n{i}") is backends[home]
+    assert [d.decision for d in routing.recent][-3:] == ["ring_unheld"] * 3
+    # another engine holds the prompt: the cost sends it there
+    other = next(n for n in "abc" if n != home)
+    tokens = template + [9] * 144
+    routing.index.apply(other, _Stored(block_hashes(tokens, 16, scheme)[1:], tokens[16:],
+                                       parent=block_hashes(template, 16, scheme)[0]))
+    assert routing.pick(ring, 7, backends, 10.0, blocks(9), "h") is backends[other]
+    assert routing.recent[-1].decision == "cost"
+    # the home at its load bound: the next one in ring order
+    backends[home].in_flight = 9  # bound: ceil(1.25 x 10 / 3) = 5
+    chosen = routing.pick(ring, 7, backends, 1.25, blocks(20), "b")
+    assert chosen is not None and chosen.name == next(n for n in ring.walk(7) if n != home)
 
 
 def test_routed_blocks_count_as_held_until_events_tell_or_they_lapse() -> None:
@@ -319,7 +362,8 @@ def test_a_burst_of_one_new_prefix_follows_its_first_request() -> None:
     prefill has computed them; meanwhile a second request with it found no holder and, its
     first request's tokens queued on that engine, went to another engine and computed the
     prefix again (every request of a burst did). Routed blocks count as held there until
-    the events tell: the burst stays on one engine. With ``pending_s`` 0 it does not."""
+    the events tell: the burst stays on one engine. With ``pending_s`` 0 it does not (the
+    cost deciding among equals); the ring home for prompts held alike keeps it too."""
     from prometheus_client import CollectorRegistry
 
     from pdstack.proxy.kv_events_route import KvEventsConfig, KvRouting, RequestBlocks
@@ -328,9 +372,9 @@ def test_a_burst_of_one_new_prefix_follows_its_first_request() -> None:
     scheme = HashScheme("0")
     prefix = list(range(1000, 1000 + 160))
 
-    def burst(pending_s: float) -> list[str]:
-        routing = KvRouting(KvEventsConfig(enabled=False, pending_s=pending_s), lambda: None,
-                            dict, CollectorRegistry())
+    def burst(pending_s: float, unheld_home: bool = False) -> list[str]:
+        config = KvEventsConfig(enabled=False, pending_s=pending_s, unheld_home=unheld_home)
+        routing = KvRouting(config, lambda: None, dict, CollectorRegistry())
         routing.state = lambda name: "fresh"  # type: ignore[method-assign]
         for name in ("a", "b", "c"):
             routing.index.apply(name, _Stored(block_hashes([7] * 16, 16, scheme), [7] * 16))
@@ -348,3 +392,4 @@ def test_a_burst_of_one_new_prefix_follows_its_first_request() -> None:
 
     assert len(set(burst(10.0))) == 1
     assert len(set(burst(0.0))) == 3
+    assert len(set(burst(0.0, unheld_home=True))) == 1
