@@ -815,32 +815,23 @@ def test_admission_flags_new_and_removed() -> None:
     assert config.interactive_first, "on by default"
     args = parser.parse_args(["proxy", "--admission-interactive-first", "off"])
     assert not cli.admission_from_args(args).interactive_first
-    args = parser.parse_args(["proxy", "--admission-max-waiting", "2"])
-    with pytest.raises(SystemExit, match="--admission-max-waiting was removed"):
-        cli.admission_from_args(args)
-    args = parser.parse_args(["proxy", "--admission-kv-high", "1.2"])
-    assert cli.admission_from_args(args).kv_high == 1.2
-    args = parser.parse_args(["proxy", "--admission-kv-high", "2.5"])
-    with pytest.raises(SystemExit,
-                       match=r"--admission-kv-high must be within \[0.05, 2\], got 2.5"):
-        cli.admission_from_args(args)
     assert config.kv_learn_max == 0.0, "a fixed watermark by default"
-    args = parser.parse_args(["proxy", "--admission-kv-learn-max", "1.3"])
-    assert cli.admission_from_args(args).kv_learn_max == 1.3
-    args = parser.parse_args(["proxy", "--admission-kv-learn-max", "2.5"])
-    with pytest.raises(SystemExit,
-                       match=r"--admission-kv-learn-max must be within \[0, 2\], got 2.5"):
-        cli.admission_from_args(args)
-    args = parser.parse_args(["proxy", "--admission-output-tokens", "-1"])
-    with pytest.raises(SystemExit, match="--admission-output-tokens must be >= 0"):
-        cli.admission_from_args(args)
     assert config.preempt_caution_s == 30.0
-    args = parser.parse_args(["proxy", "--admission-preempt-caution", "0"])
-    assert cli.admission_from_args(args).preempt_caution_s == 0.0
-    args = parser.parse_args(["proxy", "--admission-preempt-caution", "-1"])
-    with pytest.raises(SystemExit, match=r"--admission-preempt-caution must be within \[0, 3600\]"):
-        cli.admission_from_args(args)
-
+    for argv, field, value in (
+        (["--admission-kv-high", "1.2"], "kv_high", 1.2),
+        (["--admission-kv-learn-max", "1.3"], "kv_learn_max", 1.3),
+        (["--admission-preempt-caution", "0"], "preempt_caution_s", 0.0),
+    ):
+        assert getattr(cli.admission_from_args(parser.parse_args(["proxy", *argv])), field) == value
+    for argv, error in (
+        (["--admission-max-waiting", "2"], "--admission-max-waiting was removed"),
+        (["--admission-kv-high", "2.5"], r"--admission-kv-high must be within \[0.05, 2\], got"),
+        (["--admission-kv-learn-max", "2.5"], r"--admission-kv-learn-max must be within \[0, 2\]"),
+        (["--admission-output-tokens", "-1"], "--admission-output-tokens must be >= 0"),
+        (["--admission-preempt-caution", "-1"], r"--admission-preempt-caution must be within"),
+    ):
+        with pytest.raises(SystemExit, match=error):
+            cli.admission_from_args(parser.parse_args(["proxy", *argv]))
 
 
 def test_a_sent_request_the_engine_scheduled_is_counted_once() -> None:

@@ -28,7 +28,20 @@ def _module(name: str) -> ModuleType:
 
 def _fanout(keep_topic: bool) -> list[list[bytes]]:
     """Two engines' PUBs connect to the fanout's SUB (as pdstack plans them); a subscriber of
-    engine-1's endpoint gets engine-1's messages only."""
+    engine-1's endpoint gets engine-1's messages only. A fanout that exits (a free port
+    taken by another process before it bound: a race of free_port, not of the fanout) is
+    started again on new ports, at most three times."""
+    exited = ""
+    for _ in range(3):
+        got, exited = _fanout_once(keep_topic)
+        if got or not exited:
+            return got
+    raise AssertionError(f"the fanout exited three times; the last said: {exited}")
+
+
+def _fanout_once(keep_topic: bool) -> tuple[list[list[bytes]], str]:
+    """One try: what the subscriber got, and what the fanout printed if it exited by
+    itself ("" when it ran to the end and was stopped here)."""
     sub_port, out0, out1 = free_port(), free_port(), free_port()
     cmd = [sys.executable, str(REPO / "gpu" / "kv_events_fanout.py"),
            "--sub", f"tcp://127.0.0.1:{sub_port}",
@@ -50,17 +63,21 @@ def _fanout(keep_topic: bool) -> list[list[bytes]]:
         deadline = time.monotonic() + 20
         seq = 0
         while time.monotonic() < deadline and len(got) < 3:  # slow joiners: send until seen
+            if proc.poll() is not None:
+                out = proc.stdout.read() if proc.stdout else b""
+                return got, f"rc {proc.returncode}: {out.decode(errors='replace')}"
             for name, pub in engines.items():
                 frames = [name.encode(), seq.to_bytes(8, "big"), b"payload-" + name.encode()]
                 pub.send_multipart(frames)
             seq += 1
             if reader.poll(100):
                 got.append(reader.recv_multipart())
-        return got
+        return got, ""
     finally:
         ctx.destroy(linger=0)
-        proc.terminate()
-        proc.wait(10)
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(10)
 
 
 def test_fanout_sends_each_engines_events_on_its_own_pub_with_vllms_default_topic() -> None:
