@@ -427,8 +427,9 @@ sweep() {  # NAME: [WORKLOAD-]STACK[-rN]; 3 when it does not fit the budget now
     GPU_SALT_FLAG=--prompt-salt GPU_BENCH_EXTRA=--no-return-token-ids
     [ "$wl" = mt ] && rv=RATES_RT
   fi
-  local rc=0
+  local rc=0 ran=0
   if [ ! -f "$W/state/swept-$name" ] && [ ! -f "$W/state/failed-$name" ]; then
+    ran=1
     # a front that does not fit now is not started (rt-kv would stop pdstack's proxy for it)
     [[ $st == rt-* ]] && ! gpu_fits "$name" "${!rv}" "$dur" && return 3
     extra_proxy up "$st" || rc=$?
@@ -448,8 +449,9 @@ sweep() {  # NAME: [WORKLOAD-]STACK[-rN]; 3 when it does not fit the budget now
       > "$W/state/cap-$key" && log "CAP $(cat "$W/state/cap-$key") req/s ($name)"
   fi
   # the front's own counters at its end (vllm-router's kv_aware lookups: the bench reads
-  # no router series; routing run 2 could not show that its lookups hit)
-  [[ $st == rt-* ]] && [ -n "$TARGET_METRICS" ] \
+  # no router series; routing run 2 could not show that its lookups hit); only where it ran
+  # in this call (routing run 3: a resumed call emptied the earlier fronts' files)
+  [[ $st == rt-* ]] && [ $ran = 1 ] && [ -n "$TARGET_METRICS" ] \
     && http_get "$TARGET_METRICS" > "$W/results/front-metrics-$name.txt" 2>/dev/null
   extra_proxy down "$st"
   return $rc

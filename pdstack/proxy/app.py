@@ -40,7 +40,7 @@ from pdstack.proxy.limits import (
 from pdstack.proxy.limits import request_id as valid_request_id
 from pdstack.proxy.lmcache_pd import NotifyListener
 from pdstack.proxy.metrics import ProxyMetrics
-from pdstack.proxy.periodic import every
+from pdstack.proxy.periodic import LoopLag, every
 from pdstack.proxy.progress import ProgressWatch
 from pdstack.proxy.relay import RelayPool
 from pdstack.proxy.request_context import RequestContext
@@ -114,6 +114,8 @@ class Proxy(HealthProbes, AdminAPI, EngineRoutes, Flows):
             self.admission.on_wait = lambda t, s: self.metrics.tenant_waited(t, s)
         self._health_task: asyncio.Task[None] | None = None
         self._readmit_task: asyncio.Task[None] | None = None
+        self.loop_lag = LoopLag(self.metrics.registry)
+        self._lag_task: asyncio.Task[None] | None = None
         self._probing: set[str] = set()
         threshold = self.config.skip_prefill_threshold_tokens
         if threshold is None:
@@ -165,6 +167,7 @@ class Proxy(HealthProbes, AdminAPI, EngineRoutes, Flows):
         self._readmit_task = asyncio.create_task(
             every(self._readmit_pace, self.probe_down, "re-admission round failed")
         )
+        self._lag_task = asyncio.create_task(self.loop_lag.run())
         await self.admission.start(self.session)
         await self.kv_routing.start()
 
@@ -193,7 +196,7 @@ class Proxy(HealthProbes, AdminAPI, EngineRoutes, Flows):
         if self.notifier is not None:
             await self.notifier.close()
             self.notifier = None
-        for task in (self._health_task, self._readmit_task):
+        for task in (self._health_task, self._readmit_task, self._lag_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

@@ -1,10 +1,13 @@
-"""One background loop for the proxy's periodic work (health probes, admission scrapes)."""
+"""The proxy's background loops: periodic work (health probes, admission scrapes) and the
+event loop's own lag."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+
+from prometheus_client import CollectorRegistry, Histogram
 
 log = logging.getLogger("pdstack.proxy")
 
@@ -20,3 +23,29 @@ async def every(
             await step()
         except Exception:  # never let the loop die
             log.exception(failed)
+
+
+LAG_TICK_S = 0.05  # the lag probe's sleep
+LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class LoopLag:
+    """How late the proxy's event loop wakes a task: a probe sleeps ``LAG_TICK_S`` and
+    records how much longer it took (``pdstack_proxy_loop_lag_seconds``). Every request's
+    work runs on this one loop: a lag is added to each refusal, first byte and token that
+    falls in it (routing run 3, one H100, 120-150 req/s: refusals decided at arrival took
+    P99 132-204 ms at the client, P50 5 ms)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.histogram = Histogram(
+            "pdstack_proxy_loop_lag_seconds",
+            f"how much later than asked the proxy's event loop woke a {LAG_TICK_S} s sleep",
+            buckets=LAG_BUCKETS, registry=registry,
+        )  # fmt: skip
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            start = loop.time()
+            await asyncio.sleep(LAG_TICK_S)
+            self.histogram.observe(max(0.0, loop.time() - start - LAG_TICK_S))
