@@ -103,6 +103,7 @@ def _backends(topo: Topology, ports: dict[str, NodePorts]) -> list[Backend]:
                 node=node.name,
                 url=f"http://{addr}:{e.http}",
                 generation=generation,
+                standby=node.engines[e.index].standby,
                 lmcache_pd=LmcachePdReceiver(
                     host=addr, init_ports=list(e.lmcache_pd_init),
                     alloc_ports=list(e.lmcache_pd_alloc),

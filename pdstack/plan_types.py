@@ -120,13 +120,19 @@ class Backend(_Model):
     node: str
     url: str
     generation: str = ""
+    # a warm standby: routed to only while an active engine of its role is out
+    # (pdstack.proxy.standby); omitted when false, so a table without the key has none
+    standby: bool = False
     # lmcache-pd decoders only (omitted from the JSON otherwise)
     lmcache_pd: LmcachePdReceiver | None = None
     kv_events: KvEventsSource | None = None
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict:
-        return _drop_none(handler(self), "lmcache_pd", "kv_events")
+        data = _drop_none(handler(self), "lmcache_pd", "kv_events")
+        if not data.get("standby"):
+            data.pop("standby", None)
+        return data
 
 
 class Pairing(_Model):

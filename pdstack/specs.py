@@ -84,6 +84,10 @@ class EngineSpec(_Strict):
     # this engine's native KV tier in GiB of host RAM (overrides pdstack_kv_tier_size_gb)
     kv_tier_size_gb: float | None = Field(default=None, gt=0)
     extra_args: list[str] = Field(default_factory=list)
+    # a warm standby (colocated or decode): planned and started like its role's others, but
+    # the proxy routes to it only while an active engine of its role is out of service
+    # (pdstack.proxy.standby), so a dead engine's share is back in seconds, not minutes
+    standby: bool = False
 
 
 class SshSpec(_Strict):

@@ -13,6 +13,9 @@ from pdstack import kvmodes
 from pdstack.ports import engine_names, make_node_ports
 from pdstack.specs import DeploymentSpec, NodeSpec, Problem, Topology
 
+# the roles whose engines may be warm standbys (``standby: true``; pdstack.proxy.standby)
+STANDBY_ROLES = ("colocated", "decode")
+
 
 def _is_private(address: str) -> bool:
     ip = ipaddress.ip_address(address)
@@ -35,6 +38,7 @@ def check_topology(topo: Topology, hosts_file: str, vars_file: str) -> list[Prob
         problems += _check_tp_divides(topo.deployment, node, vars_file)
         problems += _check_ports(topo, node, vars_file)
     problems += _check_roles(topo, hosts_file)
+    problems += _check_standbys(topo, hosts_file)
     problems += _check_mode_resources(topo.deployment, vars_file)
     proxies = [n.name for n in topo.nodes if n.proxy]
     if len(proxies) != 1:
@@ -93,6 +97,13 @@ def _check_engines(d: DeploymentSpec, node: NodeSpec, hosts_file: str) -> list[P
             problems.append(
                 Problem(hosts_file, f"{field}.role",
                         f"role colocated needs a colocated kv_mode (kv_mode is {d.kv_mode})")
+            )
+        if eng.standby and eng.role not in STANDBY_ROLES:
+            problems.append(
+                Problem(hosts_file, f"{field}.standby",
+                        f"a {eng.role} engine cannot be a standby: only "
+                        f"{' or '.join(STANDBY_ROLES)} engines stand in for one out of "
+                        "service (a prefiller's share is taken by the decoders' fallback)")
             )
         if eng.share_gpu and not eng.kv_cache_bytes:
             problems.append(
@@ -242,6 +253,26 @@ def _check_roles(topo: Topology, hosts_file: str) -> list[Problem]:
                             f"prefiller on {node.name}; use kv_mode shared-l1+nixl")
                 )
     return problems
+
+
+def _check_standbys(topo: Topology, hosts_file: str) -> list[Problem]:
+    """A role with standbys keeps at least one active (non-standby) engine: a standby takes
+    traffic only while an active engine of its role is out, so with none it would never
+    serve (the first standby of such a role is named)."""
+    standbys: dict[str, tuple[str, int]] = {}
+    active: set[str] = set()
+    for node in topo.nodes:
+        for i, eng in enumerate(node.engines):
+            if eng.standby:
+                standbys.setdefault(eng.role, (node.name, i))
+            else:
+                active.add(eng.role)
+    return [
+        Problem(hosts_file, f"{host}.pdstack_engines[{i}].standby",
+                f"every {role} engine is a standby; at least one {role} engine must be "
+                "active (standby: false): a standby only stands in for an active one")
+        for role, (host, i) in standbys.items() if role not in active
+    ]
 
 
 def _check_mode_resources(d: DeploymentSpec, vars_file: str) -> list[Problem]:
