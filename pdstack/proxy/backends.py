@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdstack import kvmodes
+from pdstack.proxy.standby import check_standbys, in_rotation
 
 log = logging.getLogger("pdstack.proxy")
 
@@ -72,6 +73,9 @@ class BackendState:
     node: str
     url: str
     generation: str = ""
+    # a warm standby (pdstack.proxy.standby) and the active engine it stands in for now
+    standby: bool = False
+    stands_in_for: str = ""
     healthy: bool = False
     probed: bool = False  # checked at least once ("down", not "unknown", while never healthy)
     drained: bool = False
@@ -145,6 +149,8 @@ class BackendState:
             "wedged": self.wedged,
             "last_error": self.last_error,
         }
+        if self.standby:
+            data.update(standby=True, stands_in_for=self.stands_in_for)
         if self.lmcache_pd is not None:
             data["lmcache_pd"] = self.lmcache_pd
         return data
@@ -218,6 +224,7 @@ class BackendRegistry:
                     node=b.get("node") or "local",
                     url=b["url"].rstrip("/"),
                     generation=b.get("generation") or "",
+                    standby=bool(b.get("standby", False)),
                     lmcache_pd=lmcache_pd_receiver(b["name"], b.get("lmcache_pd")),
                 )
             )
@@ -241,6 +248,7 @@ class BackendRegistry:
         self.version += 1
 
     def validate(self) -> None:
+        check_standbys(self.backends.values())
         for pre, decs in self.pairings.items():
             p = self.backends.get(pre)
             if p is None or p.role != "prefill":
@@ -251,20 +259,35 @@ class BackendRegistry:
                     raise ValueError(f"pairing names {dec!r}, which is not a decode backend")
 
     # ------------------------------------------------------------ queries
-    def by_role(self, role: str) -> list[BackendState]:
-        return [b for b in self.backends.values() if b.role == role and not b.removed]
+    def by_role(self, role: str, standbys: bool = False,
+                out: Collection[str] = ()) -> list[BackendState]:
+        """The ``role`` backends not removed; a warm standby only while it stands in for an
+        active engine out of service (:mod:`pdstack.proxy.standby`; ``out``: names the
+        caller counts out, a request's failed tries), every one with ``standbys``."""
+        found = [b for b in self.backends.values() if b.role == role and not b.removed]
+        return found if standbys else in_rotation(found, out)
 
-    def decoders_for(self, prefill: BackendState) -> list[tuple[BackendState, str]]:
-        """Usable decoders paired with ``prefill``, same generation, with their KV path."""
-        out: list[tuple[BackendState, str]] = []
+    def refresh_rotation(self) -> None:
+        """The standbys' rotation brought up to date (logged when it changes), without
+        traffic too: each health round and scrape."""
+        for role in ROLES:
+            self.by_role(role)
+
+    def decoders_for(self, prefill: BackendState,
+                     out: Collection[str] = ()) -> list[tuple[BackendState, str]]:
+        """Usable decoders paired with ``prefill``, same generation, with their KV path (a
+        standby decoder only while it stands in: ``by_role``)."""
+        rotating = {d.name for d in self.by_role("decode", out=out)}
+        pairs: list[tuple[BackendState, str]] = []
         for name, kv_path in self.pairings.get(prefill.name, {}).items():
             d = self.backends.get(name)
-            if d is None or not d.usable or d.generation != prefill.generation:
+            if d is None or d.name not in rotating or not d.usable \
+                    or d.generation != prefill.generation:
                 continue
             if kv_path == "shared-l1" and d.node != prefill.node:
                 continue  # the LMCache store is per node
-            out.append((d, kv_path))
-        return out
+            pairs.append((d, kv_path))
+        return pairs
 
     def receives_over_nixl(self, decoder: BackendState) -> bool:
         """Some prefiller hands KV to ``decoder`` over NIXL."""
@@ -352,6 +375,8 @@ class BackendRegistry:
             url=str(spec["url"]).rstrip("/"),
             generation=str(spec.get("generation") or ""),
             drained=bool(spec.get("drained", False)),
+            # a replacement (an upgrade's) stays what it was unless the spec says
+            standby=bool(spec.get("standby", old is not None and old.standby)),
         )
         if old is not None and old.role != role:
             raise ValueError(f"backend {name} exists with role {old.role}; remove it first")

@@ -55,7 +55,7 @@ class EngineRoutes:
 
     def _engines(self) -> list[BackendState]:
         usable = [b for b in self.registry.backends.values() if b.usable]
-        return sorted(usable, key=lambda b: (ROLE_ORDER.get(b.role, 2), -b.served))
+        return sorted(usable, key=lambda b: (ROLE_ORDER.get(b.role, 2), b.standby, -b.served))
 
     async def handle_forward(self, request: web.Request) -> web.StreamResponse:
         if not self._client_authorized(request):

@@ -47,7 +47,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,7 +227,7 @@ class Flows(LmcachePdFlow, DecodeFallback):
         def pick_decoder(tried_decoders: set[str]) -> BackendState | None:
             pairs = [
                 (d, p)
-                for d, p in self._paired_decoders(chosen_prefill)
+                for d, p in self._paired_decoders(chosen_prefill, tried_decoders)
                 if d.name not in tried_decoders
             ]
             if not pairs:
@@ -343,9 +343,10 @@ class Flows(LmcachePdFlow, DecodeFallback):
             ctx.blocks = self.index.block_hashes(self._key_text_full(ctx))
         return ctx.blocks
 
-    def _paired_decoders(self, prefill: BackendState) -> list[tuple[BackendState, str]]:
-        """Usable paired decoders, preferring shared-l1 (same-node) pairings first."""
-        pairs = self.registry.decoders_for(prefill)
+    def _paired_decoders(self, prefill: BackendState,
+                         out: Collection[str] = ()) -> list[tuple[BackendState, str]]:
+        """Usable paired decoders (a standby for one in ``out``), shared-l1 ones first."""
+        pairs = self.registry.decoders_for(prefill, out)
         pairs.sort(key=lambda pair: pair[1] != "shared-l1")
         return pairs
 
@@ -379,20 +380,16 @@ class Flows(LmcachePdFlow, DecodeFallback):
         blocks: RequestBlocks | None = None,
         ctx: RequestContext | None = None,
     ) -> BackendState | None:
-        """Bounded-load consistent hashing over usable ``role`` backends; with ``tokens``
-        (gated roles) the ones with KV headroom for it come first."""
+        """Bounded-load consistent hashing over usable ``role`` backends (a standby for one
+        ``tried``); with ``tokens`` (gated roles) the ones with KV headroom for it first."""
         registry = self.registry
         ring = self._ring_for(role)
         if role == "prefill":
-            candidates = {
-                b.name: b
-                for b in registry.by_role("prefill")
-                if b.usable and b.name not in tried and registry.decoders_for(b)
-            }
-        else:
-            candidates = {
-                b.name: b for b in registry.by_role(role) if b.usable and b.name not in tried
-            }
+            candidates = {b.name: b for b in registry.by_role("prefill")
+                          if b.usable and b.name not in tried and registry.decoders_for(b)}
+        else:  # a standby stands in for one tried: a retry needs no ejection first
+            candidates = {b.name: b for b in registry.by_role(role, out=tried)
+                          if b.usable and b.name not in tried}
         if tokens is not None:
             candidates = {
                 b.name: b

@@ -33,6 +33,7 @@ class HealthProbes:
         backends = [b for b in self.registry.backends.values() if b.name not in self._probing]
         await asyncio.gather(*(self.probe(b) for b in backends))
         self.progress.round()  # wedged engines: stuck legs, confirmed by a generation
+        self.registry.refresh_rotation()  # standbys in or out, logged without traffic too
 
     def _readmit_pace(self) -> float:
         """The re-admission loop's sleep: readmit_interval_s, or the health round's when that
@@ -104,7 +105,8 @@ class HealthProbes:
         now = time.monotonic()
         if oldest is None or now - oldest <= after or backend.last_success >= oldest:
             return
-        if not any(b.usable and b is not backend for b in self.registry.by_role(backend.role)):
+        others = self.registry.by_role(backend.role, standbys=True)  # a standby stands in
+        if not any(b.usable and b is not backend for b in others):
             return
         self.registry.eject(
             backend, f"unreachable: {error}, and a leg waited {now - oldest:.1f}s with nothing "

@@ -218,7 +218,7 @@ class LmcachePdFlow(Legs):
     rng: random.Random
 
     # pdstack.proxy.flows.Flows
-    _paired_decoders: Callable[[BackendState], list[tuple[BackendState, str]]]
+    _paired_decoders: Callable[..., list[tuple[BackendState, str]]]
     _run_prefill_leg: Callable[..., Awaitable[BackendState | web.StreamResponse]]
 
     async def _serve_lmcache_pd(
@@ -284,7 +284,7 @@ class LmcachePdFlow(Legs):
             else:
                 others = [
                     d
-                    for d, _ in self._paired_decoders(chosen_prefill)
+                    for d, _ in self._paired_decoders(chosen_prefill, tried_decoders)
                     if d.name not in tried_decoders
                 ]
                 chosen = pick_p2c(others, self.rng)

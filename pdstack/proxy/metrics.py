@@ -11,7 +11,7 @@ Metric names (all prefixed ``pdstack_proxy_``):
   died, stalled or sent a 5xx error event mid-stream; the client got an error event),
   ``client_disconnect``.
 - ``in_flight`` gauge; ``backend_in_flight`` / ``backend_healthy`` / ``backend_drained``
-  gauges {backend, role, node, generation}.
+  gauges {backend, role, node, generation}; ``backend_in_rotation`` {backend}: warm standbys.
 - ``skip_prefill_total`` counter.
 - ``prefix_index_lookups_total``, ``prefix_index_hits_total`` counters and
   ``prefix_index_hit_ratio`` gauge (hits / lookups; a hit = some prefix cached).
@@ -82,6 +82,7 @@ from prometheus_client.registry import Collector
 
 from pdstack.proxy import wait_budget
 from pdstack.proxy.backends import BackendRegistry, BackendState
+from pdstack.proxy.standby import collect_rotation
 
 TTFT_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -122,7 +123,7 @@ class _BackendCollector(Collector):
             wedged.add_metric(values, 1 if b.wedged else 0)
         total = GaugeMetricFamily("pdstack_proxy_in_flight", "client requests in flight")
         total.add_metric([], self._in_flight())
-        yield from (in_flight, healthy, drained, wedged, total)
+        yield from (in_flight, healthy, drained, wedged, total, collect_rotation(self._backends()))
 
 
 def _counter(r: CollectorRegistry, name: str, doc: str, *labels: str) -> Counter:

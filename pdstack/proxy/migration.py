@@ -123,9 +123,9 @@ class Migration:
             ctx.migratable = (
                 self.config.max_migrations > 0
                 and cannot_migrate(ctx.path, ctx.body) is None
-                and (backend is None or any(
+                and (backend is None or any(  # a standby too: it stands in for a failed one
                     b is not backend and b.generation == backend.generation
-                    for b in self.registry.by_role(backend.role)))
+                    for b in self.registry.by_role(backend.role, standbys=True)))
             )
         return ctx.migratable
 
@@ -176,7 +176,7 @@ class Migration:
         def can_move() -> bool:
             return (tracker.migratable and tracker.migrations < config.max_migrations
                     and any(b.usable and b is not backend and b.generation == backend.generation
-                            for b in self.registry.by_role(backend.role)))
+                            for b in self.registry.by_role(backend.role, out=(backend.name,))))
 
         def frozen(why: str) -> None:
             if not evidence:
@@ -268,7 +268,7 @@ class Migration:
                           tried: set[str]) -> BackendState | None:
         """A usable engine of the failed one's role and generation, not tried yet (KV
         headroom first, then power of two choices)."""
-        pool = [b for b in self.registry.by_role(failed.role)
+        pool = [b for b in self.registry.by_role(failed.role, out=tried)
                 if b.usable and b.generation == failed.generation and b.name not in tried]
         return pick_p2c(self.admission.prefer_open(pool, ctx.tokens, ctx.request_id), self.rng)
 

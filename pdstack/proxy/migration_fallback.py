@@ -73,9 +73,8 @@ class DecodeFallback(Legs):
         log.info("%s: decoder serves request %s whole", why, ctx.request_id)
 
         def pick(tried: set[str]) -> BackendState | None:
-            decoders = [
-                d for d in self.registry.by_role("decode") if d.usable and d.name not in tried
-            ]
+            decoders = [d for d in self.registry.by_role("decode", out=tried)
+                        if d.usable and d.name not in tried]
             return self._pick_decoder(ctx, decoders)
 
         return await self._final_leg(request, ctx, pick, lambda backend: ctx.raw)
