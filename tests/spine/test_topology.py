@@ -89,6 +89,20 @@ MALFORMED = [
         "shared-l1 pairing across nodes",
     ),
     (
+        "standby on a prefill engine",
+        "a100x3",
+        _edit_engine("a100-node1", 0, standby=True),
+        "a100-node1.pdstack_engines[0].standby",
+        "a prefill engine cannot be a standby",
+    ),
+    (
+        "a role with only standbys",
+        "b200x1",
+        _edit_engine("b200-node1", 1, standby=True),
+        "b200-node1.pdstack_engines[1].standby",
+        "every decode engine is a standby",
+    ),
+    (
         "unknown KV mode",
         "a100x3",
         lambda inv: _edit_vars(inv, lambda v: _set(v, "pdstack_kv_mode", "mooncake")),
