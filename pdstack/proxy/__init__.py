@@ -55,12 +55,13 @@ HTTP API
   ``admin_auth_failures_per_min`` failed authentications from one address: 429 with
   ``Retry-After`` until the minute has passed):
   - ``GET /admin/backends``: ``{"kv_mode", "backends": [{"name", "role", "node", "url",
-    "generation", "state" (healthy|drained|ejected|down|unknown), "in_flight", "served", ...}],
-    "pairings": [...], "in_flight"}``;
+    "generation", "state" (healthy|drained|ejected|down|unknown), "in_flight", "served", ...;
+    a warm standby also "standby": true, "stands_in_for"}], "pairings": [...], "in_flight"}``;
   - ``POST /admin/backends/{name}/drain`` / ``.../undrain``: drained = no new requests,
     in-flight ones finish (poll ``in_flight`` until 0 before stopping the engine);
   - ``POST /admin/backends`` ``{"name", "role", "url", "node", "generation",
-    "drained"?, "pairs_with"?}``: add (201) or replace (200) a backend; pairings default
+    "drained"?, "standby"? (a replacement keeps its own), "pairs_with"?}``: add (201) or
+    replace (200) a backend; pairings default
     to the kv_mode's rule (shared-l1: same node); the answer carries its first probe;
   - ``DELETE /admin/backends/{name}``.
   Names contain ``/`` (``node1/prefill-0``) and are used as is in the path.
