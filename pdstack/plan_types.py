@@ -97,6 +97,14 @@ def _drop_none(data: dict, *keys: str) -> dict:
     return data
 
 
+def _drop_false(data: dict, *keys: str) -> dict:
+    """``keys`` left out where empty or false (a table without them means the default)."""
+    for key in keys:
+        if not data.get(key):
+            data.pop(key, None)
+    return data
+
+
 class KvEventsSource(_Model):
     """One engine's vLLM KV events: the ZMQ topic its batches carry (the backend's name)
     and its replay endpoint (a ROUTER on its private address)."""
@@ -129,10 +137,7 @@ class Backend(_Model):
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict:
-        data = _drop_none(handler(self), "lmcache_pd", "kv_events")
-        if not data.get("standby"):
-            data.pop("standby", None)
-        return data
+        return _drop_false(_drop_none(handler(self), "lmcache_pd", "kv_events"), "standby")
 
 
 class Pairing(_Model):
@@ -161,11 +166,7 @@ class BackendTable(_Model):
     @model_serializer(mode="wrap")
     def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict:
         data = _drop_none(handler(self), "lmcache_pd_notify", "kv_events")
-        if not data.get("tenants"):
-            data.pop("tenants", None)
-        if not data.get("engine_priority"):
-            data.pop("engine_priority", None)
-        return data
+        return _drop_false(data, "tenants", "engine_priority")
 
     @classmethod
     def adhoc(

@@ -43,6 +43,18 @@ def _all_ok(results: list[ph.StreamResult]) -> bool:
                for r in results)
 
 
+async def _back(rp: ph.RunningProxy, e: dict[str, FakeEngine], active: str, standby: str,
+                n: int) -> tuple[int, int]:
+    """``active`` starts again and is re-admitted; then ``n`` requests: how many each of
+    ``active`` and ``standby`` served."""
+    await e[active].start()
+    await _ready(rp, active)
+    e[active].requests.clear()
+    e[standby].requests.clear()
+    assert _all_ok(await _burst(rp, n, "after"))
+    return _served(e, active), _served(e, standby)
+
+
 # ------------------------------------------------------------------ colocated
 
 
@@ -77,12 +89,7 @@ async def test_colocated_standby_takes_over_and_steps_back(
             assert ph.metric_value(text, "pdstack_proxy_requests_total", outcome="ok") == 16
 
             # 3. the active engine is back (re-admitted): new requests go to it, none to s0
-            await e["e0"].start()
-            await _ready(rp, "e0")
-            e["e0"].requests.clear()
-            e["s0"].requests.clear()
-            assert _all_ok(await _burst(rp, 8, "after"))
-            assert (_served(e, "e0"), _served(e, "s0")) == (8, 0)
+            assert await _back(rp, e, "e0", "s0", 8) == (8, 0)
             assert s0.stands_in_for == ""
             text = await rp.metrics()
             assert ph.metric_value(text, "pdstack_proxy_backend_in_rotation", backend="s0") == 0
@@ -164,12 +171,7 @@ async def test_standby_decoder_takes_a_dead_decoders_pairing() -> None:
             assert all(r.body and r.body.get("kv_transfer_params")
                        for r in e["d1"].seen(COMPLETIONS))
 
-            await e["d0"].start()
-            await _ready(rp, "d0")
-            e["d0"].requests.clear()
-            e["d1"].requests.clear()
-            assert _all_ok(await _burst(rp, 6, "after"))
-            assert (_served(e, "d0"), _served(e, "d1")) == (6, 0)
+            assert await _back(rp, e, "d0", "d1", 6) == (6, 0)
 
 
 # ------------------------------------------------------------------ generations
