@@ -132,7 +132,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--old", default=None, help="also the proxy of this commit (events@REV)")
     p.add_argument("--fronts", default="events,ring",
-                   help="of events, ring, events-w1, events-63 (and --old's)")
+                   help="of events, ring, events-w1, events-63, events-cost (and --old's)")
     p.add_argument("--rates", default="4,8")
     p.add_argument("--duration", type=float, default=40.0)
     p.add_argument("--prompts", type=int, default=40)
@@ -148,7 +148,9 @@ def main() -> int:
     fronts = [f for f in [("events", REPO, []), ("ring", REPO, ["--kv-events", "off"]),
                           # the cost's parts (routing run 2): a miss weighs 1, and stop 63's
                           ("events-w1", REPO, ["--kv-miss-weight", "1"]),
-                          ("events-63", REPO, ["--kv-miss-weight", "1", "--kv-pending-s", "0"])]
+                          ("events-63", REPO, ["--kv-miss-weight", "1", "--kv-pending-s", "0"]),
+                          # stop 65: a prompt held alike goes to the least queued, not home
+                          ("events-cost", REPO, ["--kv-unheld", "cost"])]
               if f[0] in args.fronts.split(",")]
     if args.old:
         old = tmp / "old"

@@ -139,7 +139,7 @@ STACKS=(
   # and with a watermark each engine learns from its first bytes (kv_mark.py), 0.97 to 1.5
   "rt-pd-learn $RT_ENGINES http://127.0.0.1:8187 t $RT_INV proxy"
   # routing run 3: past capacity the gate-off front's hit ratio fell to 0.46 (cache_aware
-  # 0.64); since then a prompt the engines hold alike goes to its ring home: the old rule
+  # 0.64); since then a prompt no engine holds goes to its ring home: the old rule
   # (least queued among equals), and a stickier cost (a miss weighs 8 queued tokens)
   "rt-pd-cost $RT_ENGINES http://127.0.0.1:8186 t $RT_INV proxy"
   "rt-pd-w8 $RT_ENGINES http://127.0.0.1:8185 t $RT_INV proxy"
@@ -407,6 +407,24 @@ print(int(r["request_rate"]))
 sys.exit(0 if r.get("meets_ttft_slo") else 1)
 PYEOF
 }
+# rt_warm: once, before the first rt-* sweep, each of RT_ENGINES serves RT_WARM_RATE req/s of
+# many-tenants for RT_WARM_S s straight (results/warmup-rt-N.json, not a front). The first
+# sweep after the engines started had TTFT P99 927-968 ms at 60 req/s where every later front
+# had 194-270 (routing runs 2 and 3: whichever front came first paid the engines' warm-up)
+rt_warm() {
+  [ -f "$W/state/rt-warm" ] && return 0
+  gpu_fits rt-warm "${RT_WARM_RATE:-20}" "${RT_WARM_S:-10}" || return 1
+  local e i=0 pids=()
+  for e in ${RT_ENGINES//,/ }; do
+    # shellcheck disable=SC2086
+    GPU_SALT_FLAG=--prompt-salt GPU_BENCH_EXTRA=--no-return-token-ids gpu_bench \
+      "warmup-rt-$i" "$e" "${RT_WARM_RATE:-20}" "${RT_WARM_S:-10}" ${WL_ARGS[mt]} &
+    pids+=($!); i=$((i + 1))
+  done
+  wait "${pids[@]}"
+  touch "$W/state/rt-warm"
+  log "rt engines warmed: $i x ${RT_WARM_RATE:-20} req/s x ${RT_WARM_S:-10}s"
+}
 sweep() {  # NAME: [WORKLOAD-]STACK[-rN]; 3 when it does not fit the budget now
   local name=$1 wl st
   read -r wl st <<< "$(parse_sweep "$name")"
@@ -430,6 +448,7 @@ sweep() {  # NAME: [WORKLOAD-]STACK[-rN]; 3 when it does not fit the budget now
   local rc=0 ran=0
   if [ ! -f "$W/state/swept-$name" ] && [ ! -f "$W/state/failed-$name" ]; then
     ran=1
+    [[ $st == rt-* ]] && { rt_warm || return 3; }
     # a front that does not fit now is not started (rt-kv would stop pdstack's proxy for it)
     [[ $st == rt-* ]] && ! gpu_fits "$name" "${!rv}" "$dur" && return 3
     extra_proxy up "$st" || rc=$?

@@ -31,7 +31,7 @@ FRONTS = {
     "rt-pd-kv12": "pdstack, its gate's watermark at 1.2 of the KV (`--admission-kv-high 1.2`)",
     "rt-pd-learn": "pdstack, its watermark learned per engine from its first bytes, 0.97 to 1.5 "
     "(`--admission-kv-learn-max 1.5`)",
-    "rt-pd-cost": "pdstack, a prompt the engines hold alike to the least queued "
+    "rt-pd-cost": "pdstack, a prompt no engine holds to the least queued "
     "(`--kv-unheld cost`)",
     "rt-pd-w8": "pdstack, a miss weighs 8 queued tokens (`--kv-miss-weight 8`)",
 }

@@ -165,8 +165,8 @@ def register(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentPar
     )
     p.add_argument(
         "--kv-unheld", choices=("ring", "cost"), default="ring" if defaults.unheld_home else "cost",
-        help="a prompt no engine holds a block of: ring = to its hash-ring home under the load "
-        "bound, cost = to the least queued engine (default %(default)s)",
+        help="a prompt no engine holds (beyond a first block): ring = to its hash-ring home "
+        "under the load bound, cost = to the least queued engine (default %(default)s)",
     )
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run)

@@ -14,7 +14,7 @@ Per request, only when some candidate's events are *fresh* and its hashing verif
    that it has not answered yet: :meth:`KvRouting.prefilled` takes a request's share off at
    its first byte or end) and the cheapest wins, ring order breaking ties (``cost``); an
    engine at the ring's load bound (``load_factor`` x its share of the requests in flight)
-   is not a candidate; a prompt that no candidate holds more of than the others goes to its
+   is not a candidate; a prompt that no candidate holds (beyond a first block) goes to its
    ring home, the first candidate in ring order (``ring_unheld``: one home per prefix while
    caches thrash);
 4. the chosen engine's blocks of the prompt count as held there for ``pending_s`` until its
@@ -77,7 +77,7 @@ class KvEventsConfig:
     # ahead only delays this one (1 sent a burst's second request of a new prefix, queued
     # behind its first, to an idle engine to compute it again)
     miss_weight: float = 2.0
-    # a prompt that no candidate holds more of than the others (:func:`_alike`) goes to its
+    # a prompt that no candidate holds (:func:`_unheld`) goes to its
     # ring home (the first candidate under the load bound in ring order), not to the least
     # queued engine: each prefix then has one home while caches thrash. Past capacity
     # (routing run 3, one H100, 120 req/s, no gate) least-queued spread evicted prefixes
@@ -104,16 +104,18 @@ class KvEventsConfig:
         return self.enabled and bool(self.sources) and self.port > 0
 
 
-ALIKE_SHARE = 0.1  # of a prompt: holdings that differ by less are alike (:func:`_alike`)
+UNHELD_SHARE = 0.1  # of a prompt: an engine holding less of it holds it not (:func:`_unheld`)
 
 
-def _alike(costed: list[tuple[BackendState, Held]], prompt_tokens: int) -> bool:
-    """No candidate holds more of the prompt than the others by a block and
-    ``ALIKE_SHARE`` of it (none holds any of it, or all only a chat template's first
-    block): the holdings cannot tell where it belongs."""
-    held = [h.tokens for _, h in costed]
+def _unheld(costed: list[tuple[BackendState, Held]], prompt_tokens: int) -> bool:
+    """Of two or more candidates, none holds more of the prompt than a block or
+    ``UNHELD_SHARE`` of it (a chat template's first block everywhere is not a holding):
+    nothing says where it belongs. Engines that all hold it are not unheld: the cost
+    spreads a hot prefix by what is queued."""
+    if len(costed) < 2:
+        return False
     size = max(h.block_size for _, h in costed)
-    return max(held) - min(held) < max(size, ALIKE_SHARE * prompt_tokens)
+    return max(h.tokens for _, h in costed) <= max(size, UNHELD_SHARE * prompt_tokens)
 
 
 @dataclass
@@ -350,7 +352,7 @@ class KvRouting:
             self._note(request_id, by_hash.name, "hash_bound", blocks, salted)
             self._routed(by_hash.name, blocks, salted, now)
             return by_hash
-        if self.config.unheld_home and _alike(costed, blocks.tokens):
+        if self.config.unheld_home and _unheld(costed, blocks.tokens):
             chosen, miss, why = costed[0][0], float(blocks.tokens), "ring_unheld"
         else:
             chosen, miss = pick_by_cost(

@@ -240,7 +240,7 @@ def test_prompts_queue_on_their_engine_until_their_first_byte() -> None:
     a burst of new prompts spreads (each queued miss costs the next), a prompt whose holder
     has only decoding streams goes to the holder, and a request's share leaves at its first
     byte (or end; twice is harmless). With ``unheld_home`` off: the cost decides among
-    engines that hold alike (the next test has the default)."""
+    engines that hold none of a prompt (the next test has the default)."""
     from prometheus_client import CollectorRegistry
 
     from pdstack.proxy.kv_events_route import KvEventsConfig, KvRouting, RequestBlocks
@@ -273,10 +273,11 @@ def test_prompts_queue_on_their_engine_until_their_first_byte() -> None:
     assert again is first and routing.queued_tokens[first.name] == 0  # a full hit: 0 to compute
 
 
-def test_a_prompt_no_engine_holds_more_of_goes_to_its_ring_home() -> None:
-    """Holdings alike (none, or only a first block every engine has): the ring's home under
-    the load bound, whatever is queued where (``ring_unheld``); one engine holding more of
-    the prompt: the cost, as before. Past capacity, least-queued spread every evicted prefix
+def test_a_prompt_no_engine_holds_goes_to_its_ring_home() -> None:
+    """A prompt no engine holds (none of it, or only a first block every engine has): the
+    ring's home under the load bound, whatever is queued where (``ring_unheld``); an engine
+    holding it, or all of them: the cost, as before (a hot prefix held everywhere spreads
+    by what is queued). Past capacity, least-queued spread every evicted prefix
     over every engine (routing run 3: hit ratio 0.46 vs cache_aware's 0.64)."""
     from prometheus_client import CollectorRegistry
 
@@ -308,6 +309,19 @@ def test_a_prompt_no_engine_holds_more_of_goes_to_its_ring_home() -> None:
                                        parent=block_hashes(template, 16, scheme)[0]))
     assert routing.pick(ring, 7, backends, 10.0, blocks(9), "h") is backends[other]
     assert routing.recent[-1].decision == "cost"
+    # every engine holds it (a hot prefix): the cost spreads it by what is queued
+    hot = template + [11] * 144
+    for name in "abc":
+        routing.index.apply(name, _Stored(block_hashes(hot, 16, scheme)[1:], hot[16:],
+                                          parent=block_hashes(template, 16, scheme)[0]))
+    chosen = routing.pick(ring, 7, backends, 10.0, blocks(11), "hot")
+    assert chosen is not None and chosen.name != home  # home's queue is the longest
+    assert routing.recent[-1].decision == "cost"
+    # one fresh candidate: no choice to make, the cost's answer
+    routing.state = lambda name: "fresh" if name == home else "missing"  # type: ignore
+    assert routing.pick(ring, 7, backends, 10.0, blocks(30), "one") is backends[home]
+    assert routing.recent[-1].decision == "cost"
+    routing.state = lambda name: "fresh"  # type: ignore[method-assign]
     # the home at its load bound: the next one in ring order
     backends[home].in_flight = 9  # bound: ceil(1.25 x 10 / 3) = 5
     chosen = routing.pick(ring, 7, backends, 1.25, blocks(20), "b")
@@ -363,7 +377,7 @@ def test_a_burst_of_one_new_prefix_follows_its_first_request() -> None:
     first request's tokens queued on that engine, went to another engine and computed the
     prefix again (every request of a burst did). Routed blocks count as held there until
     the events tell: the burst stays on one engine. With ``pending_s`` 0 it does not (the
-    cost deciding among equals); the ring home for prompts held alike keeps it too."""
+    cost deciding among equals); the ring home for a prompt nobody holds keeps it too."""
     from prometheus_client import CollectorRegistry
 
     from pdstack.proxy.kv_events_route import KvEventsConfig, KvRouting, RequestBlocks
