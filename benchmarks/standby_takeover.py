@@ -27,13 +27,18 @@ Recorded, one clock (``time.monotonic``, seconds from the first request):
   group (``/proc``) from the first request to the kill (S gets no request then), A's beside
   it; and each engine's start (spawn to ``/health`` 200, polled each second).
 
-    .venv/bin/python benchmarks/standby_takeover.py --runs 3 \\
-        --json benchmarks/results/standby_takeover_cpu.json     # takes the heavy-run lock
-    # under flock(1) tell it the lock is held:
-    # flock /tmp/pdstack-heavy.lock env PDSTACK_HEAVY_LOCK_HELD=1 .venv/bin/python ...
+    # takes the heavy-run lock itself; under flock(1) say it is held, or both wait forever:
+    flock /tmp/pdstack-heavy.lock env PDSTACK_HEAVY_LOCK_HELD=1 .venv/bin/python \\
+        benchmarks/standby_takeover.py --runs 3 --kill-at 10.05 --label "kill mid-stream"
+    # ... --kill-at 10.25 --label "kill between streams"
 
-Writes the JSON (every request, log line and sample) and a Markdown table beside it
-(``.md``). Results: benchmarks/README.md, docs/self-healing.md ("A warm standby").
+A 64-token stream of the tiny model lasts ~0.13 s here, so at 2 req/s at most one is on A at
+a time: ``--kill-at 10.05`` kills A 50 ms into the 21st request's stream (it must migrate),
+``10.25`` between two streams (the next request finds A dead).
+
+Writes the JSON (every request, log line and sample; one entry per ``--label``, merged) and
+a Markdown table of every set in it beside it (``.md``). Results: benchmarks/README.md,
+docs/self-healing.md ("A warm standby").
 """
 
 from __future__ import annotations
@@ -72,6 +77,9 @@ STANDBY = "n1/engine-s"
 # the proxy's production health budgets (pdstack.proxy.config.ProxyConfig defaults; the
 # harness's own defaults are test values)
 PROXY_CONFIG: dict[str, Any] = {"health_interval_s": 2.0, "health_timeout_s": 2.0}
+# the engines' CPU and memory are read this long before the kill (the window: first request
+# to then)
+USAGE_LEAD_S = 0.25
 TICK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -331,19 +339,25 @@ async def traffic(a: ve.Proc, s: ve.Proc, args: argparse.Namespace, run: int
             tasks: list[asyncio.Task[None]] = []
             kill: dict[str, Any] = {}
 
-            async def killer() -> None:
-                await asyncio.sleep(args.kill_at - seen.now())
+            def end_usage() -> None:
                 for u in usage.values():
                     u.end()
+
+            async def killer() -> None:
+                # the /proc reads (~50 ms on 2 cores) off the event loop and before the
+                # kill, so neither the kill nor a request is late for them
+                await asyncio.sleep(max(0.0, args.kill_at - USAGE_LEAD_S - seen.now()))
+                await asyncio.to_thread(end_usage)
+                await asyncio.sleep(max(0.0, args.kill_at - seen.now()))
                 kill["standby_served_before"] = reg[STANDBY].served - served_before[STANDBY]
                 kill["a_in_flight_proxy"] = reg[ACTIVE].in_flight
                 os.killpg(a.popen.pid, signal.SIGKILL)
                 kill["t"] = seen.now()
                 seen.log.append((round(kill["t"], 4), "BENCH", "bench", "SIGKILL engine A"))
 
-            seen.t0 = time.monotonic()
             for u in usage.values():
                 u.begin()
+            seen.t0 = time.monotonic()
             kill_task = asyncio.create_task(killer())
             i = 0
             while (now := seen.now()) < args.duration:
@@ -500,7 +514,7 @@ def markdown(doc: dict[str, Any]) -> str:
          "{}"),
     ]
     head = "| | " + " | ".join(f"run {r['run']}" for r in runs) + " |"
-    lines = [f"# standby_takeover ({doc['when']}, {doc['commit']})", "",
+    lines = [f"## standby_takeover: {doc['label']} ({doc['when']}, {doc['commit']})", "",
              f"`{doc['command']}`", "", head, "|---" * (len(runs) + 1) + "|"]
     for label, get, fmt in rows:
         cells = []
@@ -528,6 +542,8 @@ def main() -> None:
     parser.add_argument("--kill-at", type=float, default=10.0,
                         help="SIGKILL engine A this many seconds after the first request")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--label", default="kill mid-stream",
+                        help="this set's name: sets merge into the JSON by label")
     parser.add_argument("--json", type=Path,
                         default=REPO / "benchmarks/results/standby_takeover_cpu.json")
     args = parser.parse_args()
@@ -547,7 +563,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                             capture_output=True, text=True).stdout.strip()
     doc = {
-        "benchmark": "standby_takeover",
+        "label": args.label,
         "when": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": commit,
         "command": "benchmarks/standby_takeover.py " + " ".join(sys.argv[1:]),
@@ -557,11 +573,15 @@ def main() -> None:
         "engines": "fresh pair each run: A on core 0 (active), S on core 1 (standby)",
         "runs": runs,
     }
+    merged: dict[str, Any] = {"benchmark": "standby_takeover", "sets": {}}
+    if args.json.exists():
+        merged = json.loads(args.json.read_text())
+    merged["sets"][args.label] = doc
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(doc, indent=1) + "\n")
-    md = markdown(doc)
-    args.json.with_suffix(".md").write_text(md)
-    print(md)
+    args.json.write_text(json.dumps(merged, indent=1) + "\n")
+    args.json.with_suffix(".md").write_text(
+        "\n".join(markdown(d) for d in merged["sets"].values()))
+    print(markdown(doc))
 
 
 if __name__ == "__main__":
