@@ -59,50 +59,18 @@ from pdstack.bench.runner import quiet_gc, run_closed_loop  # noqa: E402
 from pdstack.bench.stats import summarize  # noqa: E402
 from pdstack.bench.workload import Distribution, Workload, WorkloadConfig  # noqa: E402
 from pdstack.testing.http import wait_http  # noqa: E402
+from pdstack.testing.proc_stats import CLK_TCK, cpu_seconds, process_tree  # noqa: E402
 
 TARGET_P50_MS = 1.0
 TARGET_P99_MS = 5.0
 # the decode engine's KV in tokens (its /metrics, read by the gate): far above the load
 GATE_CAPACITY_TOKENS = 100_000_000
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def process_tree(pid: int) -> list[int]:
-    """pid and its descendants."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
-
-
-def cpu_seconds(pid: int) -> float:
-    """user + system CPU seconds of pid and its descendants (all threads)."""
-    total = 0.0
-    for p in process_tree(pid):
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
-    return total
 
 
 def machine_busy_seconds() -> tuple[float, float]:
@@ -293,7 +261,7 @@ async def segment(
 
     async def window_start() -> None:
         marks["t"] = time.perf_counter()
-        marks["cpu"] = {k: cpu_seconds(p) for k, p in watched.items()}
+        marks["cpu"] = {k: cpu_seconds(process_tree(p)) for k, p in watched.items()}
         marks["machine"] = machine_busy_seconds()[0]
 
     async with client:
@@ -304,7 +272,7 @@ async def segment(
     # CPU use is counted from the window's start to the end of the drain
     into.wall += time.perf_counter() - marks["t"]
     for k, p in watched.items():
-        into.cpu[k] = into.cpu.get(k, 0.0) + cpu_seconds(p) - marks["cpu"][k]
+        into.cpu[k] = into.cpu.get(k, 0.0) + cpu_seconds(process_tree(p)) - marks["cpu"][k]
     into.machine_busy += machine_busy_seconds()[0] - marks["machine"]
     into.results.extend(results)
     into.windows.append((start, end))

@@ -70,6 +70,7 @@ from pdstack.proxy.app import Proxy  # noqa: E402
 from pdstack.testing import proxy_harness as ph  # noqa: E402
 from pdstack.testing import vllm_engines as ve  # noqa: E402
 from pdstack.testing.heavy import heavy_lock  # noqa: E402
+from pdstack.testing.proc_stats import cpu_seconds  # noqa: E402
 
 GEN = "tiny-s1@cpu"
 ACTIVE = "n1/engine-a"
@@ -80,7 +81,6 @@ PROXY_CONFIG: dict[str, Any] = {"health_interval_s": 2.0, "health_timeout_s": 2.
 # the engines' CPU and memory are read this long before the kill (the window: first request
 # to then)
 USAGE_LEAD_S = 0.25
-TICK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -158,19 +158,6 @@ def group_pids(pgid: int) -> list[int]:
         if int(fields[2]) == pgid:
             pids.append(int(entry))
     return pids
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """utime + stime of ``pids``, seconds."""
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / TICK
 
 
 def memory_mib(pids: list[int]) -> dict[str, float]:
