@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from pdstack.proxy import kv_mark
 from pdstack.proxy.admission_config import AdmissionConfig
 from pdstack.proxy.flags import Flag, add_fields, dest
 
@@ -21,8 +22,8 @@ _ADMISSION = (
     Flag(
         "kv_learn_max",
         "let each engine's watermark rise from kv-high up to this while the engine's own "
-        "time to first byte stays under 0.25 x the TTFT SLO (it falls back above 0.5 x); "
-        "0 or <= kv-high: a fixed watermark (default %(default)s)",
+        f"time to first byte stays under {kv_mark.FAST} x the TTFT SLO (it falls back above "
+        f"{kv_mark.SLOW} x); 0 or <= kv-high: a fixed watermark (default %(default)s)",
         metavar="RATIO",
     ),
     Flag(
