@@ -1,6 +1,6 @@
 #!/bin/bash
 # gpu/lib.sh: gpu/run_ceiling.sh's steps (sourced from the repo root, then
-# `gpu_start TAG DEFAULT_STATE_DIR "${1:-}" || exit 1`; gpu/host_path.sh has its own).
+# `gpu_start TAG DEFAULT_STATE_DIR "${1:-}" || exit 1`).
 
 # the driver's frame: T0, BUDGET (its first argument, default 560 s), REPO (the repo root, the
 # caller's folder), W (its state folder: $W or DEFAULT_STATE_DIR), SITE (the payload's install

@@ -18,9 +18,9 @@ pytest-xdist workers. That happens by itself when ALL of these hold:
 ``-n 0`` or ``PDSTACK_TEST_WORKERS=0`` forces the old serial run. On the workers, the tests
 known to take longest are scheduled first (longest-processing-time-first), so that no worker
 is left alone with a 15 s test at the end. And tests that only run CPU-bound tools
-(ansible-lint, ansible-playbook, promtool, gpu/host_path.sh: ``NICE_TOOLS``, no timing
-assertions) run at nice +10 there (as root), so that the tests that measure latency (bench,
-proxy hardening, fault timings) get the cores first, as in a serial run.
+(ansible-lint, ansible-playbook, promtool: ``NICE_TOOLS``, no timing assertions) run at
+nice +10 there (as root), so that the tests that measure latency (bench, proxy hardening,
+fault timings) get the cores first, as in a serial run.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ DEFAULT_WORKERS = 3
 SLOW_FIRST = (
     "tests/spine/test_first_day.py::test_fresh_clone_install_line_puts_pdstack_on_path",
     "tests/ansible/test_playbooks.py::test_ansible_lint_production",
-    "tests/host/test_host_path_script.py::test_host_path_script_with_the_nvidia_smi_double",
     "tests/bench/test_proxy_overhead_script.py::test_script_writes_ratio_table",
     "tests/bench/test_end_to_end.py::test_sweep_measures_injected_ttft_and_itl",
     "tests/proxy/test_hardening.py::test_big_bodies_bounded_memory_and_health_stays_fast",

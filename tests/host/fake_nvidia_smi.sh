@@ -1,17 +1,14 @@
 #!/bin/sh
 # TEST DOUBLE of the nvidia-smi binary (tests/host): replays the recorded outputs in
-# $FAKE_NVIDIA_SMI_FIXTURES (default tests/fixtures/h200) for the exact argv that
-# gpu/host_path.sh, the gpu_host role and the probe use; anything else exits 64, loudly.
+# $FAKE_NVIDIA_SMI_FIXTURES (default tests/fixtures/h200) for the exact argv that the
+# gpu_host role and the probe use; anything else exits 64, loudly.
 # Installed as "nvidia-smi" in a PATH directory by the tests; never used on a real host.
 d=${FAKE_NVIDIA_SMI_FIXTURES:-$(dirname "$(readlink -f "$0")")/../fixtures/h200}
 query=$(sed -n 2p "$d/nvidia-smi-query-gpu.argv")     # --query-gpu=FIELDS
 format=$(sed -n 3p "$d/nvidia-smi-query-gpu.argv")    # --format=csv,noheader,nounits
 case "$*" in
   "$query $format") exec cat "$d/nvidia-smi-query-gpu.csv" ;;
-  "$query --format=csv") exec cat "$d/nvidia-smi-query-gpu-units.csv" ;;
-  "$query --format=csv,noheader") exec cat "$d/nvidia-smi-query-gpu-units-noheader.csv" ;;
   "topo -m") exec cat "$d/nvidia-smi-topo-m.txt" ;;
-  "-L") exec cat "$d/nvidia-smi-L.txt" ;;
 esac
 echo "fake nvidia-smi (test double): no recording for: $*" >&2
 exit 64

@@ -3,11 +3,11 @@
 Every file in tests/fixtures/h200/ is parsed by the code the roles and the probe run:
 scripts/pdstack_probe.py's parsers, directly and through the Ansible filter plugin
 (ansible/plugins/filter/pdstack_host.py) that gpu_host and rdma_ucx call.  The files are
-whatever is in the folder: gpu/host_path_fixtures.py drops the real transcripts of a
-gpu/host_path.sh run in, and expected.json says which are still placeholders.  The last
-two tests run the gpu_host role itself (ansible-playbook, check mode, connection local)
-with a test double of the ``nvidia-smi`` binary that replays the recorded query output
-only for the recorded argv.
+whatever is in the folder, and expected.json says which are still placeholders (the real
+ones were recorded on a lent H200 by gpu/host_path.sh, removed after 7f9e464).  The last
+two tests run the gpu_host and rdma_ucx roles themselves (ansible/preflight.yml, check
+mode, connection local) with test doubles of ``nvidia-smi`` and the RDMA tools that replay
+the recorded outputs only for the recorded argv.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-# another folder of the same layout (tests/host/test_host_path_script.py checks a converted run)
+# another folder of the same layout (a new recording, before it replaces this one)
 FIXTURES = Path(os.environ.get("PDSTACK_H200_FIXTURES", REPO / "tests" / "fixtures" / "h200"))
 EXPECTED: dict[str, Any] = json.loads((FIXTURES / "expected.json").read_text())
 MACHINE: dict[str, Any] = EXPECTED["machine"]
@@ -115,11 +115,20 @@ def test_every_fixture_has_a_kind_and_a_status():
         assert name in FILES, f"expected.json lists {name}, which is not in {FIXTURES}"
 
 
+def status_table(expected: dict[str, Any]) -> str:
+    """The README's table of fixture files: status and source, from expected.json."""
+    rows = ["| file | status | source |", "|---|---|---|"]
+    for name in sorted(expected["files"]):
+        f = expected["files"][name]
+        status = "**placeholder**" if f["status"] == "placeholder" else "real"
+        rows.append(f"| `{name}` | {status} | {f.get('source', '')} |")
+    return "\n".join(rows)
+
+
 def test_readme_table_is_the_status_of_expected_json():
-    fx = _load("host_path_fixtures", REPO / "gpu" / "host_path_fixtures.py")
-    readme = text("README.md")
-    assert fx.status_table(EXPECTED) in readme, (
-        "tests/fixtures/h200/README.md is stale: python3 gpu/host_path_fixtures.py --readme")
+    table = status_table(EXPECTED)
+    assert table in text("README.md"), (
+        f"tests/fixtures/h200/README.md is stale: its status table should read\n{table}")
 
 
 # ---------------------------------------------------------------------------- every file
@@ -133,8 +142,8 @@ def test_fixture_parses_through_the_roles_and_the_probes_code(name):
     if kind == "smi_argv":
         # the recorded run asked exactly what the role and the probe ask now
         assert body.split("\n")[:-1] == probe.nvidia_smi_query_argv(), (
-            f"{name}: the nvidia-smi query changed since the recording: run gpu/host_path.sh "
-            "on a GPU machine again (gpu/HOST_PATH.md)")
+            f"{name}: the nvidia-smi query changed since the recording: record it on a GPU "
+            "machine again (tests/fixtures/h200/README.md)")
         role_argv = FILTERS["pdstack_nvidia_smi_query_argv"]("nvidia-smi")
         assert role_argv == probe.nvidia_smi_query_argv()
     elif kind == "smi_csv":
@@ -298,15 +307,17 @@ def fake_nvidia_smi(tmp_path: Path) -> Path:
     return bindir
 
 
-def _host_path_playbook(inventory: str, bindir: Path, tags: str = "gpu",
-                        extra: list[str] | None = None,
-                        env_extra: dict[str, str] | None = None) -> subprocess.Popen[str]:
+def _node_checks(inventory: str, bindir: Path, tags: str = "gpu",
+                 extra: list[str] | None = None,
+                 env_extra: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """ansible/preflight.yml's node roles of ``tags`` on this machine as the inventory's node,
+    read-only; ``--skip-tags always`` leaves out the controller-side validate play."""
     env = {**os.environ, "PATH": f"{bindir}:{REPO / '.venv' / 'bin'}:{os.environ.get('PATH', '')}",
            "ANSIBLE_NOCOLOR": "1", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
            "FAKE_NVIDIA_SMI_FIXTURES": str(FIXTURES), **(env_extra or {})}
     return subprocess.Popen(
-        [str(ANSIBLE_PLAYBOOK), "gpu/host_path.yml", "-i", f"inventory/{inventory}", "--check",
-         "--tags", tags, "-e", "ansible_connection=local",
+        [str(ANSIBLE_PLAYBOOK), "ansible/preflight.yml", "-i", f"inventory/{inventory}",
+         "--check", "--tags", tags, "--skip-tags", "always", "-e", "ansible_connection=local",
          "-e", f"ansible_python_interpreter={sys.executable}", *(extra or [])],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -315,8 +326,8 @@ def test_gpu_host_role_passes_and_fails_on_the_recorded_query(tmp_path):
     """The role's own tasks on the recorded nvidia-smi answer: inventory/h200x1-host passes,
     inventory/h200x1-host-wrong fails naming pdstack_gpu_count and pdstack_gpu_model."""
     bindir = fake_nvidia_smi(tmp_path)
-    right = _host_path_playbook("h200x1-host", bindir)
-    wrong = _host_path_playbook("h200x1-host-wrong", bindir)
+    right = _node_checks("h200x1-host", bindir)
+    wrong = _node_checks("h200x1-host-wrong", bindir)
     out_right, _ = right.communicate(timeout=240)
     out_wrong, _ = wrong.communicate(timeout=240)
     g = query_gpus()[0]
@@ -369,11 +380,11 @@ def test_rdma_ucx_role_on_recorded_ibv_devinfo_and_ucx_info(tmp_path):
         "ports_down": (down, FIXTURES / "ucx_info-d.txt"),
         "ucx_without_rdma": (FIXTURES / "ibv_devinfo.txt", no_rdma),
     }
-    runs = {k: _host_path_playbook("h200x1-host", bindir, "rdma", extra,
-                                   {"FAKE_IBV_DEVINFO": str(i), "FAKE_UCX_INFO_D": str(u)})
+    runs = {k: _node_checks("h200x1-host", bindir, "rdma", extra,
+                            {"FAKE_IBV_DEVINFO": str(i), "FAKE_UCX_INFO_D": str(u)})
             for k, (i, u) in cases.items()}
     as_recorded = [a.replace(str(devdir), str(real_devdir)) for a in extra]
-    runs["as_recorded"] = _host_path_playbook(
+    runs["as_recorded"] = _node_checks(
         "h200x1-host", bindir, "rdma", as_recorded,
         {"FAKE_IBV_DEVINFO": str(FIXTURES / "ibv_devinfo.txt"),
          "FAKE_UCX_INFO_D": str(FIXTURES / "ucx_info-d.txt")})
