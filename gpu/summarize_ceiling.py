@@ -12,6 +12,12 @@ Issue 37 (chat-/over-/flood-STACK.json beside NAME-batch.json, batch-STACK.json)
 ITL P90 and queue wait, the batch tenant's served rate and 429 / 5xx, the proxy's holds; against
 chat alone and the batch tenant alone on the same engine: ``flood-``: chat P99 <= 3x alone,
 P50 <= 2x, every chat request served, batch >= 50 % of alone, no 5xx; ``over-``: P99 <= 2x.
+Issue 56 (``rt-*`` / ``turn-rt-*``: three engines of one model, the same engines behind one
+front at a time): per rate served, SLO %, TTFT, output tok/s and each engine's prefix-cache hit
+ratio; goodput counts a rate only with 0 failed. The acceptance (many-tenants): pdstack >= 1.5x
+round robin's goodput, >= 1.15x cache_aware's, >= kv_aware's with TTFT P99 <= 1.1x its at every
+rate both meet, >= its own hash ring's; multi-turn: P50 and P99 within 10 % of kv_aware's.
+A folder's sections are those of the sweeps it holds (a routing folder: only issue 56's).
 """
 
 from __future__ import annotations
@@ -36,6 +42,24 @@ STACKS = {
     "pdstack-nomigr": "pdstack default with `--max-migrations 0` (no `return_token_ids`)",
 }
 WORKLOADS = {"": "many-tenants", "turn-": "multi-turn", "seed-": "seed", "long-": "long-input"}
+# issue 56's fronts (rt-*), on the engines of RT_ENGINES (gpu/run_ceiling.sh)
+FRONTS = {
+    "rt-pdstack": "**pdstack** (KV-event routing, its admission)",
+    "rt-ring": "pdstack, `--kv-events off` (its hash ring + session affinity)",
+    "rt-rr": "vllm-router `round_robin`",
+    "rt-ca": "vllm-router `cache_aware`",
+    "rt-kv": "vllm-router `kv_aware` (the engines' KV events)",
+    "rt-pd-w1": "pdstack, `--kv-miss-weight 1` (a miss weighs what a queued token does)",
+    "rt-pd-63": "pdstack, stop 63's cost (`--kv-miss-weight 1 --kv-pending-s 0`)",
+    "rt-pd-open": "pdstack's routing, its admission off (`--admission off`)",
+    "rt-pd-kv12": "pdstack, its gate's watermark at 1.2 of the KV (`--admission-kv-high 1.2`)",
+    "rt-pd-learn": "pdstack, its watermark learned per engine from its first bytes, 0.97 to 1.5 "
+    "(`--admission-kv-learn-max 1.5`)",
+    "rt-pd-cost": "pdstack, a prompt no engine holds to the least queued "
+    "(`--kv-unheld cost`)",
+    "rt-pd-w8": "pdstack, a miss weighs 8 queued tokens (`--kv-miss-weight 8`)",
+}
+ENGINE_PORTS = ("8290", "8291", "8292")
 
 
 def rows(run: dict[str, Any]) -> list[dict[str, Any]]:
@@ -49,8 +73,10 @@ def fmt(v: float | None, spec: str = ".0f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def goodput(run: dict[str, Any]) -> float:
-    ok = [r["request_rate"] for r in run["results"] if r.get("meets_ttft_slo")]
+def goodput(results: list[dict[str, Any]], no_failed: bool = False) -> float:
+    """The highest asked rate that met the TTFT SLO (with ``no_failed``: and failed none)."""
+    ok = [r["request_rate"] for r in results
+          if r.get("meets_ttft_slo") and not (no_failed and r.get("failed"))]
     return max(ok, default=0.0)
 
 
@@ -69,7 +95,7 @@ def table(runs: dict[str, dict[str, Any]], prefix: str) -> str:
             return " / ".join(fmt(r[f], s) for r in rs)
         lines.append(f"| {what} | {j('rate')} | {j('served', '.1f')} | {j('p50')} | {j('p99')} "
                      f"| {j('preempt')} | {j('itl', '.1f')} | {j('out')} "
-                     f"| {goodput(runs[name]):.0f} | `{name}.json` |")
+                     f"| {goodput(runs[name]['results']):.0f} | `{name}.json` |")
     return "\n".join(lines)
 
 
@@ -98,8 +124,8 @@ def many_tenants(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     empty: dict[str, Any] = {"results": []}
     pd, base, nat = (runs.get(k, empty) for k in ("pdstack-default", "vllm-default",
                                                   "vllm-native"))
-    g = {k: goodput(runs.get(k, empty)) for k in ("pdstack-default", "vllm-default",
-                                                   "vllm-native")}
+    g = {k: goodput(runs.get(k, empty)["results"]) for k in ("pdstack-default", "vllm-default",
+                                                              "vllm-native")}
     native_ok = {r["request_rate"]: r for r in nat["results"] if r.get("meets_ttft_slo")}
     p99 = [{"rate": rate, "native_p99_ms": r["p99_ttft_ms"], "pdstack_p99_ms": p["p99_ttft_ms"],
             "ratio": p["p99_ttft_ms"] / r["p99_ttft_ms"],
@@ -183,12 +209,12 @@ def overload(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     10 % (or 10 ms) of the native tier's."""
     empty: dict[str, Any] = {"results": []}
     pd = runs.get("pdstack-default", empty)
-    knee = goodput(pd)
+    knee = goodput(pd["results"])
     at = {r["request_rate"]: r for r in pd["results"]}
     others = {k: {r["request_rate"]: r for r in runs.get(k, empty)["results"]}
               for k in ("vllm-native", "vllm-default")}
     base = (at.get(knee) or {}).get("slo_goodput_rps") or 0.0
-    past = []
+    past: list[dict[str, Any]] = []
     for x in (2, 3):
         rate = min((r for r in at if r >= x * knee), default=None) if knee else None
         if rate is None:
@@ -288,13 +314,77 @@ def isolation(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {"rows": tab, "checks": checks}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("dir", type=Path)
-    ap.add_argument("--json", type=Path)
-    a = ap.parse_args()
-    runs = {p.stem: json.loads(p.read_text()) for p in sorted(a.dir.glob("*.json"))}
-    runs = {k: v for k, v in runs.items() if isinstance(v, dict) and "results" in v}
+def engine_hits(r: dict[str, Any]) -> list[float | None]:
+    """Each engine's prefix-cache hit ratio in this rate's window (None: no queries)."""
+    eps: dict[str, dict[str, Any]] = (r.get("prometheus") or {}).get("endpoints") or {}
+    return [next((v for k, v in eps.items() if f":{port}/" in k), {})
+            .get("prefix_cache_hit_ratio") for port in ENGINE_PORTS]
+
+
+def routing_table(runs: dict[str, list[dict[str, Any]]]) -> str:
+    lines = ["| front | asked req/s | served | SLO % | TTFT P50 / P99 ms | out tok/s | "
+             "engine hit ratios (prefix cache) |", "|---|---|---|---|---|---|---|"]
+    for name, rs in runs.items():
+        for r in rs:
+            hits = " / ".join(fmt(h, ".2f") for h in engine_hits(r))
+            lines.append(
+                f"| {name} | {r['request_rate']:g} | {fmt(r.get('request_throughput'), '.1f')} | "
+                f"{fmt(r.get('slo_attainment_pct'))} | {fmt(r.get('p50_ttft_ms'))} / "
+                f"{fmt(r.get('p99_ttft_ms'))} | {fmt(r.get('output_throughput'))} | {hits} |")
+    return "\n".join(lines)
+
+
+def routing(mt: dict[str, list[dict]], turn: dict[str, list[dict]]) -> dict[str, Any]:
+    """Issue 56's acceptance over each front's many-tenants (``mt``) and multi-turn rows."""
+    g = {k: goodput(v, no_failed=True) for k, v in mt.items()}
+    out: dict[str, Any] = {"goodput": g}
+    p = g.get("rt-pdstack")
+    if p is None:
+        return out
+
+    def ratio(other: str) -> float | None:
+        return None if other not in g else (p / g[other] if g[other] else float("inf"))
+
+    out["vs_rr"] = {"ratio": ratio("rt-rr"), "met": (ratio("rt-rr") or 0) >= 1.5}
+    out["vs_cache_aware"] = {"ratio": ratio("rt-ca"), "met": (ratio("rt-ca") or 0) >= 1.15}
+    out["vs_ring"] = {"ratio": ratio("rt-ring"), "met": (ratio("rt-ring") or 0) >= 1.0}
+    if "rt-kv" in mt:
+        both = [(a, b) for a in mt["rt-pdstack"] for b in mt["rt-kv"]
+                if a["request_rate"] == b["request_rate"] and a.get("meets_ttft_slo")
+                and b.get("meets_ttft_slo")]
+        p99 = [(a["request_rate"], a["p99_ttft_ms"] / b["p99_ttft_ms"]) for a, b in both]
+        out["vs_kv_aware"] = {"ratio": ratio("rt-kv"), "p99_ratio_by_rate": p99,
+                              "met": (ratio("rt-kv") or 0) >= 1.0
+                              and all(x <= 1.1 for _, x in p99)}
+    if "rt-pdstack" in turn and "rt-kv" in turn:
+        rows = []
+        for a in turn["rt-pdstack"]:
+            b = next((x for x in turn["rt-kv"] if x["request_rate"] == a["request_rate"]), None)
+            if b and a.get("meets_ttft_slo") and b.get("meets_ttft_slo"):
+                rows.append({"rate": a["request_rate"],
+                             "p50": a["p50_ttft_ms"] / b["p50_ttft_ms"],
+                             "p99": a["p99_ttft_ms"] / b["p99_ttft_ms"]})
+        out["multi_turn_vs_kv_aware"] = {"by_rate": rows, "met": bool(rows) and all(
+            r["p50"] <= 1.1 and r["p99"] <= 1.1 for r in rows)}
+    return out
+
+
+def routing_section(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Issue 56's tables (the fronts in FRONTS' order, then any other) and acceptance."""
+    names = [k for k in FRONTS if k in runs or f"turn-{k}" in runs]
+    names += sorted({re.sub(r"^turn-", "", k) for k in runs} - set(names))
+    by_rate = {k: sorted(v["results"], key=lambda r: r["request_rate"]) for k, v in runs.items()}
+    mt = {k: by_rate[k] for k in names if k in by_rate}
+    turn = {k: by_rate[f"turn-{k}"] for k in names if f"turn-{k}" in by_rate}
+    print("\n".join(f"- `{k}`: {FRONTS.get(k, k)}" for k in names))
+    print(f"\n### many-tenants, routing\n\n{routing_table(mt)}")
+    if turn:
+        print(f"\n### multi-turn, routing\n\n{routing_table(turn)}")
+    return routing(mt, turn)
+
+
+def ceiling(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Issues 36, 37 and 53: the tables (printed) and the acceptance."""
     merge_extensions(runs)
     for prefix, title in WORKLOADS.items():
         if any(prefix + k in runs for k in STACKS):
@@ -307,6 +397,21 @@ def main() -> None:
                            "ok": ok}
     if any(re.match(r"(chat|over|flood)-", n) for n in runs):
         acc["isolation"] = isolation(runs)
+    return acc
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("dir", type=Path)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    runs = {p.stem: json.loads(p.read_text()) for p in sorted(a.dir.glob("*.json"))}
+    runs = {k: v for k, v in runs.items() if isinstance(v, dict) and "results" in v
+            and not k.startswith("warmup-")}  # rt_warm's, no front's
+    rt = {k: runs.pop(k) for k in list(runs) if re.match(r"(turn-)?rt-", k)}
+    acc = ceiling(runs) if runs else {}
+    if rt:
+        acc["routing"] = routing_section(rt)
     print("\n```\n" + json.dumps(acc, indent=1) + "\n```")
     if a.json:
         a.json.write_text(json.dumps(acc, indent=1) + "\n")

@@ -1,6 +1,6 @@
 """Issue 56's GPU routing run's own tools, on this machine: gpu/kv_events_fanout.py (pdstack's
 engines' events again, one PUB per engine, for vllm-router's kv_aware) with real ZMQ sockets,
-and gpu/summarize_routing.py's acceptance over small result documents."""
+and the routing acceptance of gpu/summarize_ceiling.py over small result documents."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def _rows(*rates: tuple[float, bool, float, float]) -> list[dict]:
 
 
 def test_routing_acceptance_compares_goodput_and_p99_where_both_meet() -> None:
-    acceptance = _module("summarize_routing").acceptance
+    acceptance = _module("summarize_ceiling").routing
     mt = {
         "rt-pdstack": _rows((30, True, 90, 300), (60, True, 100, 400), (90, True, 150, 500)),
         "rt-rr": _rows((30, True, 80, 200), (60, False, 2000, 5000), (90, False, 0, 0)),
