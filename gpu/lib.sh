@@ -240,21 +240,37 @@ gpu_bench() {
   log "bench $name rc=$rc"
   [ -f "$W/results/$name.json" ]
 }
-# gpu_sweep NAME ENGINE TARGET RATES DURATION ARGS...: once (state swept-/failed-NAME), on a
-# quiet engine, with the engine's (and the proxy's: TARGET_METRICS, default TARGET/metrics)
-# counters; 3 when it does not fit the budget
+# a sweep's state: swept-NAME or failed-NAME once it ran (a sweep runs once)
+gpu_pending() { [ ! -f "$W/state/swept-$1" ] && [ ! -f "$W/state/failed-$1" ]; }
+gpu_mark() {  # NAME RC: swept (RC 0) or failed
+  if [ "$2" = 0 ]; then touch "$W/state/swept-$1"; else touch "$W/state/failed-$1"; fi
+}
+# gpu_todo NAME ENGINE: 0 when sweep NAME is still to run and has an ENGINE (none: its stack
+# failed to start, and the sweep is marked failed)
+gpu_todo() {
+  gpu_pending "$1" || return 1
+  [ -n "$2" ] && return 0
+  log "no engine for $1"; gpu_mark "$1" 1; return 1
+}
+# gpu_metrics ENGINE TARGET [FRONT_METRICS]: the bench's --metrics-url flags: each engine's
+# (ENGINE: one URL, or several comma-separated) and, unless TARGET is the engine, the front's
+# (default TARGET/metrics)
+gpu_metrics() {
+  local e
+  for e in ${1//,/ }; do echo "--metrics-url $e/metrics"; done
+  [ "$2" = "$1" ] || echo "--metrics-url ${3:-$2/metrics}"
+}
+# gpu_sweep NAME ENGINE TARGET RATES DURATION ARGS...: once, on quiet engines, with their
+# counters and the front's (TARGET_METRICS, default TARGET/metrics); 3 when it does not fit
+# the budget
 gpu_sweep() {
-  local name=$1 engine=$2 target=$3 rates=$4 dur=$5; shift 5
-  [ -f "$W/state/swept-$name" ] || [ -f "$W/state/failed-$name" ] && return 0
-  [ -n "$engine" ] || { log "no engine for $name"; touch "$W/state/failed-$name"; return 0; }
+  local name=$1 engine=$2 target=$3 rates=$4 dur=$5 e rc=0; shift 5
+  gpu_todo "$name" "$engine" || return 0
   gpu_fits "$name" "$rates" "$dur" || return 3
-  local e metrics=()  # ENGINE: one URL, or several (comma-separated): each quiet, each scraped
-  for e in ${engine//,/ }; do gpu_quiesce "$e"; metrics+=(--metrics-url "$e/metrics"); done
-  [ "$target" != "$engine" ] && metrics+=(--metrics-url "${TARGET_METRICS:-$target/metrics}")
+  for e in ${engine//,/ }; do gpu_quiesce "$e"; done
   log "sweep $name: rates $rates x ${dur}s via $target $*"
-  if gpu_bench "$name" "$target" "$rates" "$dur" "${metrics[@]}" "$@"; then
-    touch "$W/state/swept-$name"
-  else
-    touch "$W/state/failed-$name"
-  fi
+  # shellcheck disable=SC2046  # URLs: no spaces
+  gpu_bench "$name" "$target" "$rates" "$dur" $(gpu_metrics "$engine" "$target" "${TARGET_METRICS:-}") \
+    "$@" || rc=$?
+  gpu_mark "$name" $rc
 }

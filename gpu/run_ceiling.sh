@@ -1,51 +1,18 @@
 #!/bin/bash
-# gpu/'s one driver: every GPU experiment still open is data here (STACKS, EXTRA_PROXIES,
-# the workloads), on the lent GPU machine, from the repo root there.
-#
-#   bash gpu/run_ceiling.sh [BUDGET_S]
-#
-# Idempotent and resumable (state in $W, default /tmp/pdceil): call it again in the next call.
-#   1. install the payload from /tmp/chunks (once); machine facts
-#   2. `pdstack launch` the engines SWEEPS need at once on GPU 0 (10 GiB KV each, the plans'
-#      commands), detached and supervised: STACKS below. pdstack-default-before is the same
-#      engine as pdstack-default behind the OLD proxy (OLD_REV's pdstack, from $OLD_PDSTACK)
-#      with the planned proxy's exact arguments (read from the launched proxy) on :8061
-#   3. the sweeps (SWEEPS, priority order; a name is [WORKLOAD-]STACK[-rN], -rN a repeat
-#      written to NAME-rN.json: interleave repeats to see run-to-run noise): one engine under load
-#      at a time, each sweep on a quiet engine with its own vLLM cache_salt (cold caches), the
-#      same seed and rates for every stack, the engine's and the proxy's counters in the JSON.
-#      A sweep that does not fit what is left of this call waits for the next call; a later,
-#      shorter one may run first. many-tenants (no prefix): RATES; while a stack still meets the
-#      TTFT SLO at its top rate, one more sweep at the next MORE rates (STACK-to<rate>.json), up
-#      to RATES_MAX. turn-/seed-/long-: RATES_TURN / RATES_SEED / RATES_LONG.
-#      Issue 37 (an interactive tenant beside a batch one; tenants chat and batch, keys in a
-#      0600 secrets file, the bench reads PDSTACK_BENCH_KEY_CHAT/_BATCH): batch-STACK sweeps the
-#      batch tenant alone (BATCH_RATES, or BATCH_CAP) and its best served rate is CAP;
-#      chat-/over-/flood-STACK: chat at CHAT_RATE (NAME.json) with the batch tenant at 0 /
-#      OVER_X / FLOOD_X times CAP (NAME-batch.json), started together.
-#      Issue 55: heal-STACK floods the stack's target (FLOOD_RATE x FLOOD_S), waits for the
-#      supervisor's verdict (died / wedged) and the restart, then NAME-after.json at 4 req/s;
-#      restart-STACK stops the stack and starts its engine twice with one persisted
-#      VLLM_CACHE_ROOT (results/restart.txt: each start's time and phase lines)
-#   4. when every sweep is done: the engines stopped but KEEP's (default "v p": vLLM with its
-#      defaults and pdstack's default engine; KEEP= stops all). STOP_ONLY=1 KEEP= does only
-#      this, at once (no sweep resumed or extended)
-#   5. pack results + logs into $OUT/results.tar.gz (always)
-#
-# The old proxy: the device's copy of the repo has no .git. Before the run, here:
-#   mkdir -p gpu/payload/old-pdstack && git archive 431b547 pdstack | tar -x -C gpu/payload/old-pdstack
-# (0.8 MB) and carry "gpu/payload/old-pdstack" in the driver's calls. Where .git is there (the
-# dry run), the driver does that itself.
-#
-# Budget (DURATION=20, WARMUP=3, DRAIN=12: <= 40 s a rate, less below saturation):
-#   start: payload ~40 s + three engines in parallel ~170 s (V2-Lite)       ~210 s
-#   many-tenants, 6 rates: ~240 s each x 4 stacks                           ~960 s
-#   pdstack's extension while it meets the SLO (2 rates a step)             ~100 s a step
-#   multi-turn, 4 rates: ~190 s each; turn-vllm-default, turn-pdstack-default ~380 s
-#   seed, 3 rates: ~150 s each; seed-vllm-default, seed-pdstack-default     ~300 s
-#   issue 37 (DURATION=30 WARMUP=5 DRAIN=20): batch-iso ~230 s, each pair <= 90 s
-#   => the acceptance's sweeps (mt x4 + turn x2 + one extension) in three ~9.5 min calls
-#      (560 s each); the two seed sweeps and turn-*-before / turn-vllm-native in a fourth.
+# gpu/'s one driver: every open GPU experiment is data here (gpu/README.md says which, and how
+# to run and rehearse them). On the lent GPU machine, from the repo root:
+#   bash gpu/run_ceiling.sh [BUDGET_S]       (default 560)
+# The data: STACKS (name, engine URL(s), target URL, launch key, inventory, services),
+# EXTRA_PROXIES (a second proxy with other flags in front of a stack's engine), ROUTERS
+# (vllm-router's fronts), the workloads WL_* (by a sweep name's prefix) and their rates, and
+# SWEEPS: names [WORKLOAD-]STACK[-rN] in priority order (-rN: a repeat, into NAME-rN.json).
+# Resumable (state in $W, default /tmp/pdceil): call it again until the log says "all sweeps
+# done". Each call: the payload from /tmp/chunks (once) and the machine's facts; the engines
+# SWEEPS need, launched at once on GPU 0 and supervised; the sweeps as the budget allows, each
+# alone on quiet engines with cold caches (its own salt), seed 1, the engines' and the front's
+# counters in its JSON (a sweep that does not fit waits for the next call, a shorter one may
+# run first); once all are done, the engines stopped but KEEP's (default "v p"; STOP_ONLY=1
+# KEEP= only stops them); always, results and log tails packed into $OUT/results.tar.gz.
 set -uo pipefail
 DURATION=${DURATION:-20}
 WARMUP=${WARMUP:-3}
@@ -57,7 +24,6 @@ RATES_TURN=${RATES_TURN:-8,16,24,32}
 RATES_SEED=${RATES_SEED:-8,16,24}
 RATES_LONG=${RATES_LONG:-1,2,3}   # long-input (6-12 k token prompts): below its knee
 # pdstack's stack (the p engine + proxy): inventory/h200x1, or a variant on the same ports
-# (inventory/h200x1-st2: the tier's store threshold; give it its own W=/tmp/pdceil-...)
 PD_INV=${PD_INV:-inventory/h200x1}
 # issue 37: the isolation stack (ISO_INV: :8160 + proxy :8066, the same engine as PD_INV's) and
 # the second engine INV_CHUNK (:8190 + :8067): h200x1-isolation-step (2,048-token steps,
@@ -109,9 +75,6 @@ STACKS=(
   # engine with no proxy (the engine's config), and its proxy with the gate off (the relay)
   "pdstack-engine http://127.0.0.1:8160 http://127.0.0.1:8160 p $PD_INV engine-0,proxy"
   "pdstack-gate-off http://127.0.0.1:8160 http://127.0.0.1:8062 p $PD_INV engine-0,proxy"
-  # run 2: the gate held a queue at 24-32 req/s with the engine's KV at 0.78 mean / 0.87 peak
-  # (the old gate of results/h200x1-tiers served 32 at 32 req/s): the mark, 0.9 -> 0.97
-  "pdstack-kv97 http://127.0.0.1:8160 http://127.0.0.1:8063 p $PD_INV engine-0,proxy"
   # overload run 2 (H100): at the knee the gate held 187 and refused 44 where the native tier
   # met the SLO with 431 preemptions: the preemption caution off
   "pdstack-caution0 http://127.0.0.1:8160 http://127.0.0.1:8064 p $PD_INV engine-0,proxy"
@@ -125,12 +88,8 @@ STACKS=(
   "rt-ring $RT_ENGINES http://127.0.0.1:8193 tp $RT_INV proxy"
   "rt-ca $RT_ENGINES http://127.0.0.1:8195 t $RT_INV engine-0,engine-1,engine-2"
   "rt-kv $RT_ENGINES http://127.0.0.1:8196 t $RT_INV engine-0,engine-1,engine-2"
-  # the routing cost's parts (stop 64: blocks routed count as held until events tell, a miss
-  # weighs 2): pdstack's proxy again with --kv-miss-weight 1, and with stop 63's cost
-  # (--kv-pending-s 0 too); each binds pdstack's SUB (SUB_TAKERS), so key t, not tp
-  "rt-pd-w1 $RT_ENGINES http://127.0.0.1:8197 t $RT_INV proxy"
-  "rt-pd-63 $RT_ENGINES http://127.0.0.1:8198 t $RT_INV proxy"
-  # routing run 2: every pdstack front served ~92 req/s at 120 (its gate refused 16 %) where
+  # pdstack's proxy again with other flags: each binds pdstack's SUB (SUB_TAKERS), so key t.
+  # Routing run 2: every pdstack front served ~92 req/s at 120 (its gate refused 16 %) where
   # cache_aware served 108 within the SLO: pdstack's routing with the gate off
   "rt-pd-open $RT_ENGINES http://127.0.0.1:8199 t $RT_INV proxy"
   # and with its watermark above the engines' KV (the engine may preempt: cheap while the
@@ -165,6 +124,35 @@ declare -A WL_ARGS=([mt]="${GPU_MT[*]}" [turn]="--scenario multi-turn" [seed]="-
                     [flood]="$CHAT" [heal]="${GPU_MT[*]}")
 # the batch tenant beside chat: a multiple of CAP (chat- has none)
 declare -A WL_X=([over]=${OVER_X:-1.5} [flood]=${FLOOD_X:-6})
+# the extra proxies (data): stack, proxy name, port, code tree, flags after the own flags of
+# the proxy launched for the stack's key (its engine's). Each runs only during its own sweeps
+# (every proxy reads the engine's /metrics: run 1 had the old one, every 0.1 s, up through all
+# of pdstack-default's sweeps)
+EXTRA_PROXIES=(
+  "pdstack-default-before before 8061 $OLD_PDSTACK"
+  "pdstack-gate-off gate-off 8062 $REPO --admission off"
+  "pdstack-caution0 caution0 8064 $REPO --admission-preempt-caution 0"
+  "pdstack-nomigr nomigr 8065 $REPO --max-migrations 0"
+  "rt-ring rt-ring 8193 $REPO --kv-events off"
+  "rt-pd-open rt-pd-open 8199 $REPO --admission off"
+  "rt-pd-kv12 rt-pd-kv12 8189 $REPO --admission-kv-high 1.2"
+  "rt-pd-learn rt-pd-learn 8187 $REPO --admission-kv-learn-max 1.5"
+  "rt-pd-cost rt-pd-cost 8186 $REPO --kv-unheld cost"
+  "rt-pd-w8 rt-pd-w8 8185 $REPO --kv-miss-weight 8"
+  "iso-p1 p1 8068 $REPO --admission-prefill-tokens $P1_TOKENS"
+  "iso-chunk-p1 p1c 8069 $REPO --admission-prefill-tokens $P1_TOKENS"
+  "iso-nofirst nofirst 8070 $REPO --admission-interactive-first off"
+)
+# vllm-router 0.1.17 (issue 56's baselines: stack, port, policy; its defaults but the policy)
+# on RT_INV's engines, its wheel in /tmp/chunks/router (unpacked once into $SITE/router), its
+# metrics on port + 100. kv_aware reads the engines' KV events through gpu/kv_events_fanout.py:
+# pdstack's engines publish to its proxy's SUB, which the fanout binds once that proxy (key tp)
+# is stopped, so rt-kv comes after every tp sweep (rt-pdstack, rt-ring) in SWEEPS (take_sub)
+ROUTERS=(
+  "rt-rr 8194 round_robin"
+  "rt-ca 8195 cache_aware"
+  "rt-kv 8196 kv_aware"
+)
 
 if [ ! -f "$W/results/machine.txt" ]; then
   { echo "# h200x1-ceiling machine facts, $(date -u +%FT%TZ)"; uname -a; nproc; free -g
@@ -231,50 +219,14 @@ for s in "${STACKS[@]}"; do
   fi
   gpu_launch "$key" "$inv" "$svcs" "${GPU_SUPERVISE[@]}" "${flags[@]}"
 done
-for s in "${STACKS[@]}"; do  # a stack that failed to start: its sweeps are marked failed
+for s in "${STACKS[@]}"; do  # each launch up (one that failed: down, its sweeps failed)
   read -r _ _ _ key _ <<< "$s"
   needed "$key" || continue
   [ -f "$W/state/down-$key" ] || gpu_wait_up "$key" || touch "$W/state/down-$key"
-done
-for s in "${STACKS[@]}"; do  # the launches' own lines: how long each engine took
-  read -r _ _ _ key _ <<< "$s"
-  needed "$key" || continue
-  [ -f "$W/state/times-$key" ] && continue
+  [ -f "$W/state/times-$key" ] && continue  # the launch's own lines: how long each engine took
   touch "$W/state/times-$key"; log "$key: $(grep -h 'healthy after' "$W/logs/launch-$key.out" | tr '\n' ';')"
 done
-[ -d "$OLD_PDSTACK/pdstack" ] || log "no $OLD_PDSTACK/pdstack: no pdstack-default-before (see the header)"
-# the extra proxies (data): stack, proxy name, port, code tree, flags after the own flags of
-# the proxy launched for the stack's key (its engine's). Each runs only during its own sweeps: every proxy
-# reads the engine's /metrics, and run 1 had the old one (every 0.1 s) up beside the
-# launched proxy through all of pdstack-default's sweeps
-EXTRA_PROXIES=(
-  "pdstack-default-before before 8061 $OLD_PDSTACK"
-  "pdstack-gate-off gate-off 8062 $REPO --admission off"
-  "pdstack-kv97 kv97 8063 $REPO --admission-kv-high 0.97"
-  "pdstack-caution0 caution0 8064 $REPO --admission-preempt-caution 0"
-  "pdstack-nomigr nomigr 8065 $REPO --max-migrations 0"
-  "rt-ring rt-ring 8193 $REPO --kv-events off"
-  "rt-pd-w1 rt-pd-w1 8197 $REPO --kv-miss-weight 1"
-  "rt-pd-63 rt-pd-63 8198 $REPO --kv-miss-weight 1 --kv-pending-s 0"
-  "rt-pd-open rt-pd-open 8199 $REPO --admission off"
-  "rt-pd-kv12 rt-pd-kv12 8189 $REPO --admission-kv-high 1.2"
-  "rt-pd-learn rt-pd-learn 8187 $REPO --admission-kv-learn-max 1.5"
-  "rt-pd-cost rt-pd-cost 8186 $REPO --kv-unheld cost"
-  "rt-pd-w8 rt-pd-w8 8185 $REPO --kv-miss-weight 8"
-  "iso-p1 p1 8068 $REPO --admission-prefill-tokens $P1_TOKENS"
-  "iso-chunk-p1 p1c 8069 $REPO --admission-prefill-tokens $P1_TOKENS"
-  "iso-nofirst nofirst 8070 $REPO --admission-interactive-first off"
-)
-# vllm-router 0.1.17 (issue 56's baselines: stack, port, policy; its defaults but the policy)
-# on RT_INV's engines, its wheel in /tmp/chunks/router (unpacked once into $SITE/router), its
-# metrics on port + 100. kv_aware reads the engines' KV events through gpu/kv_events_fanout.py:
-# pdstack's engines publish to its proxy's SUB, which the fanout binds once that proxy (key tp)
-# is stopped, so rt-kv comes after every tp sweep (rt-pdstack, rt-ring) in SWEEPS (take_sub)
-ROUTERS=(
-  "rt-rr 8194 round_robin"
-  "rt-ca 8195 cache_aware"
-  "rt-kv 8196 kv_aware"
-)
+[ -d "$OLD_PDSTACK/pdstack" ] || log "no $OLD_PDSTACK/pdstack: no pdstack-default-before (gpu/README.md)"
 router_install() {
   [ -d "$SITE/router/vllm_router" ] && return 0
   local whl mod
@@ -294,13 +246,12 @@ rt_block_size() {  # the engines' KV block size (vllm:cache_config_info)
 # the fronts that bind pdstack's SUB for the engines' events (tp's proxy binds it): each
 # starts once every tp sweep in SWEEPS is done, stops tp for good (its flags kept first) and
 # frees the port at its end
-SUB_TAKERS=" rt-kv rt-pd-w1 rt-pd-63 rt-pd-open rt-pd-kv12 rt-pd-learn rt-pd-cost rt-pd-w8 "
+SUB_TAKERS=" rt-kv rt-pd-open rt-pd-kv12 rt-pd-learn rt-pd-cost rt-pd-w8 "
 take_sub() {  # NAME: 0 once pdstack's SUB is free, 3 while a tp sweep is still to run
   local n s k
   for n in $SWEEPS; do
     read -r _ s <<< "$(parse_sweep "$n")"; read -r _ _ k _ <<< "$(stack "$s")"
-    [ "$k" = tp ] && [ ! -f "$W/state/swept-$n" ] && [ ! -f "$W/state/failed-$n" ] \
-      && { log "$1 waits for $n (pdstack's proxy goes for $1)"; return 3; }
+    [ "$k" = tp ] && gpu_pending "$n" && { log "$1 waits for $n (pdstack's proxy goes for $1)"; return 3; }
   done
   [ -s "$W/state/tp-args" ] || gpu_proxy_args tp > "$W/state/tp-args" 2>/dev/null \
     || rm -f "$W/state/tp-args"
@@ -446,14 +397,13 @@ sweep() {  # NAME: [WORKLOAD-]STACK[-rN]; 3 when it does not fit the budget now
     [ "$wl" = mt ] && rv=RATES_RT
   fi
   local rc=0 ran=0
-  if [ ! -f "$W/state/swept-$name" ] && [ ! -f "$W/state/failed-$name" ]; then
+  if gpu_pending "$name"; then
     ran=1
-    [[ $st == rt-* ]] && { rt_warm || return 3; }
     # a front that does not fit now is not started (rt-kv would stop pdstack's proxy for it)
-    [[ $st == rt-* ]] && ! gpu_fits "$name" "${!rv}" "$dur" && return 3
+    if [[ $st == rt-* ]]; then rt_warm && gpu_fits "$name" "${!rv}" "$dur" || return 3; fi
     extra_proxy up "$st" || rc=$?
     [ $rc = 3 ] && return 3  # not yet (rt-kv: pdstack's proxy has sweeps left)
-    [ $rc = 0 ] || { log "no proxy for $st: skip $name"; touch "$W/state/failed-$name"; return 0; }
+    [ $rc = 0 ] || { log "no proxy for $st: skip $name"; gpu_mark "$name" 1; return 0; }
   fi
   # shellcheck disable=SC2086
   case $wl in
@@ -475,16 +425,12 @@ sweep() {  # NAME: [WORKLOAD-]STACK[-rN]; 3 when it does not fit the budget now
   extra_proxy down "$st"
   return $rc
 }
-metrics() {  # ENGINE TARGET: the bench's --metrics-url flags (the engine's, the proxy's)
-  echo "--metrics-url $1/metrics"; [ "$2" = "$1" ] || echo "--metrics-url $2/metrics"
-}
 pair() {  # NAME STACK ENGINE TARGET WORKLOAD: chat (NAME.json) and the batch tenant
   # (NAME-batch.json, a multiple of its engine's CAP) started together; 3 when it must wait
-  local name=$1 st=$2 engine=$3 target=$4 x=${WL_X[$5]:-} be bt bk brate="" bpid="" ok=1 cap
-  [ -f "$W/state/swept-$name" ] || [ -f "$W/state/failed-$name" ] && return 0
+  local name=$1 st=$2 engine=$3 target=$4 x=${WL_X[$5]:-} be bt bk brate="" bpid="" rc=0 cap
   read -r be bt bk _ <<< "$(stack "${BATCH_TO[$st]:-$st}")"
-  [ -f "$W/state/down-$bk" ] && be=""
-  [ -n "$engine" ] && [ -n "$be" ] || { log "no engine for $name"; touch "$W/state/failed-$name"; return 0; }
+  [ -f "$W/state/down-$bk" ] && engine=""  # the batch tenant's engine is down
+  gpu_todo "$name" "$engine" || return 0
   gpu_fits "$name" 1 "$DURATION" || return 3
   if [ -n "$x" ]; then  # CAP: BATCH_CAP, else batch-STACK's on that engine, else batch-iso's
     cap=${BATCH_CAP:-$(cat "$W/state/cap-$bk" "$W/state/cap-iso" 2>/dev/null | head -1)}
@@ -495,19 +441,18 @@ pair() {  # NAME STACK ENGINE TARGET WORKLOAD: chat (NAME.json) and the batch te
   log "$name via $target: chat $CHAT_RATE req/s, batch ${brate:-none} req/s via $bt"
   if [ -n "$brate" ]; then
     # shellcheck disable=SC2046,SC2086
-    gpu_bench "$name-batch" "$bt" "$brate" "$DURATION" $(metrics "$be" "$bt") $BATCH &
+    gpu_bench "$name-batch" "$bt" "$brate" "$DURATION" $(gpu_metrics "$be" "$bt") $BATCH &
     bpid=$!
   fi
   # shellcheck disable=SC2046,SC2086
-  gpu_bench "$name" "$target" "$CHAT_RATE" "$DURATION" $(metrics "$engine" "$target") $CHAT || ok=0
-  [ -z "$bpid" ] || wait "$bpid" || ok=0
-  if [ $ok = 1 ]; then touch "$W/state/swept-$name"; else touch "$W/state/failed-$name"; fi
+  gpu_bench "$name" "$target" "$CHAT_RATE" "$DURATION" $(gpu_metrics "$engine" "$target") $CHAT || rc=1
+  [ -z "$bpid" ] || wait "$bpid" || rc=1
+  gpu_mark "$name" $rc
 }
 heal() {  # NAME KEY ENGINE TARGET: a flood to TARGET, the supervisor's verdict and restart,
   # then NAME-after.json (4 req/s, 10 s); resumable
   local name=$1 key=$2 engine=$3 target=$4 out=$W/logs/launch-$2.out t0
-  [ -f "$W/state/swept-$name" ] || [ -f "$W/state/failed-$name" ] && return 0
-  [ -n "$engine" ] || { log "no engine for $name"; touch "$W/state/failed-$name"; return 0; }
+  gpu_todo "$name" "$engine" || return 0
   if [ ! -f "$W/state/flooded-$name" ]; then
     touch "$W/state/flooded-$name"
     log "$name: $FLOOD_RATE req/s x ${FLOOD_S}s to $target, then the client gives up"
@@ -520,7 +465,7 @@ heal() {  # NAME KEY ENGINE TARGET: a flood to TARGET, the supervisor's verdict 
     done
   fi
   grep -E "wedged:|died|restarting|started engine-0 again" "$out" | cut -c1-300 | tee -a "$W/run.log"
-  grep -q "restarting" "$out" || { log "$name: no crash or wedge seen"; touch "$W/state/swept-$name"; return 0; }
+  grep -q "restarting" "$out" || { log "$name: no crash or wedge seen"; gpu_mark "$name" 0; return 0; }
   until http_get "$engine/health" > /dev/null; do
     [ "$(left)" -lt 25 ] && { log "$name: not healthy again yet: call again"; return 3; }
     sleep 2
@@ -528,13 +473,13 @@ heal() {  # NAME KEY ENGINE TARGET: a flood to TARGET, the supervisor's verdict 
   log "$name: healthy again"
   # shellcheck disable=SC2086
   WARMUP=2 DRAIN=20 gpu_bench "$name-after" "$target" 4 10 --metrics-url "$engine/metrics" ${WL_ARGS[heal]}
-  touch "$W/state/swept-$name"
+  gpu_mark "$name" 0
 }
 PHASES='Loading weights took|Model loading took|torch.compile take|Compiling a graph|Directly load|Graph capturing finished|init engine|Available KV cache|GPU KV cache size|compile cache|Cache the graph'
 restart() {  # NAME KEY INVENTORY: the key's launch stopped, then its engine-0 started twice
   # with one persisted VLLM_CACHE_ROOT (a restarted container's); results/restart.txt
   local name=$1 n r PD=(python3 -m pdstack.cli)
-  [ -f "$W/state/swept-$name" ] && return 0
+  gpu_pending "$name" || return 0
   gpu_stop "$2" "$3"
   for n in 1 2; do
     [ -f "$W/state/$name-$n" ] && continue
@@ -550,7 +495,7 @@ restart() {  # NAME KEY INVENTORY: the key's launch stopped, then its engine-0 s
     touch "$W/state/$name-$n"
   done
   du -sh "$W/vllm-cache" >> "$W/results/restart.txt" 2>&1
-  touch "$W/state/swept-$name"
+  gpu_mark "$name" 0
 }
 extend() {  # NAME ENGINE TARGET: the ceiling: more rates while the stack meets the SLO at its top
   local name=$1 engine=$2 target=$3 last=$1 top
