@@ -361,7 +361,7 @@ def test_the_cli_takes_the_kv_events_from_the_backend_table(tmp_path: Any) -> No
                           "local/decode-0": "tcp://127.0.0.1:5501",
                           "local/decode-1": "tcp://127.0.0.1:5502"}
     assert not config("--kv-events", "off").active
-    assert (on.pending_s, on.miss_weight) == (10.0, 2.0)
+    assert (on.pending_s, on.miss_weight) == (10.0, 8.0)
     tuned = config("--kv-pending-s", "0", "--kv-miss-weight", "1.5")
     assert (tuned.pending_s, tuned.miss_weight) == (0.0, 1.5)
     for flag in ("--kv-pending-s", "--kv-miss-weight"):
