@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from pdstack import kvmodes
+from pdstack.backend_identity import BackendIdentity
 from pdstack.specs import TenantSpec
 
 KvPath = Literal["shared-l1", "nixl", "lmcache-pd"]
@@ -122,16 +123,12 @@ class KvEventsListen(_Model):
     hash_seed: str
 
 
-class Backend(_Model):
-    name: str
-    role: str
-    node: str
-    url: str
-    generation: str = ""
-    # a warm standby: routed to only while an active engine of its role is out
-    # (pdstack.proxy.standby); omitted when false, so a table without the key has none
-    standby: bool = False
-    # lmcache-pd decoders only (omitted from the JSON otherwise)
+class Backend(_Model, BackendIdentity):
+    """One engine in the table: name, role, node, url, generation and standby (the fields
+    of :class:`pdstack.backend_identity.BackendIdentity`, the proxy's record has them too),
+    then what only some engines have (omitted from the JSON when None): an lmcache-pd
+    decoder's receiver, an engine's KV events source."""
+
     lmcache_pd: LmcachePdReceiver | None = None
     kv_events: KvEventsSource | None = None
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdstack import kvmodes
+from pdstack.backend_identity import BackendIdentity
 from pdstack.proxy.standby import check_standbys, in_rotation
 
 log = logging.getLogger("pdstack.proxy")
@@ -65,16 +66,11 @@ class PendingLegs(set[Any]):
 
 
 @dataclass(eq=False)
-class BackendState:
-    """One engine as the proxy sees it."""
+class BackendState(BackendIdentity):
+    """One engine as the proxy sees it: what the table names it by (name, role, node, url,
+    generation, standby: :class:`pdstack.backend_identity.BackendIdentity`), and its state."""
 
-    name: str
-    role: str
-    node: str
-    url: str
-    generation: str = ""
-    # a warm standby (pdstack.proxy.standby) and the active engine it stands in for now
-    standby: bool = False
+    # a warm standby's active engine it stands in for now
     stands_in_for: str = ""
     healthy: bool = False
     probed: bool = False  # checked at least once ("down", not "unknown", while never healthy)

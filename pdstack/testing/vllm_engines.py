@@ -17,12 +17,14 @@ import socket
 import subprocess
 import time
 import urllib.request
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pdstack.plan import NUMA_SYSFS_MASK
 from pdstack.plan_engine import CPU_ENGINE_ONE_PROCESS_ARGS, CPU_ENGINE_ONE_PROCESS_ENV
+from pdstack.testing.heavy import heavy_lock
 from pdstack.testing.ports import free_port as free_port  # ve.free_port, re-exported
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout (editable install)
@@ -159,6 +161,40 @@ def start_engine(
     proc = spawn(name, cmd, env)
     proc.url = f"http://127.0.0.1:{port}"
     return proc
+
+
+def start_nixl_engine(
+    name: str,
+    cpu: str,
+    kv_role: str,
+    extra_env: dict[str, str] | None = None,
+    extra_args: list[str] | None = None,
+) -> Proc:
+    """One engine of a NIXL P/D pair on CPU buffers (``kv_role``: kv_producer, kv_consumer),
+    its side channel on a free port of its own."""
+    side = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+    config = {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"}
+    return start_engine(name, free_port(), cpu, config, side | (extra_env or {}), extra_args)
+
+
+@contextlib.contextmanager
+def running(starts: Iterable[Proc]) -> Iterator[list[Proc]]:
+    """The engines ``starts`` starts, all ready, under the heavy-run lock; each stopped after,
+    the last started first, also when one fails to start or to become ready. ``starts`` is
+    read here, inside the lock, one engine at a time (a generator: each start picks its free
+    ports just before it starts)."""
+    require_venv()
+    with heavy_lock():
+        procs: list[Proc] = []
+        try:
+            for proc in starts:
+                procs.append(proc)
+            wait_ready(procs)
+            yield procs
+        finally:
+            for proc in reversed(procs):
+                proc.stop()
 
 
 def numa_hidden(cmd: list[str]) -> list[str]:

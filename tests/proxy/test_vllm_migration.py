@@ -28,7 +28,6 @@ import pytest
 from pdstack.proxy import migration_stall
 from pdstack.testing import proxy_harness as ph
 from pdstack.testing import vllm_engines as ve
-from pdstack.testing.heavy import heavy_lock
 
 pytestmark = pytest.mark.vllm
 
@@ -45,17 +44,10 @@ BUSY_S = 40  # the no-fault run: streams at 2 req/s this long (80), on a loaded 
 
 @pytest.fixture(scope="module")
 def colocated_engines() -> Iterator[tuple[ve.Proc, ve.Proc]]:
-    ve.require_venv()
-    with heavy_lock():
-        procs: list[ve.Proc] = []
-        try:
-            for name, cpu in (("migrate-a", "0"), ("migrate-b", "1")):
-                procs.append(ve.start_engine(name, ve.free_port(), cpu, None))
-            ve.wait_ready(procs)
-            yield procs[0], procs[1]
-        finally:
-            for proc in procs:
-                proc.stop()
+    starts = (ve.start_engine(name, ve.free_port(), cpu, None)
+              for name, cpu in (("migrate-a", "0"), ("migrate-b", "1")))
+    with ve.running(starts) as (a, b):
+        yield a, b
 
 
 def _request(i: int) -> tuple[str, dict[str, Any]]:

@@ -19,7 +19,6 @@ import pytest
 
 from pdstack.testing import proxy_harness as ph
 from pdstack.testing import vllm_engines as ve
-from pdstack.testing.heavy import heavy_lock
 
 pytestmark = pytest.mark.vllm
 
@@ -32,34 +31,17 @@ KEYED = {"Authorization": f"Bearer {ENGINE_KEY}"}
 
 @pytest.fixture(scope="module")
 def nixl_engines() -> Iterator[tuple[ve.Proc, ve.Proc]]:
-    ve.require_venv()
-    with heavy_lock():
-        procs: list[ve.Proc] = []
-        try:
-            for name, role, cpu in (
-                ("nixl-prefill", "kv_producer", "0"),
-                ("nixl-decode", "kv_consumer", "1"),
-            ):
-                side = {
-                    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                    "VLLM_NIXL_SIDE_CHANNEL_PORT": str(ve.free_port()),
-                    "VLLM_API_KEY": ENGINE_KEY,
-                }
-                config = {
-                    "kv_connector": "NixlConnector",
-                    "kv_role": role,
-                    "kv_buffer_device": "cpu",
-                }
-                procs.append(
-                    ve.start_engine(
-                        name, ve.free_port(), cpu, config, side, ["--enable-prompt-tokens-details"]
-                    )
-                )
-            ve.wait_ready(procs)
-            yield procs[0], procs[1]
-        finally:
-            for proc in procs:
-                proc.stop()
+    starts = (
+        ve.start_nixl_engine(
+            name, cpu, role, {"VLLM_API_KEY": ENGINE_KEY}, ["--enable-prompt-tokens-details"]
+        )
+        for name, cpu, role in (
+            ("nixl-prefill", "0", "kv_producer"),
+            ("nixl-decode", "1", "kv_consumer"),
+        )
+    )
+    with ve.running(starts) as (prefill, decode):
+        yield prefill, decode
 
 
 def pd_table(prefill: ve.Proc, decode: ve.Proc) -> dict:

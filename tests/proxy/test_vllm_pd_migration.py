@@ -16,7 +16,6 @@ import pytest
 
 from pdstack.testing import proxy_harness as ph
 from pdstack.testing import vllm_engines as ve
-from pdstack.testing.heavy import heavy_lock
 
 from .test_vllm_migration import (
     GAP_S,
@@ -35,23 +34,12 @@ Engines = tuple[ve.Proc, ve.Proc, ve.Proc]
 @pytest.fixture(scope="module")
 def pd_engines() -> Iterator[Engines]:
     """Prefiller (core 0), decoder A (core 1), decoder B (core 0): NIXL on CPU buffers."""
-    ve.require_venv()
-    with heavy_lock():
-        procs: list[ve.Proc] = []
-        try:
-            for name, role, cpu in (("pdm-prefill", "kv_producer", "0"),
-                                    ("pdm-decode-a", "kv_consumer", "1"),
-                                    ("pdm-decode-b", "kv_consumer", "0")):
-                side = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(ve.free_port())}
-                config = {"kv_connector": "NixlConnector", "kv_role": role,
-                          "kv_buffer_device": "cpu"}
-                procs.append(ve.start_engine(name, ve.free_port(), cpu, config, side))
-            ve.wait_ready(procs)
-            yield procs[0], procs[1], procs[2]
-        finally:
-            for proc in procs:
-                proc.stop()
+    starts = (ve.start_nixl_engine(name, cpu, role)
+              for name, cpu, role in (("pdm-prefill", "0", "kv_producer"),
+                                      ("pdm-decode-a", "1", "kv_consumer"),
+                                      ("pdm-decode-b", "0", "kv_consumer")))
+    with ve.running(starts) as (prefill, decode_a, decode_b):
+        yield prefill, decode_a, decode_b
 
 
 def _table(engines: Engines) -> dict[str, Any]:
