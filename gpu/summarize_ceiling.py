@@ -58,7 +58,8 @@ FRONTS = {
     "rt-pd-cost": "pdstack, a prompt no engine holds to the least queued "
     "(`--kv-unheld cost`)",
     "rt-pd-w8": "pdstack, a miss weighs 8 queued tokens (`--kv-miss-weight 8`)",
-    "rt-pd-w2": "pdstack, a miss weighs 2 queued tokens (`--kv-miss-weight 2`, the default before routing run 4)",
+    "rt-pd-w2": "pdstack, a miss weighs 2 queued tokens (`--kv-miss-weight 2`, the default "
+    "until routing run 4)",
     "rt-pd-w16": "pdstack, a miss weighs 16 queued tokens (`--kv-miss-weight 16`)",
 }
 ENGINE_PORTS = ("8290", "8291", "8292")
