@@ -46,6 +46,6 @@ def test_the_readme_commands_name_the_drivers_sweeps() -> None:
     """The README's sections a newcomer runs (not the session history below them)."""
     live = README[README.index("## Rehearse"):README.index("### Issue 53: overload")]
     sweeps = {s for m in re.findall(r'SWEEPS="([^"]+)"', live) for s in m.split()}
-    assert {"rt-pdstack", "rt-pd-learn", "flood-iso", "heal-pdstack-engine"} <= sweeps
+    assert {"rt-pdstack", "rt-pd-w16", "flood-iso", "heal-pdstack-engine"} <= sweeps
     unknown = sorted(s for s in sweeps if s != "\\" and stack_of(s) not in STACKS)
     assert unknown == [], f"gpu/README.md names sweeps gpu/run_ceiling.sh does not have: {unknown}"
