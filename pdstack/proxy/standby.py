@@ -24,21 +24,51 @@ each standby (``BackendState.stands_in_for``), which the
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Collection, Iterable, Mapping
+from typing import Protocol, TypeVar
 
 from prometheus_client.core import GaugeMetricFamily
-
-if TYPE_CHECKING:
-    from pdstack.proxy.backends import BackendRegistry, BackendState
 
 log = logging.getLogger("pdstack.proxy")
 
 
-def rotation(backends: Iterable[BackendState], out: Collection[str] = ()) -> dict[str, str]:
+class Engine(Protocol):
+    """What the rule reads of a backend (``pdstack.proxy.backends.BackendState``), and the
+    one thing it writes: whom a standby stands in for."""
+
+    stands_in_for: str
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def generation(self) -> str: ...
+    @property
+    def standby(self) -> bool: ...
+    @property
+    def usable(self) -> bool: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def removed(self) -> bool: ...
+
+
+class Registry(Protocol):
+    """What the gauge reads of the proxy's backend registry."""
+
+    @property
+    def backends(self) -> Mapping[str, Engine]: ...
+    def refresh_rotation(self) -> None: ...
+
+
+BackendState = TypeVar("BackendState", bound=Engine)
+
+
+def rotation(backends: Iterable[Engine], out: Collection[str] = ()) -> dict[str, str]:
     """Standby name -> the active engine it stands in for, among ``backends`` (one role, not
     removed); ``out``: names counted out of service besides the unusable ones."""
-    groups: dict[str, tuple[list[BackendState], list[BackendState]]] = {}
+    groups: dict[str, tuple[list[Engine], list[Engine]]] = {}
     for b in backends:
         active, standbys = groups.setdefault(b.generation, ([], []))
         (standbys if b.standby else active).append(b)
@@ -52,7 +82,7 @@ def rotation(backends: Iterable[BackendState], out: Collection[str] = ()) -> dic
     return chosen
 
 
-def check_standbys(backends: Iterable[BackendState]) -> None:
+def check_standbys(backends: Iterable[Engine]) -> None:
     """ValueError for a role whose backends are all standbys (none would ever serve)."""
     roles: dict[str, bool] = {}
     for b in backends:
@@ -95,12 +125,12 @@ def _note(found: list[BackendState], chosen: dict[str, str]) -> None:
                         s.state if not s.usable else "no active engine out", before)
 
 
-def _why_out(b: BackendState) -> str:
+def _why_out(b: Engine) -> str:
     """An active engine's reason to be out, for the log."""
     return b.state if not b.usable else "failed a request's try"
 
 
-def collect_rotation(registry: BackendRegistry) -> GaugeMetricFamily:
+def collect_rotation(registry: Registry) -> GaugeMetricFamily:
     """``pdstack_proxy_backend_in_rotation{backend}``: 1 while a backend takes new requests
     by the standby rule (an active engine: while usable; a standby: while it stands in),
     else 0 (the rotation is brought up to date first)."""
