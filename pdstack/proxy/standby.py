@@ -37,21 +37,16 @@ class Engine(Protocol):
     one thing it writes: whom a standby stands in for."""
 
     stands_in_for: str
+    name: str
+    role: str
+    generation: str
+    standby: bool
+    removed: bool
 
-    @property
-    def name(self) -> str: ...
-    @property
-    def role(self) -> str: ...
-    @property
-    def generation(self) -> str: ...
-    @property
-    def standby(self) -> bool: ...
     @property
     def usable(self) -> bool: ...
     @property
     def state(self) -> str: ...
-    @property
-    def removed(self) -> bool: ...
 
 
 class Registry(Protocol):
