@@ -24,7 +24,7 @@ each standby (``BackendState.stands_in_for``), which the
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 from prometheus_client.core import GaugeMetricFamily
@@ -57,7 +57,8 @@ class Registry(Protocol):
     def refresh_rotation(self) -> None: ...
 
 
-BackendState = TypeVar("BackendState", bound=Engine)
+# in_rotation hands back the caller's own type (backends.py: BackendState)
+E = TypeVar("E", bound=Engine)
 
 
 def rotation(backends: Iterable[Engine], out: Collection[str] = ()) -> dict[str, str]:
@@ -88,7 +89,7 @@ def check_standbys(backends: Iterable[Engine]) -> None:
                              "for an active one (standby: false)")
 
 
-def in_rotation(found: list[BackendState], out: Collection[str] = ()) -> list[BackendState]:
+def in_rotation(found: list[E], out: Collection[str] = ()) -> list[E]:
     """``found`` (one role's backends, not removed) less the standbys not in rotation now;
     with no ``out``, a change of rotation is logged and noted on the standbys."""
     if not any(b.standby for b in found):
@@ -99,7 +100,7 @@ def in_rotation(found: list[BackendState], out: Collection[str] = ()) -> list[Ba
     return [b for b in found if not b.standby or b.name in chosen]
 
 
-def _note(found: list[BackendState], chosen: dict[str, str]) -> None:
+def _note(found: Sequence[Engine], chosen: dict[str, str]) -> None:
     """Log each standby whose place changed, and keep it on the standby."""
     states = {b.name: b for b in found}
     for s in found:
