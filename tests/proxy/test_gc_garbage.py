@@ -7,8 +7,40 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 
+from pdstack.proxy.migration_stream import StreamTracker
+from pdstack.proxy.routing import prompt_text, settle_prompt
 from pdstack.testing import proxy_harness as ph
+
+
+def test_a_token_id_prompt_settles_as_a_tuple_the_collector_leaves() -> None:
+    ids = list(range(10, 5010))
+    body = {"prompt": list(ids), "stream": True}
+    settle_prompt(body)
+    assert body["prompt"] == tuple(ids)
+    gc.collect()
+    assert not gc.is_tracked(body["prompt"])  # a list of ints would be walked every time
+    assert json.loads(json.dumps(body))["prompt"] == ids  # sent on as the same JSON
+    assert prompt_text(body) == " ".join(map(str, ids))
+    nested = {"prompt": [list(ids)]}
+    settle_prompt(nested)
+    assert nested["prompt"] == [tuple(ids)]
+    assert prompt_text(nested) == prompt_text(body)
+    for other in (["a", "b"], [True, 1], [], "text", [[1], [2]]):
+        kept = {"prompt": other}
+        settle_prompt(kept)
+        assert kept["prompt"] is other
+
+
+def test_a_prompt_echo_is_kept_as_a_tuple() -> None:
+    ids = list(range(100, 3100))
+    tracker = StreamTracker(chat=False, keep_ids=False)
+    event = (b'data: {"id":"c","choices":[{"index":0,"text":"","token_ids":null}],'
+             b'"prompt_token_ids":[' + b", ".join(str(i).encode() for i in ids) + b"]}\n\n")
+    out = tracker(event)
+    assert tracker.prompt_ids == tuple(ids)
+    assert b'"prompt_token_ids":null' in out
 
 
 async def test_streamed_requests_leave_no_cyclic_garbage_of_the_proxy() -> None:
