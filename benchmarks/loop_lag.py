@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pdstack.testing.ports import free_port  # noqa: E402
-from pdstack.testing.proc_stats import cpu_seconds  # noqa: E402
+from pdstack.testing.proc_stats import CLK_TCK, cpu_seconds  # noqa: E402
 
 NAMES = ("n1/engine-0", "n1/engine-1", "n1/engine-2")
 BLOCK = 16
@@ -327,6 +327,12 @@ def stall_profile(probe: dict[str, Any], top: int = 15) -> dict[str, Any]:
     return out
 
 
+def machine_busy() -> tuple[float, float]:
+    """(busy, all) CPU ticks of the machine so far (``/proc/stat``)."""
+    vals = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:8]]
+    return sum(vals) - vals[3] - vals[4], sum(vals)
+
+
 def spy_profile(raw: str, top: int = 25) -> dict[str, Any]:
     """py-spy's collapsed stacks (``frame;frame;... count``, outermost first): each Python
     function's share of the samples, inclusive and own."""
@@ -352,9 +358,26 @@ def spy_profile(raw: str, top: int = 25) -> dict[str, Any]:
                     sorted(own.items(), key=lambda kv: -kv[1])[:top]]}
 
 
+def wait_idle(max_wait: float, quiet_s: int = 5, below: float = 0.1) -> float:
+    """Wait (at most ``max_wait`` s) for the machine to be quiet (under ``below`` of its
+    CPUs busy for ``quiet_s`` seconds in a row: another session's tests share it); the
+    seconds waited."""
+    started = time.monotonic()
+    quiet = 0
+    last = machine_busy()
+    while quiet < quiet_s and time.monotonic() - started < max_wait:
+        time.sleep(1.0)
+        now = machine_busy()
+        share = (now[0] - last[0]) / max(now[1] - last[1], 1)
+        quiet = quiet + 1 if share < below else 0
+        last = now
+    return time.monotonic() - started
+
+
 def run_round(front: str, code: Path, env_extra: dict[str, str], args: argparse.Namespace,
               tmp: Path) -> dict[str, Any]:
     py = sys.executable
+    waited = wait_idle(args.idle_wait) if args.idle_wait > 0 else 0.0
     sub_port = free_port()
     spec = {"ports": [free_port() for _ in NAMES], "replays": [free_port() for _ in NAMES],
             "sub_port": sub_port, "ttft_ms": args.ttft_ms, "itl_ms": args.itl_ms,
@@ -399,7 +422,8 @@ def run_round(front: str, code: Path, env_extra: dict[str, str], args: argparse.
         now = time.monotonic()
         window = (now + args.warmup, now + args.warmup + args.duration)
         (tmp / "window").write_text(f"{window[0]} {window[1]}")
-        cpu0 = [0.0]
+        cpu0 = [0.0, 0.0, 0.0, 0.0]
+        ours = [proxy.pid, engines.pid, os.getpid()]
         spy_out = tmp / f"py-spy-{front}.txt"
         spy: list[subprocess.Popen[bytes]] = []
 
@@ -407,6 +431,8 @@ def run_round(front: str, code: Path, env_extra: dict[str, str], args: argparse.
             async def mark() -> None:
                 await asyncio.sleep(max(0.0, window[0] - time.monotonic()))
                 cpu0[0] = cpu_seconds([proxy.pid])
+                cpu0[1], cpu0[2] = machine_busy()
+                cpu0[3] = cpu_seconds(ours)
                 if args.py_spy:  # nonblocking: it never stops the proxy to read it
                     spy.append(subprocess.Popen(
                         [args.py_spy, "record", "--pid", str(proxy.pid), "--duration",
@@ -420,6 +446,11 @@ def run_round(front: str, code: Path, env_extra: dict[str, str], args: argparse.
 
         got = asyncio.run(go())
         cpu = cpu_seconds([proxy.pid]) - cpu0[0]  # includes the drain: an upper bound
+        busy, total = machine_busy()
+        machine = (busy - cpu0[1]) / max(total - cpu0[2], 1e-9)
+        # the other processes' CPU over the window, in cores (the machine is shared)
+        others = (busy - cpu0[1]) / CLK_TCK - (cpu_seconds(ours) - cpu0[3])
+        others /= time.monotonic() - window[0]
         for sp in spy:
             sp.wait(30)
         for _ in range(100):  # the probe's dump, 1 s after the window
@@ -428,6 +459,8 @@ def run_round(front: str, code: Path, env_extra: dict[str, str], args: argparse.
             time.sleep(0.2)
         probe = json.loads(probe_out.read_text())
         row = {"front": front, **summarize(probe, got, window, cpu),
+               "machine_busy": round(machine, 3), "others_cores": round(others, 2),
+               "waited_idle_s": round(waited, 1),
                "profile": stall_profile(probe)}
         if spy and spy_out.exists():
             row["py_spy"] = spy_profile(spy_out.read_text())
@@ -463,7 +496,8 @@ def fronts_of(args: argparse.Namespace, tmp: Path) -> list[tuple[str, Path, dict
 
 def table_text(rows: list[dict[str, Any]]) -> str:
     head = ("front      rnd  lag p50/p99/max ms     >25ms >100ms (gc)  stall ms (gc)   "
-            "gc n0/n1/n2  gc max0/1/2 ms     /health p50/p99/max ms  first byte p50/p99  cpu")
+            "gc n0/n1/n2  gc max0/1/2 ms     /health p50/p99/max ms  first byte p50/p99  "
+            "cpu busy others")
     lines = [head]
     for r in rows:
         g = r["gc"]
@@ -476,7 +510,7 @@ def table_text(rows: list[dict[str, Any]]) -> str:
             f"{g['0']['max_ms']:>5}/{g['1']['max_ms']:>5}/{g['2']['max_ms']:>6}  "
             f"{r['health_p50_ms']:>6} / {r['health_p99_ms']:>6} / {r['health_max_ms']:>6}  "
             f"{r['first_byte_p50_ms']:>6} / {r['first_byte_p99_ms']:>6}  "
-            f"{r['proxy_cpu_share']:.2f}")
+            f"{r['proxy_cpu_share']:.2f} {r['machine_busy']:.2f} {r['others_cores']:.2f}")
     return "\n".join(lines)
 
 
@@ -514,6 +548,8 @@ def main() -> int:
                    help="the probe's stack sampler in the proxy (biased: --py-spy is not)")
     p.add_argument("--py-spy", default=None, metavar="PATH",
                    help="py-spy's binary: profile the proxy over the window (nonblocking)")
+    p.add_argument("--idle-wait", type=float, default=600.0,
+                   help="before each round, wait up to this long for a quiet machine")
     p.add_argument("--label", default="loop_lag")
     args = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="loop-lag-"))

@@ -197,19 +197,33 @@ def _heap(now: float) -> dict[str, Any]:
 
 
 def _dump(path: str) -> None:
-    """The heap at the window's start, then (1 s after its end) the heap again and the
-    whole record, once: a JSON dump holds the GIL, a stall of the loop in itself."""
+    """The heap 2 s before the window, then (1 s after its end) the heap again and the
+    whole record, once: a census and a JSON dump hold the GIL, stalls of the loop in
+    themselves, kept out of the window."""
     state["heap"] = []
     window = None
     while window is None:
         time.sleep(0.2)
         window = _window()
-    while time.monotonic() < window[0]:
+    while time.monotonic() < window[0] - 2.0:  # the census stalls the loop: not in the window
         time.sleep(0.1)
     state["heap"].append(_heap(time.monotonic()))
+    if os.environ.get("LOOP_PROBE_GARBAGE") == "1":  # what dies in cycles (memory grows)
+        gc.set_debug(gc.DEBUG_SAVEALL)
     while time.monotonic() < window[1] + 1.0:
         time.sleep(0.2)
     state["heap"].append(_heap(time.monotonic()))
+    if gc.get_debug() & gc.DEBUG_SAVEALL:
+        gc.collect()
+        state["garbage"] = dict(Counter(type(o).__qualname__ for o in gc.garbage).most_common(60))
+        state["garbage_functions"] = dict(Counter(
+            f"{o.__module__}.{o.__qualname__}" for o in gc.garbage
+            if type(o).__name__ in ("function", "method")).most_common(40))
+        state["garbage_coroutines"] = dict(Counter(
+            o.__qualname__ for o in gc.garbage if type(o).__name__ == "coroutine"
+        ).most_common(20))
+        gc.garbage.clear()
+        gc.set_debug(0)
     state["gc_frozen"] = gc.get_freeze_count()  # once serving: the proxy's own tuning
     state["gc_threshold"] = gc.get_threshold()
     doc = {**state, "all_stacks": dict(all_stacks.most_common(400)),
