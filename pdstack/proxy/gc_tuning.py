@@ -3,15 +3,17 @@
 CPython's cyclic collector stops the one event loop while it runs, and a collection of the
 oldest generation walks every container object alive: the modules, the app, and every
 stream in flight. In front of three fake engines with a GPU-like KV-event load (2 cores,
-benchmarks/loop_lag.py) such a collection took 60-130 ms every few seconds: the loop's
-tail, and each refusal, first byte and token that falls in it.
+benchmarks/loop_lag.py, 40-100 req/s) such a collection took 56-133 ms, one every 10-30 s
+(gen-1 ones up to 20-50 ms): the loop's tail, added to each refusal, first byte and token
+that falls in it.
 
 :func:`tune`, once the proxy serves (``pdstack.proxy.cli.serve``): everything alive then is
 frozen (``gc.freeze``: the modules, the app, ~57 k objects, never walked again), so a full
-collection walks what requests hold only. The thresholds stay CPython's (700, 10, 10):
-larger young thresholds made each young collection walk more objects alive (5,000: pauses
-of 30-40 ms; 50,000: 50-110 ms), and the proxy leaves no cyclic garbage to collect rarely
-(its relay and leg deadlines made some per request: closures that called themselves).
+collection walks what requests hold only (there: 11-26 ms). The thresholds stay CPython's
+(700, 10, 10): larger young thresholds made each young collection walk more objects alive
+(5,000: pauses of 30-40 ms; 50,000: 50-110 ms), and rarer collections buy nothing here: the
+proxy leaves no cyclic garbage (its relay and leg deadlines left some per request: closures
+that named themselves).
 
 ``--gc default`` (or ``PDSTACK_PROXY_GC=default`` in its environment) freezes nothing;
 ``PDSTACK_PROXY_GC=T0,T1,T2`` freezes and sets those thresholds.

@@ -216,8 +216,8 @@ def settle_prompt(body: dict[str, Any]) -> None:
     """A token-id prompt (``[ids]`` or ``[[ids]]``) as a tuple from here on. CPython's
     collector walks every item of a list at each collection of the list's generation, and
     a tuple of ints once (then it stops tracking it): each request's 1.5-5 k prompt ids,
-    held for its whole stream, were most of what a full collection walked, 100 ms and
-    more with a few hundred streams (benchmarks/loop_lag.py)."""
+    held for its whole stream, were most of the references a full collection walked
+    (benchmarks/loop_lag.py)."""
     prompt = body.get("prompt")
     if type(prompt) is not list or not prompt:
         return
