@@ -6,7 +6,9 @@
   (b) pdstack:     through ``pdstack proxy --kv-mode nixl``;
   (c) vllm-router: through the Rust ``vllm-router --vllm-pd-disaggregation``;
   pdstack-uvloop: (b) with uvloop importable (``--uvloop-path``);
-  pdstack-gc:     (b) started through benchmarks/gc_tuned.py (collector frozen/tuned);
+  pdstack-gc:     (b) started through benchmarks/gc_tuned.py with its thresholds (the
+                  proxy freezes its collector itself since benchmarks/loop_lag.py; this
+                  adds gc_tuned's 100,000 young threshold: ``--gc 100000,50,100``);
   pdstack-base:   (b) from another source tree (``--baseline-src DIR``, e.g. ``git worktree
                   add DIR main``): old and new code in the same run, on the same engines.
   pdstack-gate:   (b) with ``--admission kv`` (the KV gate; no tenants), the decode engine
@@ -153,12 +155,14 @@ def build_setup(args: argparse.Namespace) -> Setup:
             continue
         port = free_port()
         launcher = gc_tuned if name == "pdstack-gc" else [py, "-m"]
-        gate = ["--admission", "kv"] if name == "pdstack-gate" else []
+        extra = {"pdstack-gate": ["--admission", "kv"],
+                 # the proxy's own tuning would set CPython's thresholds again
+                 "pdstack-gc": ["--gc", "100000,50,100"]}.get(name, [])
         setup.proxies[name] = Proc(
             name,
             [*launcher, "pdstack.cli", "proxy", "--prefill", prefill.url, "--decode", decode.url,
              "--kv-mode", "nixl", "--host", "127.0.0.1", "--port", str(port),
-             *gate, *args.pdstack_arg],
+             *extra, *args.pdstack_arg],
             f"http://127.0.0.1:{port}",
             env=uv_env if name == "pdstack-uvloop" else None,
         )

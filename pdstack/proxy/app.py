@@ -48,6 +48,7 @@ from pdstack.proxy.routing import (
     HashRing,
     PrefixIndex,
     prompt_text,
+    settle_prompt,
 )
 from pdstack.proxy.tenants import (
     RateLimited,
@@ -326,6 +327,7 @@ class Proxy(HealthProbes, AdminAPI, EngineRoutes, Flows):
             metrics.outcome["bad_request"].inc()
             invalid.headers.update(rid_header)
             return invalid
+        settle_prompt(body)  # token ids as a tuple: out of the collector's way
         if self.in_flight >= self.config.max_concurrency:
             metrics.outcome["rejected"].inc()
             return error_response(

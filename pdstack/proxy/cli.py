@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from pdstack import kvmodes
+from pdstack.proxy import gc_tuning
 from pdstack.proxy.admission_flags import add_admission_flags, admission_from_args
 from pdstack.proxy.config import MIB, ProxyConfig, load_secrets
 from pdstack.proxy.flags import Flag, add_fields, dest
@@ -167,6 +168,12 @@ def register(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentPar
         "--kv-unheld", choices=("ring", "cost"), default="ring" if defaults.unheld_home else "cost",
         help="a prompt no engine holds (beyond a first block): ring = to its hash-ring home "
         "under the load bound, cost = to the least queued engine (default %(default)s)",
+    )
+    p.add_argument(
+        "--gc", default=gc_tuning.mode_from_env(), metavar="MODE",
+        help="the garbage collector once serving: tuned (what is alive then frozen: full "
+        "collections walk the requests' objects only), default (CPython's), or T0,T1,T2 "
+        f"thresholds, frozen too (default %(default)s: ${gc_tuning.ENV}, else tuned)",
     )
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run)
@@ -314,8 +321,9 @@ def config_from_args(args: argparse.Namespace, table: Any = None) -> ProxyConfig
     return load_secrets(config, env_file)
 
 
-async def serve(proxy: Any, host: str, port: int) -> None:
-    """Run until SIGINT/SIGTERM."""
+async def serve(proxy: Any, host: str, port: int, gc_mode: str = "default") -> None:
+    """Run until SIGINT/SIGTERM; once serving, the collector as ``gc_mode`` asks
+    (:mod:`pdstack.proxy.gc_tuning`)."""
     from aiohttp import web
 
     runner = proxy.runner()
@@ -338,9 +346,11 @@ async def serve(proxy: Any, host: str, port: int) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
+    tuning = gc_tuning.tune(gc_mode)
     try:
         await stop.wait()
     finally:
+        gc_tuning.restore(tuning)
         await runner.cleanup()
 
 
@@ -360,6 +370,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         config = config_from_args(args, table)
+        gc_tuning.parse_mode(args.gc)
     except ValueError as exc:  # named keys (never printed) that do not fit the tenants
         print(f"pdstack proxy: {exc}")
         return 2
@@ -380,7 +391,7 @@ def run(args: argparse.Namespace) -> int:
         pass
     try:
         with asyncio.Runner(loop_factory=loop_factory) as runner:
-            runner.run(serve(proxy, config.host, config.port))
+            runner.run(serve(proxy, config.host, config.port, args.gc))
     except OSError as exc:
         print(f"pdstack proxy: cannot serve on {config.host}:{config.port}: {exc}")
         return 1

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +39,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from pdstack.proxy.backends import BackendState
 from pdstack.proxy.kv_events import KvEventsCollector, KvEventsSubscriber
 from pdstack.proxy.kv_index import HashScheme, Held, KvIndex, hashes_by_scheme
-from pdstack.proxy.routing import HashRing, bound, pick_bounded_load, pick_by_cost
+from pdstack.proxy.routing import (
+    HashRing,
+    bound,
+    is_token_ids,
+    pick_bounded_load,
+    pick_by_cost,
+)
 
 log = logging.getLogger("pdstack.proxy.kv_events")
 
@@ -182,7 +188,7 @@ class KvRouting:
         self.recent: deque[Decision] = deque(maxlen=256)
         # a request's token ids and blocks, for its next lookups (P/D: the decoders, the
         # prefillers, the decode leg's pick)
-        self._tokens: deque[tuple[dict[str, Any], list[int]]] = deque(maxlen=64)
+        self._tokens: deque[tuple[dict[str, Any], Sequence[int]]] = deque(maxlen=64)
         self._blocks: deque[tuple[dict[str, Any], RequestBlocks]] = deque(maxlen=64)
 
     async def start(self) -> None:
@@ -236,12 +242,11 @@ class KvRouting:
 
     async def _token_ids(
         self, body: dict[str, Any], path: str, engines: list[BackendState]
-    ) -> list[int] | None:
+    ) -> Sequence[int] | None:
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        if is_token_ids(prompt):
             return prompt
-        if (isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list)
-                and all(isinstance(t, int) for t in prompt[0])):
+        if isinstance(prompt, list) and len(prompt) == 1 and is_token_ids(prompt[0]):
             return prompt[0]
         if "chat" in path:
             if not isinstance(body.get("messages"), list):

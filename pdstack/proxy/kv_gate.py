@@ -414,6 +414,6 @@ def peak_growth(outs: list[int], frees: list[float], extra: int = 0) -> float:
 def prompt_tokens(body: dict[str, Any], text_len: int, chars_per_token: float) -> int:
     """The request's prompt in tokens: exact for token-id prompts, else estimated."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+    if isinstance(prompt, list | tuple) and prompt and isinstance(prompt[0], int):
         return len(prompt)
     return max(1, int(text_len / chars_per_token))

@@ -141,7 +141,7 @@ def check_body(body: dict[str, Any], chat: bool, served: frozenset[str]) -> web.
             and prompt
             and (
                 all(isinstance(p, str) for p in prompt)
-                or all(isinstance(p, int) and not isinstance(p, bool) for p in prompt)
+                or set(map(type, prompt)) == {int}  # token ids (bools are not)
                 or all(isinstance(p, list) for p in prompt)
             )
         )

@@ -70,10 +70,10 @@ def cannot_migrate(path: str, body: dict[str, Any]) -> str | None:
     if path.endswith("/chat/completions"):
         return None if isinstance(body.get("messages"), list) else "no messages"
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list | tuple):
         prompt = prompt[0]
     if isinstance(prompt, str) or (
-        isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+        isinstance(prompt, list | tuple) and set(map(type, prompt)) <= {int, bool}
     ):
         return None
     return "several prompts"
@@ -97,6 +97,9 @@ def _has_text(event: bytes, chat: bool) -> bool:
 
 
 def _ints(raw: bytes) -> list[int]:
+    if len(raw) > 64:  # a prompt's: the C parser (digits, commas, spaces: the regex's)
+        ints: list[int] = json.loads(b"[" + raw + b"]")
+        return ints
     if b"," not in raw:
         return [int(raw)] if raw.strip() else []
     return [int(x) for x in raw.split(b",") if x.strip()]
@@ -112,7 +115,8 @@ class StreamTracker:
         self.chat = chat
         self.keep_ids = keep_ids  # the client asked for token ids itself
         self.downstream = downstream
-        self.prompt_ids: list[int] | None = None
+        # a tuple: the collector stops walking it (pdstack.proxy.routing.settle_prompt)
+        self.prompt_ids: tuple[int, ...] | None = None
         self.token_ids: list[int] = []
         # output tokens up to the last whose text reached the client: the ones after it
         # are bytes of a character not complete yet, which vLLM holds back ("" text); a
@@ -178,7 +182,7 @@ class StreamTracker:
         if self.prompt_ids is None and b'"prompt_token_ids":[' in event:
             prompt = _PROMPT_IDS.search(event)
             if prompt is not None:
-                self.prompt_ids = _ints(prompt.group(1))
+                self.prompt_ids = tuple(_ints(prompt.group(1)))
                 if not self.keep_ids:
                     event = event[:prompt.start()] + b'"prompt_token_ids":null' + \
                         event[prompt.end():]
@@ -241,7 +245,7 @@ class StreamTracker:
             cont["max_tokens"] = limit - sent
         if isinstance(body.get("min_tokens"), int):
             cont["min_tokens"] = max(0, body["min_tokens"] - sent)
-        cont["prompt"] = self.prompt_ids + self.token_ids[:sent]
+        cont["prompt"] = [*self.prompt_ids, *self.token_ids[:sent]]
         cont["stream"] = True
         cont["return_token_ids"] = True
         return "/v1/completions", json.dumps(cont, separators=(",", ":")).encode()

@@ -12,7 +12,7 @@ import math
 import random
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 from pdstack.proxy.backends import BackendState
 from pdstack.proxy.kv_index import Held
@@ -207,6 +207,26 @@ class PrefixIndex:
         return {f"{n}@{g}": len(e) for (n, g), e in self._stores.items()}
 
 
+def is_token_ids(value: Any) -> TypeGuard[Sequence[int]]:
+    """A non-empty list or tuple of ints (bools are not): a token-id prompt."""
+    return isinstance(value, list | tuple) and bool(value) and set(map(type, value)) == {int}
+
+
+def settle_prompt(body: dict[str, Any]) -> None:
+    """A token-id prompt (``[ids]`` or ``[[ids]]``) as a tuple from here on. CPython's
+    collector walks every item of a list at each collection of the list's generation, and
+    a tuple of ints once (then it stops tracking it): each request's 1.5-5 k prompt ids,
+    held for its whole stream, were most of the references a full collection walked
+    (benchmarks/loop_lag.py)."""
+    prompt = body.get("prompt")
+    if type(prompt) is not list or not prompt:
+        return
+    if is_token_ids(prompt):
+        body["prompt"] = tuple(prompt)
+    elif len(prompt) == 1 and type(prompt[0]) is list and is_token_ids(prompt[0]):
+        body["prompt"] = [tuple(prompt[0])]
+
+
 def prompt_text(body: dict[str, Any]) -> str:
     """The prompt as one string, system prompt first (for affinity and the prefix index)."""
     messages = body.get("messages")
@@ -223,12 +243,12 @@ def prompt_text(body: dict[str, Any]) -> str:
     prompt = body.get("prompt", "")
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and prompt:
+    if isinstance(prompt, list | tuple) and prompt:
         first = prompt[0]
         if isinstance(first, str):
             return first
         if isinstance(first, int):
             return " ".join(map(str, prompt))
-        if isinstance(first, list):
+        if isinstance(first, list | tuple):
             return " ".join(map(str, first))
     return ""

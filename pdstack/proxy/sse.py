@@ -174,15 +174,6 @@ async def relay_body(
     watchdog = IdleWatchdog(proto.abort, idle_s)
     state: dict[str, Any] = {"pending": pending, "paused": False}
 
-    def resume_when_drained() -> None:
-        if client.is_closing() or proto.closed:
-            return
-        if buffer_size() > _LOW_WATER:
-            loop.call_later(0.01, resume_when_drained)
-            return
-        state["paused"] = False
-        upstream.resume_reading()
-
     def sink(data: bytes) -> None:
         watchdog.last = loop.time()
         if progress is not None:
@@ -207,7 +198,7 @@ async def relay_body(
         if not state["paused"] and buffer_size() > _HIGH_WATER:
             state["paused"] = True  # a slow client: stop reading the engine for now
             upstream.pause_reading()
-            loop.call_later(0.01, resume_when_drained)
+            loop.call_later(0.01, _resume_when_drained, client, proto, state)
 
     rest = proto.take_buffered()
     proto.sink = sink
@@ -228,6 +219,19 @@ async def relay_body(
             tail = rewrite(tail)
         write(b"%x\r\n%b\r\n" % (len(tail), tail) if chunked else tail)
     return failure
+
+
+def _resume_when_drained(client: Any, proto: RelayProtocol, state: dict[str, Any]) -> None:
+    """Read the engine again once the client's write buffer is drained (a function, not a
+    closure that calls itself: that is a reference cycle, which keeps the client's transport
+    and all it holds alive until a collection of the garbage collector)."""
+    if client.is_closing() or proto.closed or proto.transport is None:
+        return
+    if client.get_write_buffer_size() > _LOW_WATER:
+        asyncio.get_running_loop().call_later(0.01, _resume_when_drained, client, proto, state)
+        return
+    state["paused"] = False
+    proto.transport.resume_reading()
 
 
 def cached_tokens(usage: Any) -> int | None:

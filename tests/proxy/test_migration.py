@@ -238,7 +238,7 @@ def test_tracker_hides_ids_and_continues_with_usage_of_the_client() -> None:
              b'"finish_reason":null,"token_ids":[9]}]}\n\n')
     out = tracker(first)
     assert b"token_ids\":[" not in out and out.count(b'"prompt_token_ids":null') == 1
-    assert tracker.prompt_ids == [5, 6] and tracker.token_ids == [9] and tracker.migratable
+    assert tracker.prompt_ids == (5, 6) and tracker.token_ids == [9] and tracker.migratable
     error = b'data: {"error":{"message":"boom","type":"InternalServerError","code":500}}\n\n'
     assert tracker(error + b"data: [DONE]\n\n") == b""
     assert tracker.error is not None and tracker.error[0] == 500
