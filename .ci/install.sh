@@ -12,7 +12,13 @@
 # longest path, step 3 (pip downloads and unpacking, ~4 GB) and step 1 (pip) only compete
 # with it for the network and the disk. apt runs under one lock (/var/tmp/ci-apt.lock).
 # Each step is cached by its content (see the scripts). Logs: $CI_LOG_DIR (/var/tmp/ci-install).
+#   .ci/install.sh          everything (steps 1-5), as above
+#   .ci/install.sh light    steps 1, 4, 5 only: what the light tests need (.ci/run runs them
+#                           while `.ci/install.sh heavy` builds the rest)
+#   .ci/install.sh heavy    steps 2 and 3 only (side by side), for the heavy tests
 set -euo pipefail
+PHASE=${1:-all}
+case "$PHASE" in all|light|heavy) ;; *) echo "install: phase is all, light or heavy, not '$PHASE'" >&2; exit 2;; esac
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 t0=$(date +%s)
@@ -30,14 +36,38 @@ find_py312() {
 : "${CI_LOG_DIR:=/var/tmp/ci-install}"
 mkdir -p "$CI_LOG_DIR"
 vllm_log="$CI_LOG_DIR/vllm-venv.log"
-step "vLLM CPU venv, in the background (log: $vllm_log)"
-bash .ci/install-vllm-venv.sh >"$vllm_log" 2>&1 &
-vllm_pid=$!
 docker_log="$CI_LOG_DIR/docker.log"
-step "docker engine, compose, images, in the background (log: $docker_log)"
-bash .ci/install-docker.sh >"$docker_log" 2>&1 &
-docker_pid=$!
-trap 'for p in "${vllm_pid:-}" "${docker_pid:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null; done; true' EXIT
+if [ "$PHASE" != light ]; then
+  step "vLLM CPU venv, in the background (log: $vllm_log)"
+  bash .ci/install-vllm-venv.sh >"$vllm_log" 2>&1 &
+  vllm_pid=$!
+  step "docker engine, compose, images, in the background (log: $docker_log)"
+  bash .ci/install-docker.sh >"$docker_log" 2>&1 &
+  docker_pid=$!
+  trap 'for p in "${vllm_pid:-}" "${docker_pid:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null; done; true' EXIT
+fi
+
+wait_heavy() {
+  step "waiting for docker engine, compose, images"
+  if ! wait "$docker_pid"; then
+    docker_pid=""
+    tail -40 "$docker_log"; echo "install: docker engine/images failed (log: $docker_log)" >&2; exit 1
+  fi
+  docker_pid=""
+  grep '^\[install-docker' "$docker_log" || true
+  step "waiting for the vLLM CPU venv"
+  if ! wait "$vllm_pid"; then
+    vllm_pid=""
+    tail -40 "$vllm_log"; echo "install: the vLLM CPU venv failed (log: $vllm_log)" >&2; exit 1
+  fi
+  vllm_pid=""
+  tail -6 "$vllm_log"
+  step "done"
+}
+if [ "$PHASE" = heavy ]; then
+  wait_heavy
+  exit 0
+fi
 
 stamp=.venv/.pdstack-installed
 want=$(sha256sum pyproject.toml | cut -c1-16)
@@ -59,18 +89,8 @@ step "lab packages"
 bash .ci/install-ansible-lab.sh
 step "prometheus (promtool + server for the monitoring tests)"
 bash .ci/install-prometheus.sh
-step "waiting for docker engine, compose, images"
-if ! wait "$docker_pid"; then
-  docker_pid=""
-  tail -40 "$docker_log"; echo "install: docker engine/images failed (log: $docker_log)" >&2; exit 1
+if [ "$PHASE" = light ]; then
+  step "done (light)"
+else
+  wait_heavy
 fi
-docker_pid=""
-grep '^\[install-docker' "$docker_log" || true
-step "waiting for the vLLM CPU venv"
-if ! wait "$vllm_pid"; then
-  vllm_pid=""
-  tail -40 "$vllm_log"; echo "install: the vLLM CPU venv failed (log: $vllm_log)" >&2; exit 1
-fi
-vllm_pid=""
-tail -6 "$vllm_log"
-step "done"

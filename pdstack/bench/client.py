@@ -146,6 +146,7 @@ def content_tokens(choice: dict[str, Any]) -> int:
     return 1 if choice.get("text") is not None else 0
 
 
+@dataclass(eq=False)
 class BenchClient:
     """Sends :class:`ChatRequest` s and streams the answers.
 
@@ -154,32 +155,25 @@ class BenchClient:
     returned ``kv_transfer_params``) — the zero-overhead baseline for a proxy.
     """
 
-    def __init__(
-        self,
-        base_url: str,
-        model: str,
-        endpoint: str = "chat",
-        token_ids: bool = False,
-        ignore_eos: bool = True,
-        timeout_s: float = 600.0,
-        prefill_url: str | None = None,
-        api_key: str | None = None,
-        cache_salt: str | None = None,
-        token_ids_back: bool = True,
-    ) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.cache_salt = cache_salt
-        self.token_ids_back = token_ids_back
-        self.model = model
-        self.endpoint = endpoint
-        self.token_ids = token_ids
-        self.ignore_eos = ignore_eos
-        self.path = endpoint_path(endpoint, token_ids)
-        self.prefill_url = prefill_url.rstrip("/") if prefill_url else None
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
+    base_url: str
+    model: str
+    endpoint: str = "chat"
+    token_ids: bool = False
+    ignore_eos: bool = True
+    timeout_s: float = 600.0
+    prefill_url: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    cache_salt: str | None = None
+    token_ids_back: bool = True
+
+    def __post_init__(self) -> None:
+        self.base_url = self.base_url.rstrip("/")
+        self.prefill_url = self.prefill_url.rstrip("/") if self.prefill_url else None
+        self.path = endpoint_path(self.endpoint, self.token_ids)
+        self.timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=10)
         self.headers = {"Content-Type": "application/json"}
-        if api_key:
-            self.headers["Authorization"] = f"Bearer {api_key}"
+        if self.api_key:
+            self.headers["Authorization"] = f"Bearer {self.api_key}"
         self._session: aiohttp.ClientSession | None = None
         self._prefix = uuid.uuid4().hex[:12]
 
