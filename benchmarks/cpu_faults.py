@@ -19,9 +19,9 @@ and its log lines of the run):
   100 half-open TCP connections to the proxy (a partial HTTP request each, then held).
   [no 5xx but admission's fast 503/429 (each within 100 ms of arrival, with Retry-After); every
   admitted stream completes; probes answered, TTFT P99 <= 5 s; no engine ejected. A probe
-  sent while the flood's own requests are still being sent (~0.1 s) is one of 301 identical
-  requests, without a key to tell it from them: it counts with the flood (admitted or fast
-  503) and the table says how many there were]
+  sent while the proxy still judges the flood (its requests being sent, its refusals not all
+  answered: ~0.1-0.2 s) is one of 301 identical requests, without a key to tell it from
+  them: it counts with the flood (admitted or fast 503) and the table says how many]
 - ``lmcache-kill``: ``--rate`` req/s; at t=20 s (then ``--kill-after``, default 40 s, more)
   the LMCache server's main process is SIGKILLed
   (a crash: its restart policy starts it again; ``docker kill`` would count as a manual stop
@@ -445,9 +445,12 @@ async def flood_run(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
         recs = c.records
         fl = [r for r in recs if r["kind"] == "flood"]
         pr = [r for r in recs if r["kind"] == "probe"]
-        # a probe sent while the flood's 300 were still being sent is one of 301 identical
-        # requests (no key tells it from them): judged with the flood, shown apart
-        burst_end = max(r["start"] for r in fl) + 0.01
+        # a probe sent while the proxy still judges the flood (its 300 being sent, its
+        # refusals not all answered) is one of 301 identical requests (no key tells it from
+        # them): judged with the flood, shown apart
+        burst_end = max([r["start"] for r in fl]
+                        + [r["start"] + r["headers"] for r in fl
+                           if r["status"] != 200 and r["headers"] is not None]) + 0.01
         in_burst = [r for r in pr if flood_at - 0.01 <= r["start"] <= burst_end]
         after = [r for r in pr if r not in in_burst]
         return {"flood_at": flood_at, "flood_done_s": round(flood_done - flood_at, 1),

@@ -24,6 +24,16 @@ request at once when the prediction is past its class's budget:
   (one vLLM CPU stack, benchmarks/cpu_faults.py). Past capacity both views agree: the time
   in prefill grows, and so does the prediction. With fewer than ``MIN_LANDED`` first bytes
   in the window the rate is unknown and nothing is refused (the queue's deadline judges).
+- *capacity*: past the concurrency of the window (a burst), neither view is trusted beyond
+  the measured rate of the last time the engines were seen saturated (``SATURATED_MIN`` or
+  more in prefill, each there ``SATURATED_X`` x its unloaded time), remembered
+  ``CAPACITY_MEMORY_S``: lone requests' pace says nothing of what the engines deliver under
+  a flood, when everyone's decode shares them (the CPU stack: quick lone requests
+  extrapolated to 74 a second where its floods had been served at 14-21; 249 of 300
+  admitted, TTFT P99 13 s against the 6 s SLO, benchmarks/cpu_faults.py on efc833e). Within
+  the window's concurrency the live views stand (capped there too, the flood's onset, when
+  few first bytes had come, predicted probes 2x late and refused them). Never seen
+  saturated: no cap.
 
 The budget of an ``interactive`` request (and of every request without tenants) is
 ``BUDGET_SHARE`` of the TTFT SLO (``--admission-ttft-slo``, the inventory's
@@ -54,6 +64,13 @@ BURST_GROWTH = 2.0  # the current view trusts up to this x the concurrency serve
 SCALE_EWMA = 0.05  # weight of the newest first byte in the correction
 SCALE_BOUNDS = (0.5, 4.0)  # the correction's range (an outlier cannot run away with it)
 RATE_MAX_LANDED = 4096  # first-byte stamps kept (bounded memory at any rate)
+# the engines are saturated when at least SATURATED_MIN requests are in prefill at a first
+# byte and the time in prefill is SATURATED_X x its unloaded value (its lowest, lately): the
+# measured rate then is their capacity, remembered this long
+SATURATED_MIN = 4
+SATURATED_X = 4.0
+CAPACITY_MEMORY_S = 300.0
+CAPACITY_EWMA = 0.2  # weight of the newest saturated measurement in the capacity
 # an interactive request's budget on its predicted TTFT, as a share of the TTFT SLO (a P99)
 # (the prediction is a mean, the SLO a P99; at the default 2 s SLO: 1.5 s)
 BUDGET_SHARE = 0.75
@@ -81,6 +98,8 @@ class WaitBudget:
         # past the concurrency seen: it does not teach the correction), for calibration
         self._arrivals: dict[str, tuple[float, float, float]] = {}
         self.scale = 1.0  # actual / uncorrected prediction, lately (the correction)
+        self.unloaded = (0.0, 0.0)  # (the lowest time in prefill lately, when)
+        self.capacity = (0.0, 0.0)  # (first bytes a second when last saturated, when)
         self.calibrated = 0  # requests with a prediction and a first byte
         self.predicted_sum = 0.0
         self.actual_sum = 0.0
@@ -123,6 +142,7 @@ class WaitBudget:
             while peaks and peaks[-1][1] <= served:
                 peaks.pop()
             peaks.append((now, served))
+            self._learn_capacity(now, served)
         arrival = self._arrivals.pop(request_id, None)
         if arrival is not None:
             actual = now - arrival[0]
@@ -167,11 +187,39 @@ class WaitBudget:
             peaks.popleft()  # older than the window's (or the bounded deque's) oldest
         if len(landed) < MIN_LANDED:
             return 0.0
-        busy = self._busy_now(now) - landed[0][1]  # busy seconds since the oldest one
-        measured = (len(landed) - 1) / busy if busy > 0 else 0.0
+        measured = self._measured(now)
         served = BURST_GROWTH * peaks[0][1]
         current = min(len(self._waiting), served) / self.sojourn if self.sojourn > 0 else 0.0
-        return max(measured, current)
+        rate = max(measured, current)
+        capacity, when = self.capacity
+        if (capacity > 0 and now - when <= CAPACITY_MEMORY_S
+                and len(self._waiting) > peaks[0][1]):
+            return min(rate, capacity)  # past the concurrency of the window: a burst
+        return rate
+
+    def _measured(self, now: float) -> float:
+        """First bytes per busy second over the window (its stamps already trimmed)."""
+        landed = self._landed
+        busy = self._busy_now(now) - landed[0][1]  # busy seconds since the oldest one
+        return (len(landed) - 1) / busy if busy > 0 else 0.0
+
+    def _learn_capacity(self, now: float, served: int) -> None:
+        """At a first byte: the unloaded time in prefill, and the capacity when saturated."""
+        low, seen = self.unloaded
+        if not low or self.sojourn < low or now - seen > CAPACITY_MEMORY_S:
+            self.unloaded = (self.sojourn, now)
+            return
+        landed = self._landed
+        while landed and landed[0][0] < now - RATE_WINDOW_S:
+            landed.popleft()
+        if served < SATURATED_MIN or self.sojourn < SATURATED_X * low or len(landed) < MIN_LANDED:
+            return
+        measured = self._measured(now)
+        if measured <= 0:
+            return
+        old, when = self.capacity
+        fresh = old > 0 and now - when <= CAPACITY_MEMORY_S
+        self.capacity = (old + CAPACITY_EWMA * (measured - old) if fresh else measured, now)
 
     def predict(self, ahead_in_queue: int) -> float:
         """Seconds an arriving request would wait for its first byte behind

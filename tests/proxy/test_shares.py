@@ -730,3 +730,58 @@ def test_a_bursts_late_onset_does_not_teach_the_correction(
     clock[0] += 2.0
     b.landed("known")
     assert b.scale == pytest.approx(one_step + wait_budget.SCALE_EWMA * (4.0 - one_step))
+
+
+def test_a_burst_is_not_predicted_faster_than_the_engines_were_seen_saturated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Engines seen saturated (8 in prefill, 2 s each: 4 first bytes a second) and then idle
+    with one quick request at a time (0.05 s): a burst of 10 is predicted at the saturated
+    4 a second, not at the lone requests' 20 a second (first bytes per busy second, and the
+    current view from their time in prefill); past CAPACITY_MEMORY_S the capacity is
+    forgotten and their pace stands again."""
+    from pdstack.proxy import wait_budget
+
+    b, clock = _one_at_a_time(monkeypatch, idle_s=0.0)  # 0.5 s each: the unloaded time
+    assert b.capacity[0] == 0.0
+    for i in range(40):  # saturated: 8 in prefill, one first byte every 0.25 s
+        b.admitted(f"s{i}")
+        if i >= 8:
+            clock[0] += 0.25
+            b.landed(f"s{i - 8}")
+    assert b.sojourn >= wait_budget.SATURATED_X * b.unloaded[0]
+    assert b.capacity[0] == pytest.approx(4.0, rel=0.1)
+    for i in range(32, 40):
+        b.ended(f"s{i}")
+    for i in range(wait_budget.MIN_LANDED * 3):  # quick lone requests: the sojourn falls
+        b.admitted(f"q{i}")
+        clock[0] += 0.05
+        b.landed(f"q{i}")
+        clock[0] += 1.0
+    for i in range(10):
+        b.admitted(f"burst{i}")
+    assert b.rate() == pytest.approx(b.capacity[0]), "not the lone requests' 20 a second"
+    assert b.predict(0) == pytest.approx(10 / b.capacity[0])
+    for i in range(10):
+        b.ended(f"burst{i}")
+    clock[0] += wait_budget.CAPACITY_MEMORY_S + 1
+    for i in range(wait_budget.MIN_LANDED):  # fresh first bytes, the capacity forgotten
+        b.admitted(f"f{i}")
+        clock[0] += 0.05
+        b.landed(f"f{i}")
+    assert b.rate() == pytest.approx(1 / 0.05), "the lone requests' pace again"
+
+
+def test_a_mere_queue_of_quick_requests_is_not_saturation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Many in prefill at once but each as quick as when unloaded (a batching engine below
+    its knee): no capacity is learned, the burst keeps the current view."""
+
+    b, clock = _one_at_a_time(monkeypatch, idle_s=0.0)
+    for i in range(40):
+        b.admitted(f"s{i}")
+        if i >= 8:
+            clock[0] += 0.5 / 8  # 8 in prefill, each 0.5 s: the unloaded time
+            b.landed(f"s{i - 8}")
+    assert b.capacity == (0.0, 0.0)
