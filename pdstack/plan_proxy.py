@@ -20,6 +20,7 @@ from pdstack.plan_types import (
     named_ports,
 )
 from pdstack.ports import NodePorts, ProxyPorts, zmq_tcp
+from pdstack.proxy.wait_budget import BURST_GROWTH
 from pdstack.specs import NodeSpec, Topology
 
 
@@ -39,6 +40,8 @@ def proxy_service(topo: Topology, node: NodeSpec, ports: ProxyPorts, engines: li
         if cap:
             cmd += ["--admission-max-running", str(cap)]
         cmd += ["--admission-ttft-slo", f"{d.ttft_slo:g}"]
+        if d.burst_growth != BURST_GROWTH:  # the proxy's own default otherwise
+            cmd += ["--admission-burst-growth", f"{d.burst_growth:g}"]
     service_ports = named_ports(http=ports.http, kv_events=ports.kv_events,
                                 lmcache_pd_notify=ports.lmcache_pd_notify)
     return Service(

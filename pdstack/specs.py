@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdstack import kvmodes
-from pdstack.proxy.wait_budget import TTFT_SLO_S
+from pdstack.proxy.wait_budget import BURST_GROWTH, TTFT_SLO_S
 
 # pdstack_ttft_slo_s when unset, by profile: chat on GPUs; a CPU engine's first token takes
 # seconds under load: at 2 req/s on 2 busy cores its TTFT P99 is 2.5-3 s, and with 6 s
@@ -19,6 +19,11 @@ from pdstack.proxy.wait_budget import TTFT_SLO_S
 # a user arriving after it is answered within 5 s (benchmarks/cpu_faults.py; with 30 s the
 # flood was admitted whole and everyone after it waited 8-16 s)
 TTFT_SLO_DEFAULTS = {"gpu": TTFT_SLO_S, "cpu": 6.0}
+# the proxy's --admission-burst-growth by profile: a CPU engine hardly batches, so a burst is
+# not predicted to start faster than the requests it served one at a time (with 2, the first
+# flood of 300 a CPU stack met was predicted at 39 first bytes a second and 175 admitted, TTFT
+# P99 8.8 s; its floods are served at 14-21: benchmarks/cpu_faults.py)
+BURST_GROWTH_DEFAULTS = {"gpu": BURST_GROWTH, "cpu": 1.0}
 
 KvMode = Literal[
     "colocated", "colocated+l1", "lmcache-pd", "nixl", "nixl+l1", "shared-l1", "shared-l1+nixl"
@@ -200,6 +205,11 @@ class DeploymentSpec(_Strict):
     def ttft_slo(self) -> float:
         """``pdstack_ttft_slo_s``, or its profile's default when unset."""
         return self.ttft_slo_s if self.ttft_slo_s is not None else TTFT_SLO_DEFAULTS[self.profile]
+
+    @property
+    def burst_growth(self) -> float:
+        """The profile's ``--admission-burst-growth`` (:data:`BURST_GROWTH_DEFAULTS`)."""
+        return BURST_GROWTH_DEFAULTS[self.profile]
 
     @property
     def tier(self) -> str:

@@ -107,7 +107,7 @@ class KvAdmission(AdmissionQueue):
         self.wait_seconds_sum = 0.0
         self.admitted: dict[str, int] = {}  # reason -> requests that went
         self.held: dict[str, int] = {}  # reason -> requests that waited
-        self.budget = WaitBudget()  # first bytes, and each arrival's predicted wait
+        self.budget = WaitBudget(config.burst_growth)  # first bytes, each arrival's wait
         self.wait_budget_s = BUDGET_SHARE * config.ttft_slo_s  # an interactive request's
 
     # ------------------------------------------------------------ lifecycle

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdstack.proxy.wait_budget import TTFT_SLO_S
+from pdstack.proxy.wait_budget import BURST_GROWTH, TTFT_SLO_S
 
 
 @dataclass
@@ -52,6 +52,9 @@ class AdmissionConfig:
     # the TTFT an interactive request should meet (a P99): one predicted to wait past
     # BUDGET_SHARE of it is refused at arrival (pdstack.proxy.wait_budget); 0 = no budget
     ttft_slo_s: float = TTFT_SLO_S
+    # a burst is predicted to leave at most this x as fast as the concurrency served lately
+    # (pdstack.proxy.wait_budget.BURST_GROWTH; a CPU engine hardly batches: 1)
+    burst_growth: float = BURST_GROWTH
     fairness: bool = True  # per-tenant fair queuing + priorities (False: one FIFO)
     # a lower class's request waits while a higher class's awaits its first byte (.shares)
     interactive_first: bool = True

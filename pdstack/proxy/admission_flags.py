@@ -80,6 +80,13 @@ _ADMISSION = (
         "share the engines; Retry-After); 0 = no budget (default %(default)s)",
         metavar="S",
     ),
+    Flag(
+        "burst_growth",
+        "a burst past the concurrency the engines served lately is predicted to start at "
+        "most this x as fast (an engine that batches: 2; a CPU engine: 1) (default "
+        "%(default)s)",
+        metavar="X",
+    ),
 )
 # float flags that must lie in [lo, hi]; int flags that must be >= 0
 _ADMISSION_RANGES = {
@@ -90,6 +97,7 @@ _ADMISSION_RANGES = {
     "scrape_idle_interval_s": (0.01, 60.0),
     "queue_timeout_s": (0.0, 3600.0),
     "ttft_slo_s": (0.0, 3600.0),
+    "burst_growth": (1.0, 16.0),
 }
 _ADMISSION_NONNEGATIVE = ("output_tokens", "max_running", "prefill_tokens", "queue_max")
 # flags that are gone, and why (each is one clear error, not silently ignored)

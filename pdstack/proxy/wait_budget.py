@@ -60,7 +60,10 @@ from collections import deque
 RATE_WINDOW_S = 10.0  # first bytes counted over this window
 MIN_LANDED = 4  # first bytes in the window below which the rate is unknown
 SOJOURN_EWMA = 0.2  # weight of the newest first byte in the time a request spends in prefill
-BURST_GROWTH = 2.0  # the current view trusts up to this x the concurrency served lately
+# the current view trusts up to this x the concurrency served lately: an engine that batches
+# serves twice the requests in about the time of one; a CPU engine hardly batches
+# (--admission-burst-growth; the planner's CPU profile: 1, pdstack.specs)
+BURST_GROWTH = 2.0
 SCALE_EWMA = 0.05  # weight of the newest first byte in the correction
 SCALE_BOUNDS = (0.5, 4.0)  # the correction's range (an outlier cannot run away with it)
 RATE_MAX_LANDED = 4096  # first-byte stamps kept (bounded memory at any rate)
@@ -83,7 +86,8 @@ ARRIVALS_MAX = 100_000  # predictions kept for calibration (requests in flight)
 class WaitBudget:
     """First-byte accounting and the prediction (single-threaded, asyncio)."""
 
-    def __init__(self) -> None:
+    def __init__(self, burst_growth: float = BURST_GROWTH) -> None:
+        self.burst_growth = burst_growth  # see BURST_GROWTH (a CPU profile's engines: 1)
         self._waiting: dict[str, float] = {}  # admitted, no first byte: request id -> since
         self._busy_cum = 0.0  # busy seconds so far (something awaited a first byte)
         self._busy_since: float | None = None
@@ -188,7 +192,7 @@ class WaitBudget:
         if len(landed) < MIN_LANDED:
             return 0.0
         measured = self._measured(now)
-        served = BURST_GROWTH * peaks[0][1]
+        served = self.burst_growth * peaks[0][1]
         current = min(len(self._waiting), served) / self.sojourn if self.sojourn > 0 else 0.0
         rate = max(measured, current)
         capacity, when = self.capacity

@@ -676,6 +676,8 @@ def test_a_burst_is_predicted_from_the_concurrency_served_not_past_it(
         b.admitted(f"burst{i}")
     assert wait_budget.BURST_GROWTH == 2.0
     assert b.predict(0) == pytest.approx(10 / (2 / 0.5))
+    b.burst_growth = 1.0  # a CPU profile's engines (--admission-burst-growth 1)
+    assert b.predict(0) == pytest.approx(10 / (1 / 0.5))
 
 
 def test_the_prediction_corrects_itself_by_what_came_true(

@@ -54,8 +54,10 @@ def with_vars(tmp_path: Path, base: str, **extra) -> Path:
     ("h200x2-shared-l1", ["--admission", "kv", "--admission-max-running", "512", *SLO_GPU]),
     ("a100x3", ["--admission", "kv", "--admission-max-running", "256", *SLO_GPU]),
     ("b200x2", ["--admission", "kv", "--admission-max-running", "512", *SLO_GPU]),
-    # cpu: on too (a flood drowned its engines: issue 54), with a CPU engine's SLO
-    ("local-cpu", ["--admission", "kv", "--admission-ttft-slo", "6"]),
+    # cpu: on too (a flood drowned its engines: issue 54), with a CPU engine's SLO, and a
+    # burst not predicted faster than what the engines served one at a time
+    ("local-cpu", ["--admission", "kv", "--admission-ttft-slo", "6",
+                   "--admission-burst-growth", "1"]),
 ])
 def test_proxy_admission_defaults(inventory: str, want: list[str]) -> None:
     assert proxy_admission_args(plan_of(inventory)) == want
