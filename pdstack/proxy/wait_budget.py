@@ -183,12 +183,7 @@ class WaitBudget:
         """How fast the backlog leaves, first bytes a second (see the module); 0.0 when
         unknown."""
         now = time.monotonic()
-        landed = self._landed
-        while landed and landed[0][0] < now - RATE_WINDOW_S:
-            landed.popleft()
-        peaks = self._served_max
-        while peaks and (not landed or peaks[0][0] < landed[0][0]):
-            peaks.popleft()  # older than the window's (or the bounded deque's) oldest
+        landed, peaks = self._trim(now)
         if len(landed) < MIN_LANDED:
             return 0.0
         measured = self._measured(now)
@@ -200,6 +195,16 @@ class WaitBudget:
                 and len(self._waiting) > peaks[0][1]):
             return min(rate, capacity)  # past the concurrency of the window: a burst
         return rate
+
+    def _trim(self, now: float) -> tuple[deque[tuple[float, float, int]], deque[tuple[float, int]]]:
+        """The window's first-byte stamps and concurrency peaks, older ones dropped."""
+        landed = self._landed
+        while landed and landed[0][0] < now - RATE_WINDOW_S:
+            landed.popleft()
+        peaks = self._served_max
+        while peaks and (not landed or peaks[0][0] < landed[0][0]):
+            peaks.popleft()  # older than the window's (or the bounded deque's) oldest
+        return landed, peaks
 
     def _measured(self, now: float) -> float:
         """First bytes per busy second over the window (its stamps already trimmed)."""
@@ -213,9 +218,7 @@ class WaitBudget:
         if not low or self.sojourn < low or now - seen > CAPACITY_MEMORY_S:
             self.unloaded = (self.sojourn, now)
             return
-        landed = self._landed
-        while landed and landed[0][0] < now - RATE_WINDOW_S:
-            landed.popleft()
+        landed, _ = self._trim(now)
         if served < SATURATED_MIN or self.sojourn < SATURATED_X * low or len(landed) < MIN_LANDED:
             return
         measured = self._measured(now)
