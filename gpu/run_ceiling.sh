@@ -482,12 +482,13 @@ heal() {  # NAME KEY ENGINE TARGET: a flood to TARGET, the supervisor's verdict 
   gpu_mark "$name" 0
 }
 PHASES='Loading weights took|Model loading took|torch.compile take|Compiling a graph|Directly load|Graph capturing finished|init engine|Available KV cache|GPU KV cache size|compile cache|Cache the graph'
-restart() {  # NAME KEY INVENTORY: the key's launch stopped, then its engine-0 started twice
-  # with one persisted VLLM_CACHE_ROOT (a restarted container's); results/restart.txt
+restart() {  # NAME KEY INVENTORY: the key's launch stopped, then its engine-0 started
+  # RESTART_RUNS times (default 2) with one persisted VLLM_CACHE_ROOT (a restarted container's
+  # volume): the first with it empty (a first deploy), the others warm; results/restart.txt
   local name=$1 n r PD=(python3 -m pdstack.cli)
   gpu_pending "$name" || return 0
   gpu_stop "$2" "$3"
-  for n in 1 2; do
+  for n in $(seq 1 "${RESTART_RUNS:-2}"); do
     [ -f "$W/state/$name-$n" ] && continue
     [ "$(left)" -lt 240 ] && { log "no time for $name start $n: call again"; return 3; }
     log "$name: start $n (VLLM_CACHE_ROOT=$W/vllm-cache)"
