@@ -106,6 +106,9 @@ STACKS=(
   # default: the old weight (2) as the control, and a stickier one (16)
   "rt-pd-w2 $RT_ENGINES http://127.0.0.1:8184 t $RT_INV proxy"
   "rt-pd-w16 $RT_ENGINES http://127.0.0.1:8183 t $RT_INV proxy"
+  # stop 68: run 4's 120 req/s had 74 % of pdstack's requests wait in the gate, hit ratio
+  # 0.58 vs cache_aware's 0.70: a holder without KV headroom costed, not filtered out
+  "rt-pd-hr $RT_ENGINES http://127.0.0.1:8182 t $RT_INV proxy"
   # issue 37: tenants chat + batch on pdstack's default engine (iso) or on INV_CHUNK's (isoc);
   # -p1: a second proxy with --admission-prefill-tokens P1_TOKENS (batch prefills one prompt
   # at a time while chat is active); -nofirst: --admission-interactive-first off; iso-split:
@@ -145,6 +148,7 @@ EXTRA_PROXIES=(
   "rt-pd-w8 rt-pd-w8 8185 $REPO --kv-miss-weight 8"
   "rt-pd-w2 rt-pd-w2 8184 $REPO --kv-miss-weight 2"
   "rt-pd-w16 rt-pd-w16 8183 $REPO --kv-miss-weight 16"
+  "rt-pd-hr rt-pd-hr 8182 $REPO --kv-headroom cost"
   "iso-p1 p1 8068 $REPO --admission-prefill-tokens $P1_TOKENS"
   "iso-chunk-p1 p1c 8069 $REPO --admission-prefill-tokens $P1_TOKENS"
   "iso-nofirst nofirst 8070 $REPO --admission-interactive-first off"
@@ -252,7 +256,7 @@ rt_block_size() {  # the engines' KV block size (vllm:cache_config_info)
 # the fronts that bind pdstack's SUB for the engines' events (tp's proxy binds it): each
 # starts once every tp sweep in SWEEPS is done, stops tp for good (its flags kept first) and
 # frees the port at its end
-SUB_TAKERS=" rt-kv rt-pd-open rt-pd-kv12 rt-pd-learn rt-pd-cost rt-pd-w8 rt-pd-w2 rt-pd-w16 "
+SUB_TAKERS=" rt-kv rt-pd-open rt-pd-kv12 rt-pd-learn rt-pd-cost rt-pd-w8 rt-pd-w2 rt-pd-w16 rt-pd-hr "
 take_sub() {  # NAME: 0 once pdstack's SUB is free, 3 while a tp sweep is still to run
   local n s k
   for n in $SWEEPS; do

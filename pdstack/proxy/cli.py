@@ -42,7 +42,7 @@ from pdstack.proxy import gc_tuning
 from pdstack.proxy.admission_flags import add_admission_flags, admission_from_args
 from pdstack.proxy.config import MIB, ProxyConfig, load_secrets
 from pdstack.proxy.flags import Flag, add_fields, dest
-from pdstack.proxy.kv_events_route import KvEventsConfig
+from pdstack.proxy.kv_events_route import HEADROOM, KvEventsConfig
 
 DEFAULT_ENV_FILE = "/etc/pdstack/secrets.env"
 KV_MODE_CHOICES = kvmodes.NAMES
@@ -168,6 +168,11 @@ def register(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentPar
         "--kv-unheld", choices=("ring", "cost"), default="ring" if defaults.unheld_home else "cost",
         help="a prompt no engine holds (beyond a first block): ring = to its hash-ring home "
         "under the load bound, cost = to the least queued engine (default %(default)s)",
+    )
+    p.add_argument(
+        "--kv-headroom", choices=HEADROOM, default=defaults.headroom,
+        help="an engine without KV headroom for a request: filter = routed to only when none "
+        "has any, cost = costed the prompt's tokens more (default %(default)s)",
     )
     p.add_argument(
         "--gc", default=gc_tuning.mode_from_env(), metavar="MODE",
@@ -312,6 +317,7 @@ def config_from_args(args: argparse.Namespace, table: Any = None) -> ProxyConfig
             pending_s=getattr(args, "kv_pending_s", defaults.pending_s),
             miss_weight=getattr(args, "kv_miss_weight", defaults.miss_weight),
             unheld_home=getattr(args, "kv_unheld", "ring") == "ring",
+            headroom=getattr(args, "kv_headroom", defaults.headroom),
         )
     env_file = args.env_file
     if env_file is None and Path(DEFAULT_ENV_FILE).exists():

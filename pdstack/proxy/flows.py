@@ -390,14 +390,16 @@ class Flows(LmcachePdFlow, DecodeFallback):
         else:  # a standby stands in for one tried: a retry needs no ejection first
             candidates = {b.name: b for b in registry.by_role(role, out=tried)
                           if b.usable and b.name not in tried}
+        closed: frozenset[str] = frozenset()
         if tokens is not None:
-            candidates = {
-                b.name: b
-                for b in self.admission.prefer_open(list(candidates.values()), tokens, request_id)
-            }
+            roomy = self.admission.prefer_open(list(candidates.values()), tokens, request_id)
+            if blocks is not None and self.kv_routing.config.headroom == "cost":
+                closed = frozenset(candidates) - {b.name for b in roomy}
+            else:
+                candidates = {b.name: b for b in roomy}
         if blocks is not None and ctx is not None:  # by cost (pdstack.proxy.kv_events_route)
             return self.kv_routing.pick(ring, key_hash, candidates, self.config.load_factor,
-                                        blocks, request_id, "cache_salt" in ctx.body)
+                                        blocks, request_id, "cache_salt" in ctx.body, closed)
         return pick_bounded_load(ring, key_hash, candidates, self.config.load_factor)
 
     async def _try_skip_prefill(

@@ -111,6 +111,7 @@ def pick_by_cost(
     queued: Mapping[str, float],
     *,
     miss_weight: float,
+    closed: Mapping[str, float] | None = None,
 ) -> tuple[BackendState, float]:
     """The cheapest engine for a request, from what each holds of its prompt (its KV events:
     :mod:`pdstack.proxy.kv_events_route`): cost = the prompt tokens it would compute (a
@@ -125,8 +126,9 @@ def pick_by_cost(
     work, and that too sent prompts away from their holder (benchmarks/README.md,
     ``kv_route_hits.py``). The first of equals wins: callers pass ``costed`` in hash-ring
     order, so ties keep prefix affinity. ``miss_weight`` scales the tokens to compute against
-    the queued ones (above 1: stickier). Returns the engine and the tokens it has to
-    compute. ``costed`` must not be empty."""
+    the queued ones (above 1: stickier); ``closed``: engines without KV headroom for the
+    request, with the tokens their wait costs (``--kv-headroom cost``). Returns the engine
+    and the tokens it has to compute. ``costed`` must not be empty."""
     best: tuple[BackendState, float] | None = None
     best_cost = math.inf
     for backend, held in costed:
@@ -134,6 +136,8 @@ def pick_by_cost(
         cpu = min(held.cpu_blocks * held.block_size, prompt_tokens - gpu)
         miss = prompt_tokens - gpu - cpu + cpu_hit_cost * cpu
         cost = miss_weight * miss + queued.get(backend.name, 0.0)
+        if closed:
+            cost += closed.get(backend.name, 0.0)
         if cost < best_cost:
             best, best_cost = (backend, miss), cost
     assert best is not None, "pick_by_cost needs a candidate"

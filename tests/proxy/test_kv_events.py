@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -15,11 +16,13 @@ from typing import Any
 import pytest
 import zmq.asyncio
 
+from pdstack.proxy.admission_config import AdmissionConfig
 from pdstack.proxy.kv_events import BlockRemoved, KvEventsSubscriber
 from pdstack.proxy.kv_events_route import KvEventsConfig
 from pdstack.proxy.kv_index import HashScheme, KvIndex, block_hashes
 from pdstack.proxy.routing import prompt_text, stable_hash
 from pdstack.testing import proxy_harness as ph
+from pdstack.testing.fake_engine import Faults
 from pdstack.testing.kv_publisher import FakePublisher
 from pdstack.testing.ports import free_port
 
@@ -362,8 +365,11 @@ def test_the_cli_takes_the_kv_events_from_the_backend_table(tmp_path: Any) -> No
                           "local/decode-1": "tcp://127.0.0.1:5502"}
     assert not config("--kv-events", "off").active
     assert (on.pending_s, on.miss_weight) == (10.0, 8.0)
-    tuned = config("--kv-pending-s", "0", "--kv-miss-weight", "1.5")
-    assert (tuned.pending_s, tuned.miss_weight) == (0.0, 1.5)
+    tuned = config("--kv-pending-s", "0", "--kv-miss-weight", "1.5", "--kv-headroom", "cost")
+    assert (tuned.pending_s, tuned.miss_weight, tuned.headroom) == (0.0, 1.5, "cost")
+    assert on.headroom == "filter"
+    with pytest.raises(SystemExit):
+        config("--kv-headroom", "open")
     for flag in ("--kv-pending-s", "--kv-miss-weight"):
         for bad in ("-1", "inf", "nan"):  # inf x a full hit's 0 miss: no engine is cheapest
             with pytest.raises(SystemExit,
@@ -439,3 +445,55 @@ async def test_one_engine_costs_nothing_no_tokenize_no_route_decision() -> None:
             assert not e[names[0]].seen("/tokenize")
             text = await rp.metrics()
             assert metric(text, "pdstack_proxy_kv_tokenize_seconds_count") == 0
+
+
+@pytest.mark.parametrize("headroom", ["filter", "cost"])
+async def test_a_full_holder_loses_its_prompt_only_with_the_headroom_filter(
+    headroom: str,
+) -> None:
+    """The gate open on engine-0 only (engine-1's KV past the mark, a request on it), and
+    engine-1 holding the prompt: ``--kv-headroom filter`` (the default) sends the prompt to
+    engine-0, to compute again; ``cost`` keeps it on its holder (64 tokens of wait against
+    8 x 64 to compute: ``cost_no_headroom``)."""
+    capacity = 1024  # tokens of KV per fake engine
+    gate = AdmissionConfig(enabled=True, kv_high=0.8, scrape_interval_s=0.05,
+                           scrape_idle_interval_s=0.05, stale_after_s=30.0)
+    port = free_port()
+    names = ["n1/engine-0", "n1/engine-1"]
+    prompt = tokens_of(7)
+    async with (
+        ph.engines(*names, kv_capacity_tokens=capacity, output_tokens=2) as e,
+        publishers(names, port) as pubs,
+    ):
+        table = ph.table("colocated", [ph.backend(n, "colocated", e[n]) for n in names])
+        kv = dataclasses.replace(routing_config(port, pubs), headroom=headroom)
+        async with ph.running_proxy(table, kv_events=kv, admission=gate) as rp:
+            reg, admission = rp.registry, rp.proxy.admission
+            await ph.until(lambda: all(reg.backends[n].usable for n in names), "up")
+            await pubs[names[1]].store(prompt)
+            await pubs[names[0]].store(tokens_of(999))
+            await ph.until(lambda: all(rp.proxy.kv_routing.state(n) == "fresh"
+                                       for n in names), "fresh")
+            # engine-1 busy (a request that hangs after its first token) and past the mark
+            reg.backends[names[0]].drained = True
+            e[names[1]].faults = Faults(hang_after_chunks=1, times=1)
+            busy = asyncio.create_task(ph.stream_completion(
+                rp.session, rp.url, "busy " * 20, max_tokens=4))
+            try:
+                await ph.until(lambda: e[names[1]].running > 0, "engine-1 busy")
+                reg.backends[names[0]].drained = False
+                e[names[1]].kv_held_tokens = capacity - 64
+                await ph.until(lambda: (load := admission.loads.get(names[1])) is not None
+                               and load.kv_usage >= 0.9 and load.base, "engine-1 full")
+                assert admission.open_among(list(reg.backends.values()), 64) == [
+                    reg.backends[names[0]]]
+                await complete(rp, prompt, max_tokens=1)
+            finally:
+                await ph.cancel([busy])
+            text = await rp.metrics()
+    if headroom == "filter":
+        assert served(e, prompt) == [names[0]]
+        assert metric(text, "pdstack_proxy_kv_route_total", decision="cost_no_headroom") == 0
+    else:
+        assert served(e, prompt) == [names[1]]
+        assert metric(text, "pdstack_proxy_kv_route_total", decision="cost_no_headroom") == 1

@@ -407,3 +407,52 @@ def test_a_burst_of_one_new_prefix_follows_its_first_request() -> None:
     assert len(set(burst(10.0))) == 1
     assert len(set(burst(0.0))) == 3
     assert len(set(burst(0.0, unheld_home=True))) == 1
+
+
+def test_a_holder_without_kv_headroom_keeps_its_prefix_only_by_cost() -> None:
+    """``--kv-headroom cost``: the engine holding a prompt but without KV headroom for it
+    (the gate's ``closed``) stays a candidate costed the whole prompt's tokens more: it
+    keeps the prompt while computing it elsewhere costs more (a miss weighs 8), loses it to
+    an open engine that holds it too, and a prompt no engine holds goes to the first *open*
+    engine in ring order (``ring_unheld``), not to a closed ring home."""
+    from prometheus_client import CollectorRegistry
+
+    from pdstack.proxy.kv_events_route import KvEventsConfig, KvRouting, RequestBlocks
+    from pdstack.proxy.routing import HashRing
+
+    routing = KvRouting(KvEventsConfig(enabled=False, headroom="cost"), lambda: None, dict,
+                        CollectorRegistry())
+    routing.state = lambda name: "fresh"  # type: ignore[method-assign]
+    scheme = HashScheme("0")
+    ring = HashRing(["a", "b", "c"])
+    backends = {n: _b(n) for n in "abc"}
+    tokens = [3] * 160
+
+    def blocks(prompt: list[int]) -> RequestBlocks:
+        return RequestBlocks(len(prompt), {(scheme, 16): block_hashes(prompt, 16, scheme)})
+
+    order = list(ring.walk(7))
+    holder = order[-1]  # the last in ring order: ties would never pick it
+    routing.index.apply(holder, _Stored(block_hashes(tokens, 16, scheme), tokens))
+    # the holder has no headroom: 160 tokens more to it, 8 x 160 to compute elsewhere
+    chosen = routing.pick(ring, 7, backends, 10.0, blocks(tokens), "r1",
+                          closed=frozenset({holder}))
+    assert chosen is backends[holder] and routing.recent[-1].decision == "cost_no_headroom"
+    routing.prefilled("r1")
+    # another engine (open) holds it too: that one, with no wait
+    other = order[0]
+    routing.index.apply(other, _Stored(block_hashes(tokens, 16, scheme), tokens))
+    chosen = routing.pick(ring, 7, backends, 10.0, blocks(tokens), "r2",
+                          closed=frozenset({holder}))
+    assert chosen is backends[other] and routing.recent[-1].decision == "cost"
+    routing.prefilled("r2")
+    # a prompt nobody holds, its ring home closed: the first open one in ring order
+    new = [4] * 160
+    chosen = routing.pick(ring, 7, backends, 10.0, blocks(new), "r3",
+                          closed=frozenset({order[0]}))
+    assert chosen is backends[order[1]] and routing.recent[-1].decision == "ring_unheld"
+    # without ``closed`` (the filter's callers pass none): the cost alone
+    routing.prefilled("r3")
+    chosen = routing.pick(ring, 7, backends, 10.0, blocks(tokens), "r4")
+    assert chosen is backends[other]
+
