@@ -96,11 +96,7 @@ class KvEventsConfig:
     unheld_home: bool = True
     tokenize_timeout_s: float = 1.0  # then the request goes by hash (hash_no_tokens)
     # an engine without KV headroom for a request (the gate's): "filter" = no candidate
-    # while another has headroom (the load goes to those); "cost" = a candidate costed the
-    # request's whole prompt more (routing run 4, 120 req/s: 74 % of pdstack's requests
-    # waited in the gate and its engines' hit ratio was 0.58 vs cache_aware's 0.70, which
-    # never looks at KV: with the filter a prefix's holder near its mark sends the prefix to
-    # be computed again elsewhere)
+    # while another has some; "cost" = costed the prompt's tokens more (docs/kv-events.md)
     headroom: str = "filter"
 
     @classmethod
