@@ -368,9 +368,12 @@ class Proxy(HealthProbes, AdminAPI, EngineRoutes, Flows):
             metrics.outcome[ctx.outcome].inc()
             return response
         except asyncio.CancelledError:
-            metrics.outcome["client_disconnect"].inc()
-            if ctx is not None:
-                ctx.outcome = "client_disconnect"
+            if ctx is not None and ctx.answered:  # it had its whole answer, then went
+                metrics.outcome[ctx.outcome].inc()
+            else:
+                metrics.outcome["client_disconnect"].inc()
+                if ctx is not None:
+                    ctx.outcome = "client_disconnect"
             raise
         finally:
             self.in_flight -= 1

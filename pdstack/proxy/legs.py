@@ -247,7 +247,8 @@ class Legs(Migration):
             return response
         except ConnectionError:
             # the client went away while we wrote: abort upstream (finally) and stop
-            ctx.outcome = "client_disconnect"
+            if not ctx.answered:
+                ctx.outcome = "client_disconnect"
             return response if response is not None else web.Response(status=499)
         finally:
             backend.in_flight -= 1

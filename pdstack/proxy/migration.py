@@ -82,6 +82,19 @@ def failure_reason(backend: BackendState, failure: str, tracker: StreamTracker |
     return "error_event" if tracker is not None and tracker.error is not None else ""
 
 
+def _noting_end(ctx: RequestContext, rewrite: Callable[[bytes], bytes]) -> Callable[[bytes], bytes]:
+    """``rewrite``, noting in ``ctx.answered`` when what it gives the client ends the
+    stream (``data: [DONE]``)."""
+
+    def noted(data: bytes) -> bytes:
+        out = rewrite(data)
+        if b"data: [DONE]" in out:
+            ctx.answered = True
+        return out
+
+    return noted
+
+
 def _silent_for(backend: BackendState) -> float:
     """Seconds since the engine's last sign of progress (a chunk of one of its streams)."""
     return max(0.0, time.monotonic() - backend.last_success) if backend.last_success else 0.0
@@ -138,7 +151,8 @@ class Migration:
             tracker = StreamTracker(ctx.path.endswith("/chat/completions"),
                                     ctx.body.get("return_token_ids") is True, rewrite)
             rewrite = tracker
-        return ClientStream(response, chunked, request.transport, rewrite, errors, tracker)
+        return ClientStream(response, chunked, request.transport, _noting_end(ctx, rewrite),
+                            errors, tracker)
 
     async def _relay_leg(self, ctx: RequestContext, backend: BackendState,
                          proto: RelayProtocol, out: ClientStream, pending: bytes) -> str:
@@ -211,6 +225,7 @@ class Migration:
             if reason and tracker is not None and tracker.finished:
                 reason = ""  # the answer is whole: only its end was lost
                 if not tracker.done:
+                    ctx.answered = True
                     await out.response.write(b"data: [DONE]" + SSE_END)
             if reason:
                 if failure:
@@ -350,6 +365,7 @@ class Migration:
             if next_reason and tracker.finished:
                 next_reason = ""
                 if not tracker.done:
+                    ctx.answered = True
                     await out.response.write(b"data: [DONE]" + SSE_END)
             if not next_reason:
                 self.breaker.success(target)

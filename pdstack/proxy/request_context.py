@@ -24,6 +24,9 @@ class RequestContext:
     text: str | None = None
     blocks: list[int] | None = None  # its prompt's block hashes (flows._hashes: once)
     outcome: str = "ok"
+    # the client's stream has its end (data: [DONE]): a disconnect after it is not a
+    # client_disconnect (a client may close as soon as it reads [DONE])
+    answered: bool = False
     session: str | None = None  # session affinity key (X-Session-ID header or `user`)
     tokens: int = 0  # prompt tokens (exact for token-id prompts, else estimated)
     upstream_headers: dict[str, str] = field(default_factory=dict)

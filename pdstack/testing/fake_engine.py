@@ -84,6 +84,8 @@ Faults (``FakeEngine.faults``, a :class:`Faults`; applies to generation requests
   ``error_event_status`` (default 500: its ``InternalServerError`` "Internal server
   error"; 400: ``BadRequestError``) is the event's ``code``. For a non-streaming request:
   that status with the error JSON (vLLM answers a failed generation so).
+- ``end_delay_ms``: a stream's body ends that long after its ``data: [DONE]`` (a client
+  that closes on ``[DONE]`` then goes before the proxy's relay has ended).
 - ``times``: apply the fault to that many more requests, then clear it
   (``None`` = every request).
 - ``poison`` (a string) with ``poison_status``: a request whose prompt contains it is

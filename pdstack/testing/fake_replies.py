@@ -150,6 +150,8 @@ async def stream(
         }
         await response.write(b"data: " + json.dumps(usage_event).encode() + b"\n\n")
     await response.write(b"data: [DONE]\n\n")
+    if fault is not None and fault.end_delay_ms > 0:
+        await asyncio.sleep(fault.end_delay_ms / 1000)
     await response.write_eof()
     if error_after is None:
         eng.counters["success"] += 1

@@ -28,6 +28,7 @@ class Faults:
     health_delay_ms: float = 0.0
     poison: str | None = None
     poison_status: int = 500
+    end_delay_ms: float = 0.0  # after a stream's data: [DONE], before its body's end
 
     def active(self) -> bool:
         return (
@@ -37,6 +38,7 @@ class Faults:
             or self.hang_after_chunks is not None
             or self.close_after_chunks is not None
             or self.error_event_after_chunks is not None
+            or self.end_delay_ms > 0
         )
 
 
