@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pdstack.bench.promscrape import kv_capacity_tokens, parse_samples  # noqa: E402
+from pdstack.proxy.kv_events_route import DECISIONS  # noqa: E402
 from pdstack.testing import proxy_harness as ph  # noqa: E402
 from pdstack.testing import vllm_engines as ve  # noqa: E402
 from pdstack.testing.ports import free_port  # noqa: E402
@@ -108,8 +109,8 @@ def run_front(label: str, code: Path, table: Path, flags: list[str], engines: li
         doc = json.loads(result.read_text())
         metrics = http_get(url + "/metrics")
         decisions = {d: ph.metric_value(metrics, "pdstack_proxy_kv_route_total", decision=d)
-                     for d in ("cost", "hash_missing", "hash_stale", "hash_bound",
-                               "hash_no_tokens", "hash_unverified")}
+                     for d in DECISIONS}
+        decisions["waited"] = ph.metric_value(metrics, "pdstack_proxy_admission_waited_total")
     finally:
         proxy.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -150,7 +151,11 @@ def main() -> int:
                           ("events-w1", REPO, ["--kv-miss-weight", "1"]),
                           ("events-63", REPO, ["--kv-miss-weight", "1", "--kv-pending-s", "0"]),
                           # stop 65: a prompt held alike goes to the least queued, not home
-                          ("events-cost", REPO, ["--kv-unheld", "cost"])]
+                          ("events-cost", REPO, ["--kv-unheld", "cost"]),
+                          # stop 68: the KV gate on, an engine without headroom filtered
+                          # out (the default) or costed (--kv-headroom cost)
+                          ("gated", REPO, ["--admission", "kv"]),
+                          ("gated-hr", REPO, ["--admission", "kv", "--kv-headroom", "cost"])]
               if f[0] in args.fronts.split(",")]
     if args.old:
         old = tmp / "old"
