@@ -342,7 +342,8 @@ class KvRouting:
     ) -> BackendState | None:
         """The engine (colocated, or prefiller) for a request (the module's docstring);
         ``closed``: candidates without KV headroom for it (``headroom`` "cost")."""
-        by_hash = pick_bounded_load(ring, key_hash, dict(candidates), load_factor)
+        roomy = {n: b for n, b in candidates.items() if n not in closed} or dict(candidates)
+        by_hash = pick_bounded_load(ring, key_hash, roomy, load_factor)  # the filter's pick
         if blocks is None or by_hash is None:
             return by_hash
         state = self.state(by_hash.name)

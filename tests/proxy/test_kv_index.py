@@ -23,7 +23,7 @@ from pdstack.proxy.kv_index import (
     block_hashes,
     external_hash,
 )
-from pdstack.proxy.routing import pick_by_cost
+from pdstack.proxy.routing import pick_by_cost, stable_hash
 from pdstack.testing import vllm_engines as ve
 
 DATA = Path(__file__).parent / "data" / "kv_events_vllm.json"
@@ -451,6 +451,16 @@ def test_a_holder_without_kv_headroom_keeps_its_prefix_only_by_cost() -> None:
     chosen = routing.pick(ring, 7, backends, 10.0, blocks(new), "r3",
                           closed=frozenset({order[0]}))
     assert chosen is backends[order[1]] and routing.recent[-1].decision == "ring_unheld"
+    # events not fresh: the hash ring's pick among the engines with headroom
+    routing.state = lambda name: "stale"  # type: ignore[method-assign]
+    keys = (stable_hash(f"key {i}") for i in range(200))
+    homed = [k for k in keys if next(iter(ring.walk(k))) == holder][:4]
+    assert homed, "no key whose ring home is the holder: the check proves nothing"
+    for k in homed:
+        chosen = routing.pick(ring, k, backends, 10.0, blocks(tokens), f"s{k}",
+                              closed=frozenset({holder}))
+        assert chosen is not None and chosen.name != holder
+    routing.state = lambda name: "fresh"  # type: ignore[method-assign]
     # without ``closed`` (the filter's callers pass none): the cost alone
     routing.prefilled("r3")
     chosen = routing.pick(ring, 7, backends, 10.0, blocks(tokens), "r4")
