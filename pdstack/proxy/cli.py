@@ -48,6 +48,15 @@ DEFAULT_ENV_FILE = "/etc/pdstack/secrets.env"
 KV_MODE_CHOICES = kvmodes.NAMES
 
 
+# the KV-event router's numbers (KvEventsConfig fields)
+_KV_ROUTE = (
+    Flag("pending_s", "seconds a routed prompt's blocks count as held on its engine before "
+         "its KV events tell (0: only what events told; default %(default)s)",
+         flag="--kv-pending-s"),
+    Flag("miss_weight", "routing cost of a prompt token to compute, against one queued ahead "
+         "of it on the engine (above 1: stickier to the engine holding the prefix; default "
+         "%(default)s)"),
+)
 _SERVER = (
     Flag("host", "bind address (default %(default)s)"),
     Flag("port", "port (default %(default)s)"),
@@ -153,7 +162,18 @@ def register(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentPar
         help="follow the engines' vLLM KV events (the backend table's kv_events) and route "
         "colocated requests by the blocks each engine holds (default %(default)s)",
     )
-    _add_kv_route_flags(p, KvEventsConfig())
+    kv = KvEventsConfig()
+    add_fields(p, kv, _KV_ROUTE, prefix="kv-")
+    p.add_argument(
+        "--kv-unheld", choices=("ring", "cost"), default="ring" if kv.unheld_home else "cost",
+        help="a prompt no engine holds (beyond a first block): ring = to its hash-ring home "
+        "under the load bound, cost = to the least queued engine (default %(default)s)",
+    )
+    p.add_argument(
+        "--kv-headroom", choices=HEADROOM, default=kv.headroom,
+        help="an engine without KV headroom for a request: filter = routed to only when none "
+        "has any, cost = costed the prompt's tokens more (default %(default)s)",
+    )
     p.add_argument(
         "--gc", default=gc_tuning.mode_from_env(), metavar="MODE",
         help="the garbage collector once serving: tuned (what is alive then frozen: full "
@@ -163,30 +183,6 @@ def register(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentPar
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run)
     return p
-
-
-def _add_kv_route_flags(p: argparse.ArgumentParser, d: KvEventsConfig) -> None:
-    """The KV-event router's knobs (:class:`pdstack.proxy.kv_events_route.KvEventsConfig`)."""
-    numbers = (
-        ("--kv-pending-s", d.pending_s, "seconds a routed prompt's blocks count as held on its "
-         "engine before its KV events tell (0: only what events told)"),
-        ("--kv-miss-weight", d.miss_weight, "routing cost of a prompt token to compute, "
-         "against one queued ahead of it on the engine (above 1: stickier to the engine "
-         "holding the prefix)"),
-    )
-    for flag, number, text in numbers:
-        p.add_argument(flag, type=float, default=number, help=text + "; default %(default)s")
-    choices = (
-        ("--kv-unheld", ("ring", "cost"), "ring" if d.unheld_home else "cost",
-         "a prompt no engine holds (beyond a first block): ring = to its hash-ring home "
-         "under the load bound, cost = to the least queued engine"),
-        ("--kv-headroom", HEADROOM, d.headroom, "an engine without KV headroom for a "
-         "request: filter = routed to only when none has any, cost = costed the prompt's "
-         "tokens more"),
-    )
-    for flag, allowed, default, text in choices:
-        p.add_argument(flag, choices=allowed, default=default,
-                       help=text + " (default %(default)s)")
 
 
 def _add_backend_flags(p: argparse.ArgumentParser) -> None:
