@@ -44,7 +44,7 @@ from pdstack.proxy.config import ProxyConfig
 from pdstack.proxy.errors import describe_failure, engine_error_event, error_event
 from pdstack.proxy.metrics import ProxyMetrics
 from pdstack.proxy.migration_stall import FROZEN, StallWatch
-from pdstack.proxy.migration_stream import SSE_END, StreamTracker, cannot_migrate
+from pdstack.proxy.migration_stream import DONE, SSE_END, StreamTracker, cannot_migrate
 from pdstack.proxy.progress import ProgressWatch
 from pdstack.proxy.relay import RelayError, RelayPool, RelayProtocol
 from pdstack.proxy.routing import pick_p2c
@@ -88,7 +88,7 @@ def _noting_end(ctx: RequestContext, rewrite: Callable[[bytes], bytes]) -> Calla
 
     def noted(data: bytes) -> bytes:
         out = rewrite(data)
-        if b"data: [DONE]" in out:
+        if DONE in out:
             ctx.answered = True
         return out
 
@@ -226,7 +226,7 @@ class Migration:
                 reason = ""  # the answer is whole: only its end was lost
                 if not tracker.done:
                     ctx.answered = True
-                    await out.response.write(b"data: [DONE]" + SSE_END)
+                    await out.response.write(DONE + SSE_END)
             if reason:
                 if failure:
                     message = f"{backend.role} {backend.name} failed mid-stream: {failure}"
@@ -366,7 +366,7 @@ class Migration:
                 next_reason = ""
                 if not tracker.done:
                     ctx.answered = True
-                    await out.response.write(b"data: [DONE]" + SSE_END)
+                    await out.response.write(DONE + SSE_END)
             if not next_reason:
                 self.breaker.success(target)
                 target.served += 1
